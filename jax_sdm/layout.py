@@ -1,0 +1,127 @@
+"""Argument checking (at trace time) and the public <-> kernel layout transforms.
+
+Public layout: `[B, T, H, ...]` (SPEC 2). Kernel layout: time-major units, `[NC, P, C, ...]` with `P = B*H`
+streams and `NC = ceil(T / C)` chunks (docs/DESIGN.md).
+"""
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+MAX_CHUNK = 256
+MAX_LANES = 256
+BANK_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+class Dims(NamedTuple):
+    B: int
+    T: int
+    H: int
+    K: int
+    D: int
+    W: int
+    R: int
+    C: int
+    per_write_gates: bool
+    shared_bank: bool
+
+    @property
+    def P(self):
+        return self.B * self.H
+
+    @property
+    def NC(self):
+        return -(-self.T // self.C)
+
+
+def _shape_error(name, a, want):
+    return ValueError(f"sdm_write_read: `{name}` has shape {tuple(a.shape)}, expected {want}")
+
+
+def _dtype_error(name, a, want):
+    return TypeError(f"sdm_write_read: `{name}` has dtype {jnp.dtype(a.dtype).name}, expected {want}")
+
+
+def validate(bank, k_idx, k_val, v, beta, g, q_idx, q_val, chunk_size, allow_float64=False):
+    """Check every argument's rank, shape and dtype; return the problem's `Dims`."""
+    if not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool):
+        raise TypeError(f"sdm_write_read: `chunk_size` must be a Python int, got {type(chunk_size).__name__}")
+    if not 1 <= chunk_size <= MAX_CHUNK:
+        raise ValueError(f"sdm_write_read: `chunk_size` must be in 1..{MAX_CHUNK}, got {chunk_size}")
+
+    bank_dtypes = BANK_DTYPES + ((jnp.float64,) if allow_float64 else ())
+    if jnp.dtype(bank.dtype) not in [jnp.dtype(d) for d in bank_dtypes]:
+        names = " or ".join(jnp.dtype(d).name for d in bank_dtypes)
+        raise _dtype_error("bank", bank, names)
+    if k_idx.ndim != 4:
+        raise _shape_error("k_idx", k_idx, "[B, T, H, W] (rank 4)")
+    B, T, H, W = k_idx.shape
+    if bank.ndim == 4:
+        if bank.shape[:2] != (B, H):
+            raise _shape_error("bank", bank, f"[B, H, K, D] = [{B}, {H}, K, D] or a shared [H, K, D] bank")
+    elif bank.ndim == 3:
+        if bank.shape[0] != H:
+            raise _shape_error("bank", bank, f"[H, K, D] = [{H}, K, D] or [B, H, K, D]")
+    else:
+        raise _shape_error("bank", bank, "[B, H, K, D] or [H, K, D] (rank 4 or 3)")
+    K, D = bank.shape[-2:]
+    if K < 1 or D < 1:
+        raise _shape_error("bank", bank, "at least one slot (K >= 1) of width D >= 1")
+    if T < 1:
+        raise _shape_error("k_idx", k_idx, "at least one token (T >= 1)")
+    if q_idx.ndim != 4 or q_idx.shape[:3] != (B, T, H):
+        raise _shape_error("q_idx", q_idx, f"[B, T, H, R] = [{B}, {T}, {H}, R]")
+    R = q_idx.shape[3]
+    for name, n in (("k_idx", W), ("q_idx", R)):
+        if not 1 <= n <= MAX_LANES:
+            lanes = "W" if name == "k_idx" else "R"
+            raise ValueError(f"sdm_write_read: `{name}` has {lanes} = {n} lanes, expected 1..{MAX_LANES}")
+    for name, a in (("k_idx", k_idx), ("q_idx", q_idx)):
+        if not jnp.issubdtype(a.dtype, jnp.integer):
+            raise _dtype_error(name, a, "an integer type (int32 preferred)")
+    for name, a, want in (("k_val", k_val, (B, T, H, W)), ("q_val", q_val, (B, T, H, R)), ("v", v, (B, T, H, D))):
+        if tuple(a.shape) != want:
+            raise _shape_error(name, a, list(want))
+        if a.dtype != bank.dtype:
+            raise _dtype_error(name, a, f"the bank's dtype {jnp.dtype(bank.dtype).name}")
+    gate_dtypes = [jnp.dtype(jnp.float32)] + ([jnp.dtype(jnp.float64)] if bank.dtype == jnp.float64 else [])
+    if tuple(beta.shape) != (B, T, H):
+        raise _shape_error("beta", beta, [B, T, H])
+    if tuple(g.shape) == (B, T, H):
+        per_write = False
+    elif tuple(g.shape) == (B, T, H, W):
+        per_write = True
+    else:
+        raise _shape_error("g", g, f"[B, T, H] = [{B}, {T}, {H}] (per token) or [B, T, H, W] = [{B}, {T}, {H}, {W}] (per write)")
+    for name, a in (("beta", beta), ("g", g)):
+        if jnp.dtype(a.dtype) not in gate_dtypes:
+            raise _dtype_error(name, a, " or ".join(d.name for d in gate_dtypes))
+    return Dims(B, T, H, K, D, W, R, int(chunk_size), per_write, bank.ndim == 3)
+
+
+def to_units(a, dims, fill=0):
+    """`[B, T, H, ...]` -> `[NC, P, C, ...]`, padding the last chunk with `fill`."""
+    B, T, H, C, NC = dims.B, dims.T, dims.H, dims.C, dims.NC
+    rest = a.shape[3:]
+    pad = NC * C - T
+    if pad:
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+    a = a.reshape((B, NC, C, H) + rest)
+    a = jnp.moveaxis(a, 3, 1)  # [B, H, NC, C, ...]
+    a = jnp.moveaxis(a.reshape((B * H, NC, C) + rest), 1, 0)
+    return a
+
+
+def from_units(a, dims):
+    """`[NC, P, C, ...]` -> `[B, T, H, ...]` (inverse of `to_units`, dropping the padding)."""
+    B, T, H, C, NC = dims.B, dims.T, dims.H, dims.C, dims.NC
+    rest = a.shape[3:]
+    a = jnp.moveaxis(a, 0, 1).reshape((B, H, NC * C) + rest)
+    return jnp.moveaxis(a, 1, 2)[:, :T]
+
+
+def lane_gates(g, dims):
+    """Gates per write lane, `[B, T, H, W]` (a per-token gate is broadcast over the lanes)."""
+    if dims.per_write_gates:
+        return g
+    return jnp.broadcast_to(g[..., None], g.shape + (dims.W,))

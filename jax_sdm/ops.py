@@ -1,0 +1,56 @@
+"""The public op `sdm_write_read` and its `impl` dispatch."""
+import jax.numpy as jnp
+
+from . import layout
+from .reference import sdm_reference
+from .xla import chunk_loop_xla, phase1_xla, solve_xla
+
+IMPLS = ("auto", "ffi", "xla", "reference")
+
+
+def _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
+    """The chunked form in pure JAX (SPEC 1.2), in kernel layout."""
+    f32 = jnp.promote_types(bank.dtype, jnp.float32)
+    units = lambda a, fill=0: layout.to_units(a, dims, fill)
+    k_idx_u = units(k_idx.astype(jnp.int32), -1)
+    q_idx_u = units(q_idx.astype(jnp.int32), -1)
+    p1 = phase1_xla(k_idx_u, units(k_val.astype(f32)), units(layout.lane_gates(g, dims).astype(f32)),
+                    q_idx_u, units(q_val.astype(f32)), dims.K)
+    beta_u = units(beta.astype(f32))
+    minv = solve_xla(p1.A, beta_u)
+    if dims.shared_bank:
+        bank = jnp.broadcast_to(bank[None], (dims.B,) + bank.shape)
+    y, final = chunk_loop_xla(bank.reshape(dims.P, dims.K, dims.D), k_idx_u, q_idx_u, units(v.astype(f32)),
+                              beta_u, p1, minv)
+    return layout.from_units(y, dims).astype(bank.dtype), final.reshape(dims.B, dims.H, dims.K, dims.D)
+
+
+def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=64, impl="auto"):
+    """Sparse Delta Memory: write then read a sparse per-head memory bank at every token (SPEC 1.1).
+
+    Args:
+      bank: `[B, H, K, D]` (or `[H, K, D]` shared by the batch), float32 or bfloat16.
+      k_idx, k_val: `[B, T, H, W]` write slot ids (int) and weights (the bank's dtype).
+      v: `[B, T, H, D]` values (the bank's dtype).
+      beta: `[B, T, H]` write strengths, float32.
+      g: `[B, T, H]` per-token or `[B, T, H, W]` per-write log-gates, float32.
+      q_idx, q_val: `[B, T, H, R]` read slot ids and weights.
+      chunk_size: tokens per chunk of the chunked form (changes results only by rounding).
+      impl: "auto" | "ffi" | "xla" | "reference".
+
+    Returns:
+      `(y, final_bank)`: readings `[B, T, H, D]` and the bank after the last token `[B, H, K, D]`, in the bank's
+      dtype.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"sdm_write_read: `impl` must be one of {IMPLS}, got {impl!r}")
+    bank, k_idx, k_val, v, beta, g, q_idx, q_val = map(jnp.asarray, (bank, k_idx, k_val, v, beta, g, q_idx, q_val))
+    dims = layout.validate(bank, k_idx, k_val, v, beta, g, q_idx, q_val, chunk_size,
+                           allow_float64=impl in ("xla", "reference"))
+    if impl == "reference":
+        return sdm_reference(bank, k_idx, k_val, v, beta, g, q_idx, q_val)
+    if impl in ("auto", "ffi"):
+        raise NotImplementedError(
+            "sdm_write_read: impl='ffi' (the default 'auto') is not built yet for the whole op; "
+            "use impl='xla' (pure-JAX chunked form) or impl='reference' (token loop)")
+    return _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)

@@ -1,0 +1,214 @@
+"""The chunked form of SPEC 1.2/1.3 in pure JAX (`impl="xla"`).
+
+`phase1_xla` and `solve_xla` compute, for every (chunk, stream) unit at once, the same arrays as the `phase1` and
+`solve` kernels (docs/DESIGN.md); `chunk_loop_xla` runs the bank-dependent chunk steps with `lax.scan`.
+Differentiated by JAX's autodiff.
+"""
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_NO_SLOT = jnp.iinfo(jnp.int32).max  # sort key of invalid entries: after every real slot
+# Cap on the pairwise [C*W, C*W] masks held at once by Phase 1's pair sums (elements).
+_PAIR_BUDGET = 1 << 24
+
+
+class Phase1(NamedTuple):
+    log_k: jax.Array    # [N, C, W]
+    rex: jax.Array      # [N, C, W]
+    cpe: jax.Array      # [N, C, W]
+    k_eff: jax.Array    # [N, C, W]
+    w: jax.Array        # [N, C, W]
+    log_q: jax.Array    # [N, C, R]
+    q_w: jax.Array      # [N, C, R]
+    A: jax.Array        # [N, C, C]
+    QK: jax.Array       # [N, C, C]
+    w_order: jax.Array  # [N, C*W]
+    w_group: jax.Array  # [N, C*W + 1]
+    r_order: jax.Array  # [N, C*R]
+    r_group: jax.Array  # [N, C*R + 1]
+    repeats: jax.Array  # [N]
+
+
+def _segmented_cumsum(values, starts):
+    """Inclusive sums that restart where `starts` is set."""
+    def combine(a, b):
+        fa, va = a
+        fb, vb = b
+        return fa | fb, jnp.where(fb, vb, va + vb)
+
+    return lax.associative_scan(combine, (starts, values))[1]
+
+
+def _group_map(slot_key, ids, num):
+    """Sort entries by (slot, id); return the CSR map (`order`, `group`) of DESIGN.md."""
+    slot_s, id_s = lax.sort((slot_key, ids), num_keys=2)
+    valid = slot_s != _NO_SLOT
+    n_valid = jnp.sum(valid).astype(jnp.int32)
+    pos = jnp.arange(num, dtype=jnp.int32)
+    start = valid & jnp.concatenate([jnp.ones(1, bool), slot_s[1:] != slot_s[:-1]])
+    gid = jnp.cumsum(start) - 1
+    group = jnp.full(num + 1, n_valid, jnp.int32).at[jnp.where(start, gid, num + 1)].set(pos, mode="drop")
+    return jnp.where(valid, id_s, -1).astype(jnp.int32), group
+
+
+def _phase1_scans(k_idx, x, q_idx, num_slots):
+    """Per-slot log-cumsums of one unit by a slot sort and segmented scans.
+
+    Returns log_k, rex, total (per write entry, [C, W]), log_q ([C, R]), repeat mask ([C, W]).
+    """
+    C, W = k_idx.shape
+    R = q_idx.shape[1]
+    kvalid = (k_idx >= 0) & (k_idx < num_slots)
+    qvalid = (q_idx >= 0) & (q_idx < num_slots)
+    t_w = jnp.broadcast_to(jnp.arange(C)[:, None], (C, W))
+    t_r = jnp.broadcast_to(jnp.arange(C)[:, None], (C, R))
+    # Ties within a slot: token, then write lanes, then read lanes.
+    slot = jnp.concatenate([jnp.where(kvalid, k_idx, _NO_SLOT).ravel(), jnp.where(qvalid, q_idx, _NO_SLOT).ravel()])
+    tie = jnp.concatenate([(t_w * (W + R) + jnp.arange(W)).ravel(), (t_r * (W + R) + W + jnp.arange(R)).ravel()])
+    is_write = jnp.arange(C * (W + R)) < C * W
+    entry = jnp.arange(C * (W + R))
+    slot_s, tie_s, isw_s, x_s, entry_s = lax.sort(
+        (slot.astype(jnp.int32), tie.astype(jnp.int32), is_write, jnp.concatenate([x.ravel(), jnp.zeros(C * R, x.dtype)]), entry),
+        num_keys=2)
+    valid_s = slot_s != _NO_SLOT
+    tok_s = tie_s // (W + R)
+    same_slot_as_prev = jnp.concatenate([jnp.zeros(1, bool), slot_s[1:] == slot_s[:-1]])
+    same_slot_as_next = jnp.concatenate([slot_s[1:] == slot_s[:-1], jnp.zeros(1, bool)])
+    # In sorted order a repeated write lane directly follows a write of the same slot and token.
+    prev_write_same_token = jnp.concatenate([jnp.zeros(1, bool), isw_s[:-1] & (tok_s[1:] == tok_s[:-1])])
+    repeat_s = isw_s & valid_s & same_slot_as_prev & prev_write_same_token
+    xe_s = jnp.where(isw_s & valid_s & ~repeat_s, x_s, 0)
+
+    starts = ~same_slot_as_prev
+    incl = _segmented_cumsum(xe_s, starts)
+    # Exclusive suffix sums (gates of later entries of the group), scanned on their own rather than as
+    # total - prefix, which would cancel.
+    next_x = jnp.where(same_slot_as_next, jnp.concatenate([xe_s[1:], jnp.zeros(1, xe_s.dtype)]), 0)
+    ends = ~same_slot_as_next
+    rex_s = _segmented_cumsum(next_x[::-1], ends[::-1])[::-1]
+    total_rev = _segmented_cumsum(xe_s[::-1], ends[::-1])[::-1]  # at a group's first entry: the group total
+    first_pos = lax.cummax(jnp.where(starts, jnp.arange(slot_s.shape[0]), 0))
+    total_s = total_rev[first_pos]
+
+    def unsort(vals):
+        return jnp.zeros_like(vals).at[entry_s].set(vals)
+
+    log_all = jnp.where(valid_s, incl, 0)
+    log_k = unsort(log_all)[: C * W].reshape(C, W)
+    log_q = unsort(log_all)[C * W:].reshape(C, R)
+    rex = unsort(jnp.where(valid_s, rex_s, 0))[: C * W].reshape(C, W)
+    total = unsort(jnp.where(valid_s, total_s, 0))[: C * W].reshape(C, W)
+    repeat = unsort(repeat_s)[: C * W].reshape(C, W)
+    return log_k, rex, total, log_q, repeat
+
+
+def _pair_sums(k_idx, k_val, log_k, q_idx, q_val, log_q, num_slots):
+    """A (strictly lower) and QK (lower with diagonal) of one unit: sums over same-slot entry pairs."""
+    C, W = k_idx.shape
+    kvalid = (k_idx >= 0) & (k_idx < num_slots)
+    qvalid = (q_idx >= 0) & (q_idx < num_slots)
+    tok = jnp.arange(C)
+
+    def pairs(idx, valid, val, log, strict):
+        # [C, lanes, C, W]: entry (i, n) against write (j, m)
+        same = (idx[:, :, None, None] == k_idx[None, None, :, :]) & valid[:, :, None, None] & kvalid[None, None]
+        order = (tok[:, None] > tok[None, :]) if strict else (tok[:, None] >= tok[None, :])
+        same = same & order[:, None, :, None]
+        diff = jnp.where(same, log[:, :, None, None] - log_k[None, None, :, :], 0)
+        terms = jnp.where(same, val[:, :, None, None] * k_val[None, None] * jnp.exp(diff), 0)
+        return terms.sum(axis=(1, 3))
+
+    return pairs(k_idx, kvalid, k_val, log_k, True), pairs(q_idx, qvalid, q_val, log_q, False)
+
+
+def _phase1_unit(k_idx, k_val, x, q_idx, q_val, num_slots):
+    C, W = k_idx.shape
+    R = q_idx.shape[1]
+    kvalid = (k_idx >= 0) & (k_idx < num_slots)
+    qvalid = (q_idx >= 0) & (q_idx < num_slots)
+    k_val = jnp.where(kvalid, k_val, 0)
+    q_val = jnp.where(qvalid, q_val, 0)
+    log_k, rex, total, log_q, repeat = _phase1_scans(k_idx, x, q_idx, num_slots)
+    A, QK = _pair_sums(k_idx, k_val, log_k, q_idx, q_val, log_q, num_slots)
+    w_order, w_group = _group_map(jnp.where(kvalid, k_idx, _NO_SLOT).ravel().astype(jnp.int32),
+                                  jnp.arange(C * W, dtype=jnp.int32), C * W)
+    r_order, r_group = _group_map(jnp.where(qvalid, q_idx, _NO_SLOT).ravel().astype(jnp.int32),
+                                  jnp.arange(C * R, dtype=jnp.int32), C * R)
+    return Phase1(
+        log_k=log_k, rex=rex, cpe=jnp.exp(total), k_eff=k_val * jnp.exp(log_k), w=k_val * jnp.exp(rex),
+        log_q=log_q, q_w=q_val * jnp.exp(log_q), A=A, QK=QK,
+        w_order=w_order, w_group=w_group, r_order=r_order, r_group=r_group,
+        repeats=jnp.sum(repeat).astype(jnp.int32))
+
+
+def phase1_xla(k_idx, k_val, x, q_idx, q_val, num_slots):
+    """Phase 1 (DESIGN.md) for units of shape `[..., C, W]` / `[..., C, R]`; returns a `Phase1`."""
+    batch = k_idx.shape[:-2]
+    C, W = k_idx.shape[-2:]
+    R = q_idx.shape[-1]
+    flat = [a.reshape((-1,) + a.shape[-2:]) for a in (k_idx, k_val, x, q_idx, q_val)]
+    flat = [flat[0].astype(jnp.int32), flat[1].astype(jnp.float32), flat[2].astype(jnp.float32),
+            flat[3].astype(jnp.int32), flat[4].astype(jnp.float32)]
+    per_unit = C * max(W, R) * C * W
+    batch_size = max(1, min(flat[0].shape[0], _PAIR_BUDGET // per_unit))
+    out = lax.map(lambda a: _phase1_unit(*a, num_slots), tuple(flat), batch_size=batch_size)
+    return Phase1(*[o.reshape(batch + o.shape[1:]) for o in out])
+
+
+def solve_xla(A, beta):
+    """`(I + diag(beta) A)^{-1}` per unit, `[..., C, C]`."""
+    C = A.shape[-1]
+    eye = jnp.eye(C, dtype=A.dtype)
+    M = eye + beta[..., :, None] * A
+    return jax.scipy.linalg.solve_triangular(M, jnp.broadcast_to(eye, M.shape), lower=True, unit_diagonal=True)
+
+
+def _gather_rows(bank, idx):
+    """Rows `bank[p, idx[p, ...]]` in float32, zero for out-of-range ids. bank [P, K, D], idx [P, ...]."""
+    return jax.vmap(lambda b, i: b.at[i].get(mode="fill", fill_value=0))(bank, idx).astype(jnp.float32)
+
+
+def _write_groups(bank, k_idx, p1, delta):
+    """Decay-and-write of one chunk: each written row once, `cpe * S0[s] + sum_e w[e] delta[t_e]` (SPEC 1.2)."""
+    P, C, W = k_idx.shape
+    E = C * W
+    K = bank.shape[1]
+
+    def one_stream(bank_p, k_idx_p, w_p, cpe_p, order, group, delta_p):
+        contrib = (w_p[:, :, None] * delta_p[:, None, :]).reshape(E, -1)
+        entry = jnp.maximum(order, 0)
+        sorted_contrib = jnp.where((order >= 0)[:, None], contrib[entry], 0)
+        first = group[:-1]
+        sizes = group[1:] - first
+        gid = jnp.cumsum(jnp.zeros(E, jnp.int32).at[first].add(sizes > 0, mode="drop")) - 1
+        sums = jax.ops.segment_sum(sorted_contrib, jnp.where(order >= 0, gid, E), num_segments=E,
+                                   indices_are_sorted=True)
+        head = jnp.minimum(first, E - 1)
+        head_entry = entry[head]
+        slot = jnp.where(sizes > 0, k_idx_p.ravel()[head_entry], K)
+        old = bank_p.at[slot].get(mode="fill", fill_value=0).astype(jnp.float32)
+        new = cpe_p.ravel()[head_entry][:, None] * old + sums
+        return bank_p.at[slot].set(new.astype(bank_p.dtype), mode="drop")
+
+    return jax.vmap(one_stream)(bank, k_idx, p1.w, p1.cpe, p1.w_order, p1.w_group, delta)
+
+
+def chunk_loop_xla(bank, k_idx, q_idx, v, beta, p1, minv):
+    """Phase 2: the chunk steps. Arrays are in kernel layout, `[NC, P, C, ...]`; bank `[P, K, D]`.
+
+    Returns `y [NC, P, C, D]` (float32) and the final bank.
+    """
+    def step(bank, chunk):
+        k_idx_c, q_idx_c, v_c, beta_c, p1_c, minv_c = chunk
+        G = jnp.einsum("pcw,pcwd->pcd", p1_c.k_eff, _gather_rows(bank, k_idx_c))
+        Q0 = jnp.einsum("pcr,pcrd->pcd", p1_c.q_w, _gather_rows(bank, q_idx_c))
+        u = beta_c[..., None] * (v_c - G)
+        delta = jnp.einsum("pij,pjd->pid", minv_c, u)
+        y = Q0 + jnp.einsum("pij,pjd->pid", p1_c.QK, delta)
+        return _write_groups(bank, k_idx_c, p1_c, delta), y
+
+    bank, y = lax.scan(step, bank, (k_idx, q_idx, v, beta, p1, minv))
+    return y, bank
