@@ -51,3 +51,70 @@ def random_problem(seed, B=2, T=50, H=2, K=64, D=16, W=4, R=3, *, dtype=np.float
     for name in ("beta", "g"):
         out[name] = out[name].astype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
     return out
+
+
+def golden_problem(npz):
+    """Convert a golden file of the reference package (`shared/golden/README.md`) to `sdm_write_read` layout.
+
+    Returns `(args, expected)`: the op's arguments (`B = P` streams, `H = 1`) and a dict with `y`, `final_bank`,
+    `dy` (the cotangent applied to `y`) and the gradients `grad_<argument>` in the same layout.
+    """
+    d = {k: np.asarray(v) for k, v in dict(npz).items()}
+    P, T, W = d["k_idx"].shape
+    S = d["memory"].shape[0] // P
+    D = d["memory"].shape[1]
+    offset = (np.arange(P) * S)[:, None, None]  # golden ids are global bank rows
+    head = lambda a: a[:, :, None]  # [P, T, ...] -> [B=P, T, H=1, ...]
+    gate = lambda a: a[..., 0] if a.shape[-1] == 1 else a
+    args = dict(
+        bank=d["memory"].reshape(P, 1, S, D), k_idx=head(d["k_idx"] - offset).astype(np.int32),
+        k_val=head(d["k_val"]), v=head(d["v"]), beta=head(d["beta"][..., 0]), g=head(gate(d["g"])),
+        q_idx=head(d["q_idx"] - offset).astype(np.int32), q_val=head(d["q_val"]))
+    expected = dict(
+        y=d["out"].reshape(P, T, 1, D), final_bank=d["final_bank"].reshape(P, 1, S, D), dy=head(d["dout"]),
+        grad_bank=d["grad_memory"].reshape(P, 1, S, D), grad_k_val=head(d["grad_k_val"]),
+        grad_v=head(d["grad_v"]), grad_beta=head(d["grad_beta"][..., 0]), grad_g=head(gate(d["grad_g"])),
+        grad_q_val=head(d["grad_q_val"]))
+    return args, expected
+
+
+def rel_err(a, b):
+    """Relative L2 error of `a` against `b`, in float64."""
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+FLOAT_ARGS = ("bank", "k_val", "v", "beta", "g", "q_val")
+
+
+def outputs_and_grads(op, args, dy, dbank=None, **kw):
+    """`(y, final_bank, grads)` of `op(**args, **kw)` with the cotangents `dy` and `dbank` (zeros if None).
+
+    `grads` maps each float argument (`FLOAT_ARGS`) to its gradient, through `jax.vjp` of the jitted op.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    floats = {k: jnp.asarray(args[k]) for k in FLOAT_ARGS}
+    rest = {k: v for k, v in args.items() if k not in FLOAT_ARGS}
+    (y, final), vjp = jax.vjp(jax.jit(lambda f: op(**f, **rest, **kw)), floats)
+    dbank = jnp.zeros_like(final) if dbank is None else jnp.asarray(dbank, final.dtype)
+    (grads,) = vjp((jnp.asarray(dy, y.dtype), dbank))
+    return y, final, grads
+
+
+def out_of_range_case(seed, K=16):
+    """A problem with out-of-range slot ids, and its twin where those lanes point at an extra zero row with zero
+    weights instead: the twin's row K stays zero, so both must agree on `y` and on the first K rows."""
+    p = random_problem(seed, T=12, K=K, D=4, W=3, R=3, distinct=False, repeats=True)
+    bad = dict(p, k_idx=p["k_idx"].copy(), q_idx=p["q_idx"].copy())
+    bad["k_idx"][:, ::3, :, 1] = K  # one past the end
+    bad["k_idx"][:, 1::3, :, 2] = -1
+    bad["q_idx"][:, ::2, :, 0] = 99
+    k_out = (bad["k_idx"] < 0) | (bad["k_idx"] >= K)
+    q_out = (bad["q_idx"] < 0) | (bad["q_idx"] >= K)
+    twin = dict(p, bank=np.concatenate([p["bank"], np.zeros_like(p["bank"][..., :1, :])], axis=-2),
+                k_idx=np.where(k_out, K, bad["k_idx"]), k_val=np.where(k_out, 0, p["k_val"]).astype(np.float32),
+                q_idx=np.where(q_out, K, bad["q_idx"]), q_val=np.where(q_out, 0, p["q_val"]).astype(np.float32))
+    return bad, twin

@@ -150,8 +150,9 @@ def phase1_xla(k_idx, k_val, x, q_idx, q_val, num_slots):
     C, W = k_idx.shape[-2:]
     R = q_idx.shape[-1]
     flat = [a.reshape((-1,) + a.shape[-2:]) for a in (k_idx, k_val, x, q_idx, q_val)]
-    flat = [flat[0].astype(jnp.int32), flat[1].astype(jnp.float32), flat[2].astype(jnp.float32),
-            flat[3].astype(jnp.int32), flat[4].astype(jnp.float32)]
+    dt = jnp.promote_types(k_val.dtype, jnp.float32)  # float32, or float64 under x64
+    flat = [flat[0].astype(jnp.int32), flat[1].astype(dt), flat[2].astype(dt), flat[3].astype(jnp.int32),
+            flat[4].astype(dt)]
     per_unit = C * max(W, R) * C * W
     batch_size = max(1, min(flat[0].shape[0], _PAIR_BUDGET // per_unit))
     out = lax.map(lambda a: _phase1_unit(*a, num_slots), tuple(flat), batch_size=batch_size)
@@ -166,9 +167,9 @@ def solve_xla(A, beta):
     return jax.scipy.linalg.solve_triangular(M, jnp.broadcast_to(eye, M.shape), lower=True, unit_diagonal=True)
 
 
-def _gather_rows(bank, idx):
-    """Rows `bank[p, idx[p, ...]]` in float32, zero for out-of-range ids. bank [P, K, D], idx [P, ...]."""
-    return jax.vmap(lambda b, i: b.at[i].get(mode="fill", fill_value=0))(bank, idx).astype(jnp.float32)
+def _gather_rows(bank, idx, dtype):
+    """Rows `bank[p, idx[p, ...]]` in `dtype`, zero for out-of-range ids. bank [P, K, D], idx [P, ...]."""
+    return jax.vmap(lambda b, i: b.at[i].get(mode="fill", fill_value=0))(bank, idx).astype(dtype)
 
 
 def _write_groups(bank, k_idx, p1, delta):
@@ -189,7 +190,7 @@ def _write_groups(bank, k_idx, p1, delta):
         head = jnp.minimum(first, E - 1)
         head_entry = entry[head]
         slot = jnp.where(sizes > 0, k_idx_p.ravel()[head_entry], K)
-        old = bank_p.at[slot].get(mode="fill", fill_value=0).astype(jnp.float32)
+        old = bank_p.at[slot].get(mode="fill", fill_value=0).astype(sums.dtype)
         new = cpe_p.ravel()[head_entry][:, None] * old + sums
         return bank_p.at[slot].set(new.astype(bank_p.dtype), mode="drop")
 
@@ -199,12 +200,12 @@ def _write_groups(bank, k_idx, p1, delta):
 def chunk_loop_xla(bank, k_idx, q_idx, v, beta, p1, minv):
     """Phase 2: the chunk steps. Arrays are in kernel layout, `[NC, P, C, ...]`; bank `[P, K, D]`.
 
-    Returns `y [NC, P, C, D]` (float32) and the final bank.
+    Arithmetic in `v`'s dtype (float32, or float64 under x64). Returns `y [NC, P, C, D]` and the final bank.
     """
     def step(bank, chunk):
         k_idx_c, q_idx_c, v_c, beta_c, p1_c, minv_c = chunk
-        G = jnp.einsum("pcw,pcwd->pcd", p1_c.k_eff, _gather_rows(bank, k_idx_c))
-        Q0 = jnp.einsum("pcr,pcrd->pcd", p1_c.q_w, _gather_rows(bank, q_idx_c))
+        G = jnp.einsum("pcw,pcwd->pcd", p1_c.k_eff, _gather_rows(bank, k_idx_c, v_c.dtype))
+        Q0 = jnp.einsum("pcr,pcrd->pcd", p1_c.q_w, _gather_rows(bank, q_idx_c, v_c.dtype))
         u = beta_c[..., None] * (v_c - G)
         delta = jnp.einsum("pij,pjd->pid", minv_c, u)
         y = Q0 + jnp.einsum("pij,pjd->pid", p1_c.QK, delta)
