@@ -1,0 +1,23 @@
+// nanobind module jax_sdm._sdm_cpu: the CPU FFI handlers as capsules.
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+extern "C" XLA_FFI_Error* SdmPhase1Cpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* SdmSolveCpu(XLA_FFI_CallFrame* call_frame);
+
+NB_MODULE(_sdm_cpu, m) {
+  m.doc() = "jax_sdm CPU kernels as XLA FFI handlers (platform 'cpu').";
+  m.def(
+      "registrations",
+      []() {
+        nb::dict d;
+        d["sdm_phase1"] = nb::capsule(reinterpret_cast<void*>(&SdmPhase1Cpu));
+        d["sdm_solve"] = nb::capsule(reinterpret_cast<void*>(&SdmSolveCpu));
+        return d;
+      },
+      "Returns {target name: PyCapsule} for jax.ffi.register_ffi_target(..., "
+      "platform='cpu').");
+}

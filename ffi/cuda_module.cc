@@ -1,0 +1,21 @@
+// nanobind module jax_sdm._sdm_cuda: the CUDA FFI handlers as capsules.
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+extern "C" XLA_FFI_Error* SdmSolveCuda(XLA_FFI_CallFrame* call_frame);
+
+NB_MODULE(_sdm_cuda, m) {
+  m.doc() = "jax_sdm CUDA kernels as XLA FFI handlers (platform 'CUDA').";
+  m.def(
+      "registrations",
+      []() {
+        nb::dict d;
+        d["sdm_solve"] = nb::capsule(reinterpret_cast<void*>(&SdmSolveCuda));
+        return d;
+      },
+      "Returns {target name: PyCapsule} for jax.ffi.register_ffi_target(..., "
+      "platform='CUDA').");
+}

@@ -1,0 +1,37 @@
+// Phase 1 of the chunked SDM forward (docs/DESIGN.md "Phase 1", SPEC 1.2 / 1.3).
+//
+// Plain C++ on raw, contiguous (row-major) arrays: no XLA types. One *unit* is one
+// chunk of one stream; units are independent. Shapes (all row-major):
+//
+//   inputs   k_idx, k_val, x          [N, C, W]   (int32, float32, float32)
+//            q_idx, q_val             [N, C, R]   (int32, float32)
+//   outputs  log_k, rex, cpe, k_eff, w   [N, C, W]  float32
+//            log_q, q_w                  [N, C, R]  float32
+//            A, QK                       [N, C, C]  float32
+//            w_order [N, C*W], w_group [N, C*W + 1]   int32
+//            r_order [N, C*R], r_group [N, C*R + 1]   int32
+//            repeats [N]                              int32
+//
+// Every output element is written. The result is deterministic and does not depend
+// on num_threads (units are split over threads in contiguous blocks; each unit is
+// computed by one thread in a fixed order).
+#ifndef JAX_SDM_KERNELS_PHASE1_H_
+#define JAX_SDM_KERNELS_PHASE1_H_
+
+#include <cstdint>
+
+namespace sdm {
+
+// Requirements (checked by the caller): N, C, W, R, K >= 0, C * (W + R) < 2^31,
+// K <= 2^31 - 1. num_threads <= 0 picks a count from the hardware and the size.
+void phase1_cpu(const int32_t* k_idx, const float* k_val, const float* x,
+                const int32_t* q_idx, const float* q_val, int64_t N, int64_t C,
+                int64_t W, int64_t R, int64_t K, float* log_k, float* rex,
+                float* cpe, float* k_eff, float* w, float* log_q, float* q_w,
+                float* A, float* QK, int32_t* w_order, int32_t* w_group,
+                int32_t* r_order, int32_t* r_group, int32_t* repeats,
+                int num_threads = 0);
+
+}  // namespace sdm
+
+#endif  // JAX_SDM_KERNELS_PHASE1_H_
