@@ -1,0 +1,79 @@
+// The bank-dependent chunk steps (SPEC 1.2 "Phase 2" and SPEC 1.4), plain C++ / CUDA on raw pointers.
+//
+// Layout (docs/DESIGN.md): per-token arrays are [V, NC, P, C, ...] (V independent problems, e.g. from vmap,
+// NC chunks, P streams), the unit (v, c, p) at index (v*NC + c)*P + p; the bank is [V, P, K, D], the rows of
+// stream (v, p) at (v*P + p)*K. A chunk step depends on the previous chunk through the bank only, so chunks run
+// in order and the V*P streams of one chunk in parallel. Every bank row, gradient row and output cell has one
+// writer, and each sum runs in a fixed order: results are bitwise reproducible (SPEC 4).
+#ifndef JAX_SDM_KERNELS_STEPS_H_
+#define JAX_SDM_KERNELS_STEPS_H_
+
+#include <cstdint>
+
+namespace sdm {
+
+struct StepDims {
+  int64_t V, NC, P, C, W, R, K, D;
+  int64_t units() const { return V * NC * P; }
+  int64_t streams() const { return V * P; }
+  int64_t unit(int64_t stream, int64_t c) const { return ((stream / P) * NC + c) * P + stream % P; }
+};
+
+// Phase-1 arrays the steps read (DESIGN.md "Phase 1"), and the solve's Minv.
+struct StepPhase1 {
+  const int32_t* k_idx;    // [.., C, W]
+  const int32_t* q_idx;    // [.., C, R]
+  const float* k_eff;      // [.., C, W]
+  const float* w;          // [.., C, W]
+  const float* cpe;        // [.., C, W]
+  const float* q_w;        // [.., C, R]
+  const float* A;          // [.., C, C]
+  const float* QK;         // [.., C, C]
+  const int32_t* w_order;  // [.., C*W]
+  const int32_t* w_group;  // [.., C*W + 1]
+  const int32_t* r_order;  // [.., C*R]
+  const int32_t* r_group;  // [.., C*R + 1]
+  const float* minv;       // [.., C, C]
+};
+
+struct ForwardIO {
+  const float* v;     // [.., C, D]
+  const float* beta;  // [.., C]
+  float* y;           // [.., C, D] out
+  // Residuals for the backward; all null for a no-grad forward.
+  float* delta;    // [.., C, D] the write vectors
+  float* G;        // [.., C, D] the gathers sum_n k_eff S0[s]
+  void* snapshot;  // [.., C*W, D] bank dtype: the pre-write row of each write group
+};
+
+struct BackwardIO {
+  const float* v;         // [.., C, D]
+  const float* beta;      // [.., C]
+  const float* dy;        // [.., C, D]
+  const float* delta;     // residuals of the forward
+  const float* G;
+  const void* snapshot;
+  float* dbank;           // [V, P, K, D] in: gradient of the final bank; out: of the initial bank
+  float* dk_eff;          // [.., C, W]
+  float* dw;              // [.., C, W]
+  float* dcpe;            // [.., C, W] cotangent of cpe: <dS1[s], S0[s]> at each group's first sorted entry, 0 elsewhere
+  float* dq_w;            // [.., C, R]
+  float* dA;              // [.., C, C]
+  float* dQK;             // [.., C, C]
+  float* dbeta;           // [.., C]
+  float* dv;              // [.., C, D]
+};
+
+// Forward chunk loop: bank (in/out, [V, P, K, D]) goes from the initial to the final bank.
+// BankT is float or sdm::bf16.
+template <typename BankT>
+void forward_cpu(const StepDims& dims, const StepPhase1& p1, const ForwardIO& io, BankT* bank);
+
+// Backward chunk loop, chunks in reverse: bank (in/out) goes from the final bank back to the initial one,
+// restoring each chunk's written rows from the snapshot.
+template <typename BankT>
+void backward_cpu(const StepDims& dims, const StepPhase1& p1, const BackwardIO& io, BankT* bank);
+
+}  // namespace sdm
+
+#endif  // JAX_SDM_KERNELS_STEPS_H_

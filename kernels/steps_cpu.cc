@@ -1,0 +1,261 @@
+// CPU chunk steps: the forward (gather, dense products, decay-and-write with snapshot) and the backward
+// (GWR gather, dense adjoint, Phase A, read side) of SPEC 1.2 and 1.4. See steps.h for the layout.
+//
+// Streams are independent through every chunk, so each thread takes whole streams and runs their chunks in
+// order; every value is computed by one thread in a fixed order, whatever the split.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "bf16.h"
+#include "parallel.h"
+#include "steps.h"
+
+namespace sdm {
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+template <typename BankT>
+inline float dot_row(const float* a, const BankT* row, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * to_float(row[i]);
+  return s;
+}
+
+// out[t] = sum over lanes of weight * bank[idx] (rows of out-of-range ids are skipped).
+template <typename BankT>
+void gather(const BankT* bank, const int32_t* idx, const float* weight, int64_t C, int64_t lanes, int64_t K,
+            int64_t D, float* out) {
+  std::fill(out, out + C * D, 0.f);
+  for (int64_t t = 0; t < C; ++t) {
+    float* o = out + t * D;
+    for (int64_t n = 0; n < lanes; ++n) {
+      const int32_t s = idx[t * lanes + n];
+      if (s < 0 || s >= K) continue;
+      const float wgt = weight[t * lanes + n];
+      const BankT* row = bank + static_cast<int64_t>(s) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += wgt * to_float(row[d]);
+    }
+  }
+}
+
+// out = L x for lower triangular L ([C, C], diagonal included), x [C, D].
+void lower_times(const float* L, const float* x, int64_t C, int64_t D, float* out) {
+  for (int64_t i = 0; i < C; ++i) {
+    float* o = out + i * D;
+    std::fill(o, o + D, 0.f);
+    for (int64_t j = 0; j <= i; ++j) {
+      const float l = L[i * C + j];
+      if (l == 0.f) continue;
+      for (int64_t d = 0; d < D; ++d) o[d] += l * x[j * D + d];
+    }
+  }
+}
+
+// out = L^T x for lower triangular L.
+void lower_transpose_times(const float* L, const float* x, int64_t C, int64_t D, float* out) {
+  for (int64_t j = 0; j < C; ++j) {
+    float* o = out + j * D;
+    std::fill(o, o + D, 0.f);
+    for (int64_t i = j; i < C; ++i) {
+      const float l = L[i * C + j];
+      if (l == 0.f) continue;
+      for (int64_t d = 0; d < D; ++d) o[d] += l * x[i * D + d];
+    }
+  }
+}
+
+// The write group g of a unit: its sorted entries [lo, hi) and its slot (-1 if empty or out of range).
+inline int32_t group_slot(const int32_t* order, const int32_t* group, const int32_t* idx, int64_t g, int64_t K,
+                          int32_t* lo, int32_t* hi) {
+  *lo = group[g];
+  *hi = group[g + 1];
+  if (*lo >= *hi || order[*lo] < 0) return -1;
+  const int32_t s = idx[order[*lo]];
+  return (s >= 0 && s < K) ? s : -1;
+}
+
+struct Scratch {
+  std::vector<float> a, b, c, d;
+  explicit Scratch(int64_t n) : a(n), b(n), c(n), d(n) {}
+};
+
+template <typename BankT>
+void forward_unit(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, int64_t u, BankT* S,
+                  Scratch& sc) {
+  const int64_t C = dm.C, W = dm.W, R = dm.R, K = dm.K, D = dm.D;
+  const int32_t* k_idx = p1.k_idx + u * C * W;
+  const float* v = io.v + u * C * D;
+  const float* beta = io.beta + u * C;
+  float* G = io.G ? io.G + u * C * D : sc.a.data();
+  float* Q0 = sc.b.data();
+  float* uvec = sc.c.data();
+  float* delta = io.delta ? io.delta + u * C * D : sc.d.data();
+  float* y = io.y + u * C * D;
+
+  gather(S, k_idx, p1.k_eff + u * C * W, C, W, K, D, G);
+  gather(S, p1.q_idx + u * C * R, p1.q_w + u * C * R, C, R, K, D, Q0);
+  for (int64_t t = 0; t < C; ++t)
+    for (int64_t d = 0; d < D; ++d) uvec[t * D + d] = beta[t] * (v[t * D + d] - G[t * D + d]);
+  lower_times(p1.minv + u * C * C, uvec, C, D, delta);
+  lower_times(p1.QK + u * C * C, delta, C, D, y);
+  for (int64_t i = 0; i < C * D; ++i) y[i] += Q0[i];
+
+  // Decay-and-write: one writer per written row, its group summed in sorted order.
+  const int32_t* order = p1.w_order + u * C * W;
+  const int32_t* group = p1.w_group + u * (C * W + 1);
+  const float* w = p1.w + u * C * W;
+  BankT* snap = io.snapshot ? static_cast<BankT*>(io.snapshot) + u * C * W * D : nullptr;
+  float* acc = uvec;  // free again
+  for (int64_t g = 0; g < C * W; ++g) {
+    int32_t lo, hi;
+    const int32_t s = group_slot(order, group, k_idx, g, K, &lo, &hi);
+    if (s < 0) continue;
+    BankT* row = S + static_cast<int64_t>(s) * D;
+    if (snap) std::copy(row, row + D, snap + g * D);
+    const float cpe = p1.cpe[u * C * W + order[lo]];
+    for (int64_t d = 0; d < D; ++d) acc[d] = cpe * to_float(row[d]);
+    for (int32_t i = lo; i < hi; ++i) {
+      const int32_t e = order[i];
+      const float* de = delta + (e / W) * D;
+      for (int64_t d = 0; d < D; ++d) acc[d] += w[e] * de[d];
+    }
+    for (int64_t d = 0; d < D; ++d) row[d] = from_float<BankT>(acc[d]);
+  }
+}
+
+template <typename BankT>
+void backward_unit(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, int64_t u, BankT* S, float* dS,
+                   Scratch& sc) {
+  const int64_t C = dm.C, W = dm.W, R = dm.R, K = dm.K, D = dm.D;
+  const int32_t* k_idx = p1.k_idx + u * C * W;
+  const int32_t* q_idx = p1.q_idx + u * C * R;
+  const float* w = p1.w + u * C * W;
+  const float* k_eff = p1.k_eff + u * C * W;
+  const float* cpe = p1.cpe + u * C * W;
+  const float* q_w = p1.q_w + u * C * R;
+  const float* A = p1.A + u * C * C;
+  const float* QK = p1.QK + u * C * C;
+  const float* delta = io.delta + u * C * D;
+  const float* G = io.G + u * C * D;
+  const float* v = io.v + u * C * D;
+  const float* beta = io.beta + u * C;
+  const float* dy = io.dy + u * C * D;
+  float* dw = io.dw + u * C * W;
+  float* dk_eff = io.dk_eff + u * C * W;
+  float* dcpe = io.dcpe + u * C * W;
+  float* dq_w = io.dq_w + u * C * R;
+  float* dA = io.dA + u * C * C;
+  float* dQK = io.dQK + u * C * C;
+  float* dbeta = io.dbeta + u * C;
+  float* dv = io.dv + u * C * D;
+  float* ddelta = sc.a.data();
+  float* tmp = sc.b.data();
+  float* du = sc.c.data();
+  float* dG = sc.d.data();
+
+  // GWR: gather of gradient rows (dS is still dS1 here).
+  gather(dS, k_idx, w, C, W, K, D, ddelta);
+  for (int64_t e = 0; e < C * W; ++e) {
+    const int32_t s = k_idx[e];
+    dw[e] = (s >= 0 && s < K) ? dot(delta + (e / W) * D, dS + static_cast<int64_t>(s) * D, D) : 0.f;
+  }
+  // Readings: Y = Q0 + QK delta.
+  lower_transpose_times(QK, dy, C, D, tmp);
+  for (int64_t i = 0; i < C * D; ++i) ddelta[i] += tmp[i];
+  for (int64_t i = 0; i < C; ++i)
+    for (int64_t j = 0; j < C; ++j) dQK[i * C + j] = j <= i ? dot(dy + i * D, delta + j * D, D) : 0.f;
+  // Solve: delta = Minv u, u = beta (v - G).
+  lower_transpose_times(p1.minv + u * C * C, ddelta, C, D, du);
+  lower_times(A, delta, C, D, tmp);  // A is strictly lower: tmp = A delta
+  for (int64_t i = 0; i < C; ++i) {
+    for (int64_t j = 0; j < C; ++j) dA[i * C + j] = j < i ? -beta[i] * dot(du + i * D, delta + j * D, D) : 0.f;
+    float db = 0.f;
+    for (int64_t d = 0; d < D; ++d) {
+      const int64_t k = i * D + d;
+      db += du[k] * (v[k] - G[k] - tmp[k]);
+      dv[k] = beta[i] * du[k];
+      dG[k] = -beta[i] * du[k];
+    }
+    dbeta[i] = db;
+  }
+  // Phase A: per written row, the gradient row and the dots on the restored row, then the restore.
+  std::fill(dk_eff, dk_eff + C * W, 0.f);
+  std::fill(dcpe, dcpe + C * W, 0.f);
+  const int32_t* order = p1.w_order + u * C * W;
+  const int32_t* group = p1.w_group + u * (C * W + 1);
+  const BankT* snap = static_cast<const BankT*>(io.snapshot) + u * C * W * D;
+  float* acc = tmp;
+  float* s0 = tmp + D;
+  for (int64_t g = 0; g < C * W; ++g) {
+    int32_t lo, hi;
+    const int32_t s = group_slot(order, group, k_idx, g, K, &lo, &hi);
+    if (s < 0) continue;
+    const BankT* snap_row = snap + g * D;
+    for (int64_t d = 0; d < D; ++d) s0[d] = to_float(snap_row[d]);
+    float* drow = dS + static_cast<int64_t>(s) * D;
+    const int32_t e0 = order[lo];
+    dcpe[e0] = dot(drow, s0, D);
+    for (int64_t d = 0; d < D; ++d) acc[d] = cpe[e0] * drow[d];
+    for (int32_t i = lo; i < hi; ++i) {
+      const int32_t e = order[i];
+      const float* dg = dG + (e / W) * D;
+      dk_eff[e] = dot(dg, s0, D);
+      for (int64_t d = 0; d < D; ++d) acc[d] += k_eff[e] * dg[d];
+    }
+    std::copy(acc, acc + D, drow);
+    std::copy(snap_row, snap_row + D, S + static_cast<int64_t>(s) * D);
+  }
+  // Read side, on the restored bank: one writer per read row.
+  std::fill(dq_w, dq_w + C * R, 0.f);
+  const int32_t* r_order = p1.r_order + u * C * R;
+  const int32_t* r_group = p1.r_group + u * (C * R + 1);
+  for (int64_t g = 0; g < C * R; ++g) {
+    int32_t lo, hi;
+    const int32_t s = group_slot(r_order, r_group, q_idx, g, K, &lo, &hi);
+    if (s < 0) continue;
+    float* drow = dS + static_cast<int64_t>(s) * D;
+    const BankT* row = S + static_cast<int64_t>(s) * D;
+    for (int32_t i = lo; i < hi; ++i) {
+      const int32_t r = r_order[i];
+      const float* dyr = dy + (r / R) * D;
+      dq_w[r] = dot_row(dyr, row, D);
+      for (int64_t d = 0; d < D; ++d) drow[d] += q_w[r] * dyr[d];
+    }
+  }
+}
+
+int64_t scratch_size(const StepDims& dm) { return std::max<int64_t>(dm.C * dm.D, 2 * dm.D); }
+
+}  // namespace
+
+template <typename BankT>
+void forward_cpu(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, BankT* bank) {
+  parallel_blocks(dm.streams(), 1, [&](int64_t lo, int64_t hi) {
+    Scratch sc(scratch_size(dm));
+    for (int64_t s = lo; s < hi; ++s)
+      for (int64_t c = 0; c < dm.NC; ++c) forward_unit(dm, p1, io, dm.unit(s, c), bank + s * dm.K * dm.D, sc);
+  });
+}
+
+template <typename BankT>
+void backward_cpu(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, BankT* bank) {
+  parallel_blocks(dm.streams(), 1, [&](int64_t lo, int64_t hi) {
+    Scratch sc(scratch_size(dm));
+    for (int64_t s = lo; s < hi; ++s)
+      for (int64_t c = dm.NC - 1; c >= 0; --c)
+        backward_unit(dm, p1, io, dm.unit(s, c), bank + s * dm.K * dm.D, io.dbank + s * dm.K * dm.D, sc);
+  });
+}
+
+template void forward_cpu<float>(const StepDims&, const StepPhase1&, const ForwardIO&, float*);
+template void forward_cpu<bf16>(const StepDims&, const StepPhase1&, const ForwardIO&, bf16*);
+template void backward_cpu<float>(const StepDims&, const StepPhase1&, const BackwardIO&, float*);
+template void backward_cpu<bf16>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*);
+
+}  // namespace sdm
