@@ -6,6 +6,7 @@
 namespace nb = nanobind;
 
 extern "C" XLA_FFI_Error* SdmPhase1Cpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* SdmPhase1BwdCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmSolveCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmForwardCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmBackwardCpu(XLA_FFI_CallFrame* call_frame);
@@ -17,6 +18,7 @@ NB_MODULE(_sdm_cpu, m) {
       []() {
         nb::dict d;
         d["sdm_phase1"] = nb::capsule(reinterpret_cast<void*>(&SdmPhase1Cpu));
+        d["sdm_phase1_bwd"] = nb::capsule(reinterpret_cast<void*>(&SdmPhase1BwdCpu));
         d["sdm_solve"] = nb::capsule(reinterpret_cast<void*>(&SdmSolveCpu));
         d["sdm_forward"] = nb::capsule(reinterpret_cast<void*>(&SdmForwardCpu));
         d["sdm_backward"] = nb::capsule(reinterpret_cast<void*>(&SdmBackwardCpu));

@@ -6,6 +6,8 @@
 namespace nb = nanobind;
 
 extern "C" XLA_FFI_Error* SdmSolveCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* SdmForwardCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* SdmBackwardCuda(XLA_FFI_CallFrame* call_frame);
 
 NB_MODULE(_sdm_cuda, m) {
   m.doc() = "jax_sdm CUDA kernels as XLA FFI handlers (platform 'CUDA').";
@@ -14,6 +16,8 @@ NB_MODULE(_sdm_cuda, m) {
       []() {
         nb::dict d;
         d["sdm_solve"] = nb::capsule(reinterpret_cast<void*>(&SdmSolveCuda));
+        d["sdm_forward"] = nb::capsule(reinterpret_cast<void*>(&SdmForwardCuda));
+        d["sdm_backward"] = nb::capsule(reinterpret_cast<void*>(&SdmBackwardCuda));
         return d;
       },
       "Returns {target name: PyCapsule} for jax.ffi.register_ffi_target(..., "

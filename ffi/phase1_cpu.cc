@@ -1,10 +1,14 @@
-// XLA FFI handler `sdm_phase1` (platform cpu): checks the buffers and the
-// attribute, then runs kernels/phase1 (docs/DESIGN.md "Phase 1").
+// XLA FFI handlers `sdm_phase1` and `sdm_phase1_bwd` (platform cpu): check the
+// buffers and the attribute, then run kernels/phase1 (docs/DESIGN.md "Phase 1",
+// "Phase-1 backward"). Every buffer may carry any number of leading batch dims in
+// front of the per-unit shape; their product is the unit count N (vmap with
+// vmap_method="broadcast_all" adds them).
 #include <cstdint>
 #include <exception>
 #include <limits>
 #include <string>
 
+#include "ffi/common.h"
 #include "kernels/phase1.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -12,119 +16,82 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-std::string DimsToString(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(dims[i]);
-  }
-  return s + "]";
-}
+using sdm_ffi::CheckShape;
+using sdm_ffi::DimsToString;
+using sdm_ffi::LeadingProduct;
 
-template <typename B>
-bool HasDims(const B& buf, std::initializer_list<int64_t> want) {
-  auto dims = buf.dimensions();
-  if (dims.size() != want.size()) return false;
-  size_t i = 0;
-  for (int64_t d : want) {
-    if (dims[i++] != d) return false;
-  }
-  return true;
-}
+using F32 = ffi::Buffer<ffi::F32>;
+using S32 = ffi::Buffer<ffi::S32>;
+using RetF32 = ffi::ResultBuffer<ffi::F32>;
+using RetS32 = ffi::ResultBuffer<ffi::S32>;
 
-template <typename B>
-ffi::Error CheckDims(const char* name, const B& buf,
-                     std::initializer_list<int64_t> want) {
-  if (HasDims(buf, want)) return ffi::Error::Success();
-  std::string expected = "[";
-  size_t i = 0;
-  for (int64_t d : want) {
-    if (i++) expected += ", ";
-    expected += std::to_string(d);
-  }
-  expected += "]";
-  return ffi::Error::InvalidArgument(
-      std::string("sdm_phase1: ") + name + " has shape " +
-      DimsToString(buf.dimensions()) + ", expected " + expected);
-}
+struct UnitDims {
+  int64_t N, C, W, R, K;
+};
 
-ffi::Error Phase1Impl(ffi::Buffer<ffi::S32> k_idx, ffi::Buffer<ffi::F32> k_val,
-                      ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> q_idx,
-                      ffi::Buffer<ffi::F32> q_val, int64_t num_slots,
-                      ffi::ResultBuffer<ffi::F32> log_k,
-                      ffi::ResultBuffer<ffi::F32> rex,
-                      ffi::ResultBuffer<ffi::F32> cpe,
-                      ffi::ResultBuffer<ffi::F32> k_eff,
-                      ffi::ResultBuffer<ffi::F32> w,
-                      ffi::ResultBuffer<ffi::F32> log_q,
-                      ffi::ResultBuffer<ffi::F32> q_w,
-                      ffi::ResultBuffer<ffi::F32> A,
-                      ffi::ResultBuffer<ffi::F32> QK,
-                      ffi::ResultBuffer<ffi::S32> w_order,
-                      ffi::ResultBuffer<ffi::S32> w_group,
-                      ffi::ResultBuffer<ffi::S32> r_order,
-                      ffi::ResultBuffer<ffi::S32> r_group,
-                      ffi::ResultBuffer<ffi::S32> repeats) {
+// Sizes from k_idx [..., C, W], q_idx [..., C, R] and num_slots, and the limits of
+// kernels/phase1.h.
+ffi::Error Phase1Dims(const char* op, const S32& k_idx, const S32& q_idx,
+                      int64_t num_slots, UnitDims* u) {
   auto kd = k_idx.dimensions();
   auto qd = q_idx.dimensions();
-  if (kd.size() != 3) {
-    return ffi::Error::InvalidArgument(
-        "sdm_phase1: k_idx must have rank 3 [N, C, W], got shape " +
-        DimsToString(kd));
+  if (kd.size() < 2) {
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": k_idx must be [..., C, W], got shape " +
+                                       DimsToString(kd));
   }
-  if (qd.size() != 3) {
-    return ffi::Error::InvalidArgument(
-        "sdm_phase1: q_idx must have rank 3 [N, C, R], got shape " +
-        DimsToString(qd));
+  if (qd.size() < 1) {
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": q_idx must be [..., C, R], got shape " +
+                                       DimsToString(qd));
   }
-  const int64_t N = kd[0], C = kd[1], W = kd[2], R = qd[2];
-  const int64_t K = num_slots;
-  if (qd[0] != N || qd[1] != C) {
-    return ffi::Error::InvalidArgument(
-        "sdm_phase1: q_idx shape " + DimsToString(qd) +
-        " does not match k_idx shape " + DimsToString(kd) +
-        " in the leading dims [N, C]");
-  }
-  if (K < 0 || K > std::numeric_limits<int32_t>::max()) {
-    return ffi::Error::InvalidArgument(
-        "sdm_phase1: num_slots must be in [0, 2^31 - 1], got " +
-        std::to_string(K));
-  }
+  *u = UnitDims{LeadingProduct(kd, 2), kd[kd.size() - 2], kd.back(), qd.back(), num_slots};
+  SDM_RETURN_IF_ERROR(CheckShape(op, "q_idx", q_idx, u->N, {u->C, u->R}));
   constexpr int64_t kMax32 = std::numeric_limits<int32_t>::max();
-  if (C > 0 && (W + R) > (kMax32 - 1) / C) {
-    return ffi::Error::InvalidArgument(
-        "sdm_phase1: C * (W + R) must be below 2^31, got C=" +
-        std::to_string(C) + ", W=" + std::to_string(W) +
-        ", R=" + std::to_string(R));
+  if (u->K < 0 || u->K > kMax32) {
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": num_slots must be in [0, 2^31 - 1], got " +
+                                       std::to_string(u->K));
   }
+  if (u->C > 0 && (u->W + u->R) > (kMax32 - 1) / u->C) {
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": C * (W + R) must be below 2^31, got C=" +
+        std::to_string(u->C) + ", W=" + std::to_string(u->W) +
+        ", R=" + std::to_string(u->R));
+  }
+  return ffi::Error::Success();
+}
 
-  const int64_t CW = C * W, CR = C * R;
-  ffi::Error err;
-#define SDM_CHECK(name, buf, ...)                        \
-  if ((err = CheckDims(name, buf, __VA_ARGS__)).failure()) \
-    return err;
-  SDM_CHECK("k_val", k_val, {N, C, W});
-  SDM_CHECK("x", x, {N, C, W});
-  SDM_CHECK("q_val", q_val, {N, C, R});
-  SDM_CHECK("log_k (result)", *log_k, {N, C, W});
-  SDM_CHECK("rex (result)", *rex, {N, C, W});
-  SDM_CHECK("cpe (result)", *cpe, {N, C, W});
-  SDM_CHECK("k_eff (result)", *k_eff, {N, C, W});
-  SDM_CHECK("w (result)", *w, {N, C, W});
-  SDM_CHECK("log_q (result)", *log_q, {N, C, R});
-  SDM_CHECK("q_w (result)", *q_w, {N, C, R});
-  SDM_CHECK("A (result)", *A, {N, C, C});
-  SDM_CHECK("QK (result)", *QK, {N, C, C});
-  SDM_CHECK("w_order (result)", *w_order, {N, CW});
-  SDM_CHECK("w_group (result)", *w_group, {N, CW + 1});
-  SDM_CHECK("r_order (result)", *r_order, {N, CR});
-  SDM_CHECK("r_group (result)", *r_group, {N, CR + 1});
-  SDM_CHECK("repeats (result)", *repeats, {N});
-#undef SDM_CHECK
+ffi::Error Phase1Impl(S32 k_idx, F32 k_val, F32 x, S32 q_idx, F32 q_val,
+                      int64_t num_slots, RetF32 log_k, RetF32 rex, RetF32 cpe,
+                      RetF32 k_eff, RetF32 w, RetF32 log_q, RetF32 q_w, RetF32 A,
+                      RetF32 QK, RetS32 w_order, RetS32 w_group, RetS32 r_order,
+                      RetS32 r_group, RetS32 repeats) {
+  constexpr const char* op = "sdm_phase1";
+  UnitDims u;
+  SDM_RETURN_IF_ERROR(Phase1Dims(op, k_idx, q_idx, num_slots, &u));
+  const int64_t N = u.N, C = u.C, W = u.W, R = u.R, CW = C * W, CR = C * R;
+  SDM_RETURN_IF_ERROR(CheckShape(op, "k_val", k_val, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "x", x, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "q_val", q_val, N, {C, R}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "log_k (result)", *log_k, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "rex (result)", *rex, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "cpe (result)", *cpe, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "k_eff (result)", *k_eff, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "w (result)", *w, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "log_q (result)", *log_q, N, {C, R}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "q_w (result)", *q_w, N, {C, R}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "A (result)", *A, N, {C, C}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "QK (result)", *QK, N, {C, C}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "w_order (result)", *w_order, N, {CW}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "w_group (result)", *w_group, N, {CW + 1}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "r_order (result)", *r_order, N, {CR}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "r_group (result)", *r_group, N, {CR + 1}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "repeats (result)", *repeats, N, {}));
 
   try {
     sdm::phase1_cpu(k_idx.typed_data(), k_val.typed_data(), x.typed_data(),
-                    q_idx.typed_data(), q_val.typed_data(), N, C, W, R, K,
+                    q_idx.typed_data(), q_val.typed_data(), N, C, W, R, u.K,
                     log_k->typed_data(), rex->typed_data(), cpe->typed_data(),
                     k_eff->typed_data(), w->typed_data(), log_q->typed_data(),
                     q_w->typed_data(), A->typed_data(), QK->typed_data(),
@@ -132,7 +99,44 @@ ffi::Error Phase1Impl(ffi::Buffer<ffi::S32> k_idx, ffi::Buffer<ffi::F32> k_val,
                     r_order->typed_data(), r_group->typed_data(),
                     repeats->typed_data());
   } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string("sdm_phase1: ") + e.what());
+    return ffi::Error::Internal(std::string(op) + ": " + e.what());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Phase1BwdImpl(S32 k_idx, F32 k_val, S32 q_idx, F32 q_val, F32 log_k,
+                         F32 rex, F32 cpe, F32 log_q, F32 dk_eff, F32 dw, F32 dcpe,
+                         F32 dq_w, F32 dA, F32 dQK, int64_t num_slots,
+                         RetF32 dk_val, RetF32 dx, RetF32 dq_val) {
+  constexpr const char* op = "sdm_phase1_bwd";
+  UnitDims u;
+  SDM_RETURN_IF_ERROR(Phase1Dims(op, k_idx, q_idx, num_slots, &u));
+  const int64_t N = u.N, C = u.C, W = u.W, R = u.R;
+  SDM_RETURN_IF_ERROR(CheckShape(op, "k_val", k_val, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "q_val", q_val, N, {C, R}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "log_k", log_k, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "rex", rex, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "cpe", cpe, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "log_q", log_q, N, {C, R}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dk_eff", dk_eff, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dw", dw, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dcpe", dcpe, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dq_w", dq_w, N, {C, R}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dA", dA, N, {C, C}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dQK", dQK, N, {C, C}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dk_val (result)", *dk_val, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dx (result)", *dx, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dq_val (result)", *dq_val, N, {C, R}));
+
+  try {
+    sdm::phase1_bwd_cpu(k_idx.typed_data(), k_val.typed_data(), q_idx.typed_data(),
+                        q_val.typed_data(), N, C, W, R, u.K, log_k.typed_data(),
+                        rex.typed_data(), cpe.typed_data(), log_q.typed_data(),
+                        dk_eff.typed_data(), dw.typed_data(), dcpe.typed_data(),
+                        dq_w.typed_data(), dA.typed_data(), dQK.typed_data(),
+                        dk_val->typed_data(), dx->typed_data(), dq_val->typed_data());
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string(op) + ": " + e.what());
   }
   return ffi::Error::Success();
 }
@@ -141,24 +145,46 @@ ffi::Error Phase1Impl(ffi::Buffer<ffi::S32> k_idx, ffi::Buffer<ffi::F32> k_val,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmPhase1Cpu, Phase1Impl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // k_idx
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_val
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_idx
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q_val
+                                  .Arg<S32>()  // k_idx
+                                  .Arg<F32>()  // k_val
+                                  .Arg<F32>()  // x
+                                  .Arg<S32>()  // q_idx
+                                  .Arg<F32>()  // q_val
                                   .Attr<int64_t>("num_slots")
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // log_k
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // rex
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // cpe
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // k_eff
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // w
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // log_q
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // q_w
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // A
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // QK
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // w_order
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // w_group
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // r_order
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // r_group
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // repeats
+                                  .Ret<F32>()  // log_k
+                                  .Ret<F32>()  // rex
+                                  .Ret<F32>()  // cpe
+                                  .Ret<F32>()  // k_eff
+                                  .Ret<F32>()  // w
+                                  .Ret<F32>()  // log_q
+                                  .Ret<F32>()  // q_w
+                                  .Ret<F32>()  // A
+                                  .Ret<F32>()  // QK
+                                  .Ret<S32>()  // w_order
+                                  .Ret<S32>()  // w_group
+                                  .Ret<S32>()  // r_order
+                                  .Ret<S32>()  // r_group
+                                  .Ret<S32>()  // repeats
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmPhase1BwdCpu, Phase1BwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<S32>()  // k_idx
+                                  .Arg<F32>()  // k_val
+                                  .Arg<S32>()  // q_idx
+                                  .Arg<F32>()  // q_val
+                                  .Arg<F32>()  // log_k
+                                  .Arg<F32>()  // rex
+                                  .Arg<F32>()  // cpe
+                                  .Arg<F32>()  // log_q
+                                  .Arg<F32>()  // dk_eff
+                                  .Arg<F32>()  // dw
+                                  .Arg<F32>()  // dcpe
+                                  .Arg<F32>()  // dq_w
+                                  .Arg<F32>()  // dA
+                                  .Arg<F32>()  // dQK
+                                  .Attr<int64_t>("num_slots")
+                                  .Ret<F32>()  // dk_val
+                                  .Ret<F32>()  // dx
+                                  .Ret<F32>()  // dq_val
 );

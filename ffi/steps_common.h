@@ -14,6 +14,7 @@ namespace sdm_ffi {
 
 using F32 = ffi::Buffer<ffi::F32>;
 using S32 = ffi::Buffer<ffi::S32>;
+using R32 = ffi::ResultBuffer<ffi::F32>;
 
 // Sizes from k_idx [V..., NC, P, C, W], q_idx [.., R], bank [V..., P, K, D].
 inline ffi::Error StepDimsOf(const char* op, const ffi::AnyBuffer& bank, const S32& k_idx, const S32& q_idx,
@@ -34,6 +35,13 @@ inline ffi::Error StepDimsOf(const char* op, const ffi::AnyBuffer& bank, const S
   SDM_RETURN_IF_ERROR(CheckShape(op, "bank", bank, dm->V, {dm->P, dm->K, dm->D}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "q_idx", q_idx, dm->V, {dm->NC, dm->P, dm->C, dm->R}));
   return ffi::Error::Success();
+}
+
+// The workspace holds step_workspace_floats(dm) floats (any shape: vmap adds a leading dim).
+inline ffi::Error CheckWorkspace(const char* op, const ffi::Buffer<ffi::F32>& ws, const sdm::StepDims& dm) {
+  if (static_cast<int64_t>(ws.element_count()) == sdm::step_workspace_floats(dm)) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(op) + ": the workspace has " + std::to_string(ws.element_count()) +
+                                     " floats, expected " + std::to_string(sdm::step_workspace_floats(dm)));
 }
 
 // The Phase-1 arrays every step reads, checked against the sizes.
@@ -83,6 +91,172 @@ inline sdm::StepPhase1 Phase1View(const S32& k_idx, const S32& q_idx, const F32&
                          r_group ? r_group->typed_data() : nullptr, minv.typed_data()};
 }
 
+// The handlers' parameters, in the order of the bindings below (docs/DESIGN.md); shared by CPU and CUDA.
+#define SDM_FORWARD_PARAMS                                                                                    \
+  ::xla::ffi::AnyBuffer bank, ::sdm_ffi::S32 k_idx, ::sdm_ffi::S32 q_idx, ::sdm_ffi::F32 v, ::sdm_ffi::F32 beta, \
+      ::sdm_ffi::F32 k_eff, ::sdm_ffi::F32 w, ::sdm_ffi::F32 cpe, ::sdm_ffi::F32 q_w, ::sdm_ffi::F32 QK,        \
+      ::sdm_ffi::S32 w_order, ::sdm_ffi::S32 w_group, ::sdm_ffi::F32 minv,                                     \
+      ::xla::ffi::Result<::xla::ffi::AnyBuffer> bank_out, ::sdm_ffi::R32 y, ::sdm_ffi::R32 delta,            \
+      ::sdm_ffi::R32 G, ::xla::ffi::Result<::xla::ffi::AnyBuffer> snapshot, ::sdm_ffi::R32 workspace
+#define SDM_FORWARD_NAMES \
+  bank, k_idx, q_idx, v, beta, k_eff, w, cpe, q_w, QK, w_order, w_group, minv, bank_out, y, delta, G, snapshot, workspace
+
+#define SDM_BACKWARD_PARAMS                                                                                    \
+  ::xla::ffi::AnyBuffer bank, ::sdm_ffi::F32 dbank, ::sdm_ffi::F32 dy, ::sdm_ffi::S32 k_idx, ::sdm_ffi::S32 q_idx, \
+      ::sdm_ffi::F32 v, ::sdm_ffi::F32 beta, ::sdm_ffi::F32 k_eff, ::sdm_ffi::F32 w, ::sdm_ffi::F32 cpe,         \
+      ::sdm_ffi::F32 q_w, ::sdm_ffi::F32 A, ::sdm_ffi::F32 QK, ::sdm_ffi::S32 w_order, ::sdm_ffi::S32 w_group,   \
+      ::sdm_ffi::S32 r_order, ::sdm_ffi::S32 r_group, ::sdm_ffi::F32 minv, ::sdm_ffi::F32 delta,                \
+      ::sdm_ffi::F32 G, ::xla::ffi::AnyBuffer snapshot, ::xla::ffi::Result<::xla::ffi::AnyBuffer> bank_out,    \
+      ::sdm_ffi::R32 dbank_out, ::sdm_ffi::R32 dk_eff, ::sdm_ffi::R32 dw, ::sdm_ffi::R32 dcpe,                  \
+      ::sdm_ffi::R32 dq_w, ::sdm_ffi::R32 dA, ::sdm_ffi::R32 dQK, ::sdm_ffi::R32 dbeta, ::sdm_ffi::R32 dv,      \
+      ::sdm_ffi::R32 workspace
+#define SDM_BACKWARD_NAMES                                                                                   \
+  bank, dbank, dy, k_idx, q_idx, v, beta, k_eff, w, cpe, q_w, A, QK, w_order, w_group, r_order, r_group, minv, \
+      delta, G, snapshot, bank_out, dbank_out, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv, workspace
+
+// A checked forward call, ready for a platform's kernel.
+struct ForwardCall {
+  sdm::StepDims dm;
+  sdm::StepPhase1 p1;
+  sdm::ForwardIO io;
+  ffi::DataType type;
+  const void* bank_in;
+  void* bank;
+  size_t bank_bytes;
+  float* workspace;
+};
+
+inline ffi::Error PrepareForward(SDM_FORWARD_PARAMS, ForwardCall* call) {
+  const char* op = "sdm_forward";
+  sdm::StepDims& dm = call->dm;
+  bool save = false;
+  SDM_RETURN_IF_ERROR(StepDimsOf(op, bank, k_idx, q_idx, &dm));
+  SDM_RETURN_IF_ERROR(CheckPhase1(op, dm, v, beta, k_eff, w, cpe, q_w, QK, w_order, w_group, minv));
+  SDM_RETURN_IF_ERROR(CheckForwardResults(op, dm, bank, *bank_out, *y, *delta, *G, *snapshot, &save));
+  SDM_RETURN_IF_ERROR(CheckWorkspace(op, *workspace, dm));
+  call->p1 = Phase1View(k_idx, q_idx, k_eff, w, cpe, q_w, nullptr, QK, w_order, w_group, nullptr, nullptr, minv);
+  call->io = sdm::ForwardIO{v.typed_data(), beta.typed_data(), y->typed_data(),
+                            save ? delta->typed_data() : nullptr, save ? G->typed_data() : nullptr,
+                            save ? snapshot->untyped_data() : nullptr};
+  call->type = bank.element_type();
+  call->bank_in = bank.untyped_data();
+  call->bank = bank_out->untyped_data();
+  call->bank_bytes = bank.size_bytes();
+  call->workspace = workspace->typed_data();
+  return ffi::Error::Success();
+}
+
+// A checked backward call, ready for a platform's kernel.
+struct BackwardCall {
+  sdm::StepDims dm;
+  sdm::StepPhase1 p1;
+  sdm::BackwardIO io;
+  ffi::DataType type;
+  const void* bank_in;
+  void* bank;
+  size_t bank_bytes;
+  const float* dbank_in;
+  size_t dbank_bytes;
+  float* workspace;
+};
+
+inline ffi::Error PrepareBackward(
+SDM_BACKWARD_PARAMS, BackwardCall* call) {
+  const char* op = "sdm_backward";
+  sdm::StepDims& dm = call->dm;
+  bool save = false;
+  SDM_RETURN_IF_ERROR(StepDimsOf(op, bank, k_idx, q_idx, &dm));
+  SDM_RETURN_IF_ERROR(CheckPhase1(op, dm, v, beta, k_eff, w, cpe, q_w, QK, w_order, w_group, minv));
+  SDM_RETURN_IF_ERROR(CheckForwardResults(op, dm, bank, bank, dy, delta, G, snapshot, &save));
+  if (!save) return ffi::Error::InvalidArgument(std::string(op) + ": the forward residuals are empty");
+  const int64_t V = dm.V, NC = dm.NC, P = dm.P, C = dm.C, W = dm.W, R = dm.R;
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dbank", dbank, V, {P, dm.K, dm.D}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "A", A, V, {NC, P, C, C}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "r_order", r_order, V, {NC, P, C * R}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "r_group", r_group, V, {NC, P, C * R + 1}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "bank (result)", *bank_out, V, {P, dm.K, dm.D}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dbank (result)", *dbank_out, V, {P, dm.K, dm.D}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dk_eff", *dk_eff, V, {NC, P, C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dw", *dw, V, {NC, P, C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dcpe", *dcpe, V, {NC, P, C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dq_w", *dq_w, V, {NC, P, C, R}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dA", *dA, V, {NC, P, C, C}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dQK", *dQK, V, {NC, P, C, C}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dbeta", *dbeta, V, {NC, P, C}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dv", *dv, V, {NC, P, C, dm.D}));
+  SDM_RETURN_IF_ERROR(CheckWorkspace(op, *workspace, dm));
+  call->p1 = Phase1View(k_idx, q_idx, k_eff, w, cpe, q_w, &A, QK, w_order, w_group, &r_order, &r_group, minv);
+  call->io = sdm::BackwardIO{v.typed_data(),       beta.typed_data(),   dy.typed_data(),
+                             delta.typed_data(),   G.typed_data(),      snapshot.untyped_data(),
+                             dbank_out->typed_data(), dk_eff->typed_data(), dw->typed_data(),
+                             dcpe->typed_data(),   dq_w->typed_data(),  dA->typed_data(),
+                             dQK->typed_data(),    dbeta->typed_data(), dv->typed_data()};
+  call->type = bank.element_type();
+  call->bank_in = bank.untyped_data();
+  call->bank = bank_out->untyped_data();
+  call->bank_bytes = bank.size_bytes();
+  call->dbank_in = dbank.typed_data();
+  call->dbank_bytes = dbank.size_bytes();
+  call->workspace = workspace->typed_data();
+  return ffi::Error::Success();
+}
+
 }  // namespace sdm_ffi
+
+// The buffers of the two handlers, in order (docs/DESIGN.md), shared by the CPU and CUDA bindings.
+#define SDM_FORWARD_BUFFERS                                                                                  \
+  Arg<::xla::ffi::AnyBuffer>() /* bank */                                                                      \
+      .Arg<::sdm_ffi::S32>()  /* k_idx */                                                                    \
+      .Arg<::sdm_ffi::S32>()  /* q_idx */                                                                    \
+      .Arg<::sdm_ffi::F32>()  /* v */                                                                        \
+      .Arg<::sdm_ffi::F32>()  /* beta */                                                                     \
+      .Arg<::sdm_ffi::F32>()  /* k_eff */                                                                    \
+      .Arg<::sdm_ffi::F32>()  /* w */                                                                        \
+      .Arg<::sdm_ffi::F32>()  /* cpe */                                                                      \
+      .Arg<::sdm_ffi::F32>()  /* q_w */                                                                      \
+      .Arg<::sdm_ffi::F32>()  /* QK */                                                                       \
+      .Arg<::sdm_ffi::S32>()  /* w_order */                                                                  \
+      .Arg<::sdm_ffi::S32>()  /* w_group */                                                                  \
+      .Arg<::sdm_ffi::F32>()  /* Minv */                                                                     \
+      .Ret<::xla::ffi::AnyBuffer>() /* bank (aliased) */                                                     \
+      .Ret<::sdm_ffi::F32>()  /* y */                                                                        \
+      .Ret<::sdm_ffi::F32>()  /* delta */                                                                    \
+      .Ret<::sdm_ffi::F32>()  /* G */                                                                        \
+      .Ret<::xla::ffi::AnyBuffer>() /* snapshot */                                                           \
+      .Ret<::sdm_ffi::F32>()  /* workspace */
+
+#define SDM_BACKWARD_BUFFERS                                                                                 \
+  Arg<::xla::ffi::AnyBuffer>() /* bank (final; aliased) */                                                     \
+      .Arg<::sdm_ffi::F32>()  /* dbank (aliased) */                                                          \
+      .Arg<::sdm_ffi::F32>()  /* dy */                                                                       \
+      .Arg<::sdm_ffi::S32>()  /* k_idx */                                                                    \
+      .Arg<::sdm_ffi::S32>()  /* q_idx */                                                                    \
+      .Arg<::sdm_ffi::F32>()  /* v */                                                                        \
+      .Arg<::sdm_ffi::F32>()  /* beta */                                                                     \
+      .Arg<::sdm_ffi::F32>()  /* k_eff */                                                                    \
+      .Arg<::sdm_ffi::F32>()  /* w */                                                                        \
+      .Arg<::sdm_ffi::F32>()  /* cpe */                                                                      \
+      .Arg<::sdm_ffi::F32>()  /* q_w */                                                                      \
+      .Arg<::sdm_ffi::F32>()  /* A */                                                                        \
+      .Arg<::sdm_ffi::F32>()  /* QK */                                                                       \
+      .Arg<::sdm_ffi::S32>()  /* w_order */                                                                  \
+      .Arg<::sdm_ffi::S32>()  /* w_group */                                                                  \
+      .Arg<::sdm_ffi::S32>()  /* r_order */                                                                  \
+      .Arg<::sdm_ffi::S32>()  /* r_group */                                                                  \
+      .Arg<::sdm_ffi::F32>()  /* Minv */                                                                     \
+      .Arg<::sdm_ffi::F32>()  /* delta */                                                                    \
+      .Arg<::sdm_ffi::F32>()  /* G */                                                                        \
+      .Arg<::xla::ffi::AnyBuffer>() /* snapshot */                                                           \
+      .Ret<::xla::ffi::AnyBuffer>() /* bank (initial; aliased) */                                            \
+      .Ret<::sdm_ffi::F32>()  /* dbank (initial; aliased) */                                                 \
+      .Ret<::sdm_ffi::F32>()  /* dk_eff */                                                                   \
+      .Ret<::sdm_ffi::F32>()  /* dw */                                                                       \
+      .Ret<::sdm_ffi::F32>()  /* dcpe */                                                                     \
+      .Ret<::sdm_ffi::F32>()  /* dq_w */                                                                     \
+      .Ret<::sdm_ffi::F32>()  /* dA */                                                                       \
+      .Ret<::sdm_ffi::F32>()  /* dQK */                                                                      \
+      .Ret<::sdm_ffi::F32>()  /* dbeta */                                                                    \
+      .Ret<::sdm_ffi::F32>()  /* dv */                                                                       \
+      .Ret<::sdm_ffi::F32>()  /* workspace */
 
 #endif  // JAX_SDM_FFI_STEPS_COMMON_H_

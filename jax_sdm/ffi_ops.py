@@ -1,8 +1,10 @@
 """``jax.ffi.ffi_call`` wrappers of the jax_sdm kernels, with the shape logic.
 
 Kernel layout and outputs: docs/DESIGN.md. Leading dimensions before the
-per-unit ones are a batch shape: they are flattened to ``N`` for the kernel and
-restored on the results.
+per-unit ones are a batch shape: the handlers take any number of them (their
+product is the unit count), so the wrappers pass them through and use
+``vmap_method="broadcast_all"``: a ``vmap`` adds a leading dim to one kernel call,
+never a loop of calls.
 """
 
 from __future__ import annotations
@@ -32,6 +34,42 @@ def _phase1_result(values):
     return Phase1(*values)
 
 
+def _check_shape(op, name, a, shape):
+    if tuple(jnp.shape(a)) != tuple(shape):
+        raise ValueError(f"{op}: {name} has shape {tuple(jnp.shape(a))}, expected {tuple(shape)}")
+
+
+def _phase1_dims(op, k_idx, k_val, x, q_idx, q_val, num_slots):
+    """Checks Phase 1's inputs; returns ``(batch, C, W, R, K)``."""
+    shape_w = tuple(jnp.shape(k_idx))
+    shape_r = tuple(jnp.shape(q_idx))
+    if len(shape_w) < 2:
+        raise ValueError(f"{op}: k_idx must be [..., C, W], got shape {shape_w}")
+    if len(shape_r) < 2:
+        raise ValueError(f"{op}: q_idx must be [..., C, R], got shape {shape_r}")
+    for name, a in (("k_val", k_val), ("x", x)):
+        if tuple(jnp.shape(a)) != shape_w:
+            raise ValueError(
+                f"{op}: {name} has shape {tuple(jnp.shape(a))}, expected the shape "
+                f"of k_idx {shape_w}")
+    if tuple(jnp.shape(q_val)) != shape_r:
+        raise ValueError(
+            f"{op}: q_val has shape {tuple(jnp.shape(q_val))}, expected the shape "
+            f"of q_idx {shape_r}")
+    if shape_r[:-1] != shape_w[:-1]:
+        raise ValueError(
+            f"{op}: q_idx shape {shape_r} and k_idx shape {shape_w} must agree "
+            f"in all but the last dim ([..., C])")
+    try:
+        K = int(num_slots)
+    except TypeError:
+        raise TypeError(
+            f"{op}: num_slots must be a static Python int, got {num_slots!r}") from None
+    if not 0 <= K < 2**31:
+        raise ValueError(f"{op}: num_slots must be in [0, 2^31), got {K}")
+    return shape_w[:-2], shape_w[-2], shape_w[-1], shape_r[-1], K
+
+
 def phase1_ffi(k_idx, k_val, x, q_idx, q_val, num_slots):
     """Phase 1 of the chunked form on the kernels (docs/DESIGN.md "Phase 1").
 
@@ -48,50 +86,7 @@ def phase1_ffi(k_idx, k_val, x, q_idx, q_val, num_slots):
       r_group, repeats)`` (a ``jax_sdm.xla.Phase1`` when that type exists) with the
       batch shape ``...`` in front of the per-unit shapes of DESIGN.md.
     """
-    k_idx = jnp.asarray(k_idx)
-    q_idx = jnp.asarray(q_idx)
-    if k_idx.ndim < 2:
-        raise ValueError(f"phase1_ffi: k_idx must be [..., C, W], got shape {k_idx.shape}")
-    if q_idx.ndim < 2:
-        raise ValueError(f"phase1_ffi: q_idx must be [..., C, R], got shape {q_idx.shape}")
-    shape_w = tuple(k_idx.shape)
-    for name, a in (("k_val", k_val), ("x", x)):
-        if tuple(jnp.shape(a)) != shape_w:
-            raise ValueError(
-                f"phase1_ffi: {name} has shape {tuple(jnp.shape(a))}, expected the shape "
-                f"of k_idx {shape_w}")
-    shape_r = tuple(q_idx.shape)
-    if tuple(jnp.shape(q_val)) != shape_r:
-        raise ValueError(
-            f"phase1_ffi: q_val has shape {tuple(jnp.shape(q_val))}, expected the shape "
-            f"of q_idx {shape_r}")
-    if shape_r[:-1] != shape_w[:-1]:
-        raise ValueError(
-            f"phase1_ffi: q_idx shape {shape_r} and k_idx shape {shape_w} must agree "
-            f"in all but the last dim ([..., C])")
-    try:
-        K = int(num_slots)
-    except TypeError:
-        raise TypeError(
-            f"phase1_ffi: num_slots must be a static Python int, got {num_slots!r}") from None
-    if not 0 <= K < 2**31:
-        raise ValueError(f"phase1_ffi: num_slots must be in [0, 2^31), got {K}")
-
-    batch = shape_w[:-2]
-    C, W = shape_w[-2:]
-    R = shape_r[-1]
-    N = math.prod(batch)
-
-    def flat(a, dtype, lanes):
-        return jnp.asarray(a).astype(dtype).reshape(N, C, lanes)
-
-    args = (
-        flat(k_idx, jnp.int32, W),
-        flat(k_val, jnp.float32, W),
-        flat(x, jnp.float32, W),
-        flat(q_idx, jnp.int32, R),
-        flat(q_val, jnp.float32, R),
-    )
+    batch, C, W, R, K = _phase1_dims("phase1_ffi", k_idx, k_val, x, q_idx, q_val, num_slots)
     f32, i32 = jnp.float32, jnp.int32
     out_shapes = [
         ((C, W), f32),          # log_k
@@ -111,12 +106,62 @@ def phase1_ffi(k_idx, k_val, x, q_idx, q_val, num_slots):
     ]
     call = jax.ffi.ffi_call(
         "sdm_phase1",
-        [jax.ShapeDtypeStruct((N,) + s, d) for s, d in out_shapes],
-        vmap_method="sequential",
+        [jax.ShapeDtypeStruct(batch + s, d) for s, d in out_shapes],
+        vmap_method="broadcast_all",
     )
-    outs = call(*args, num_slots=np.int64(K))
-    outs = [o.reshape(batch + s) for o, (s, _) in zip(outs, out_shapes)]
+    outs = call(jnp.asarray(k_idx).astype(i32), jnp.asarray(k_val).astype(f32),
+                jnp.asarray(x).astype(f32), jnp.asarray(q_idx).astype(i32),
+                jnp.asarray(q_val).astype(f32), num_slots=np.int64(K))
     return _phase1_result(outs)
+
+
+def phase1_bwd_ffi(k_idx, k_val, x, q_idx, q_val, num_slots, p1, dk_eff, dw, dcpe, dq_w, dA, dQK):
+    """The VJP of Phase 1 w.r.t. ``k_val``, ``x``, ``q_val`` (docs/DESIGN.md "Phase-1 backward").
+
+    Args:
+      k_idx, k_val, x, q_idx, q_val, num_slots: Phase 1's inputs, as for ``phase1_ffi``
+        (``x`` is only shape-checked: the kernel reads the gates through ``p1``).
+      p1: Phase 1's outputs for these inputs (the ``Phase1`` of ``phase1_ffi``); its
+        ``log_k``, ``rex``, ``cpe`` and ``log_q`` are read.
+      dk_eff, dw, dcpe: ``[..., C, W]`` cotangents of ``k_eff``, ``w``, ``cpe``.
+      dq_w: ``[..., C, R]`` cotangent of ``q_w``.
+      dA, dQK: ``[..., C, C]`` cotangents of ``A`` (its strictly lower part is read)
+        and ``QK`` (its lower part with the diagonal is read).
+      Any cotangent may be ``None`` (zero). The cotangents of ``log_k``, ``rex`` and
+      ``log_q`` are taken as zero.
+
+    Returns:
+      ``(dk_val [..., C, W], dx [..., C, W], dq_val [..., C, R])`` float32; invalid
+      entries and the gates of repeats get 0.
+    """
+    op = "phase1_bwd_ffi"
+    batch, C, W, R, K = _phase1_dims(op, k_idx, k_val, x, q_idx, q_val, num_slots)
+    f32 = jnp.float32
+    shape_w, shape_r, shape_c = batch + (C, W), batch + (C, R), batch + (C, C)
+    p1 = _phase1_result(p1)
+    for name, shape in (("log_k", shape_w), ("rex", shape_w), ("cpe", shape_w),
+                        ("log_q", shape_r)):
+        _check_shape(op, f"p1.{name}", getattr(p1, name), shape)
+
+    def cotangent(name, a, shape):
+        if a is None:
+            return jnp.zeros(shape, f32)
+        _check_shape(op, name, a, shape)
+        return jnp.asarray(a).astype(f32)
+
+    cots = [cotangent(name, a, shape) for name, a, shape in (
+        ("dk_eff", dk_eff, shape_w), ("dw", dw, shape_w), ("dcpe", dcpe, shape_w),
+        ("dq_w", dq_w, shape_r), ("dA", dA, shape_c), ("dQK", dQK, shape_c))]
+    call = jax.ffi.ffi_call(
+        "sdm_phase1_bwd",
+        (jax.ShapeDtypeStruct(shape_w, f32), jax.ShapeDtypeStruct(shape_w, f32),
+         jax.ShapeDtypeStruct(shape_r, f32)),
+        vmap_method="broadcast_all",
+    )
+    return call(jnp.asarray(k_idx).astype(jnp.int32), jnp.asarray(k_val).astype(f32),
+                jnp.asarray(q_idx).astype(jnp.int32), jnp.asarray(q_val).astype(f32),
+                *(jnp.asarray(getattr(p1, n)).astype(f32) for n in ("log_k", "rex", "cpe", "log_q")),
+                *cots, num_slots=np.int64(K))
 
 
 def solve_ffi(A, beta):
@@ -137,14 +182,70 @@ def solve_ffi(A, beta):
         raise ValueError(
             f"solve_ffi: beta has shape {tuple(beta.shape)}, expected {tuple(A.shape[:-1])} "
             f"(A's shape without its last dim)")
-    batch = tuple(A.shape[:-2])
-    C = A.shape[-1]
-    N = math.prod(batch)
     call = jax.ffi.ffi_call(
         "sdm_solve",
-        jax.ShapeDtypeStruct((N, C, C), jnp.float32),
-        vmap_method="sequential",
+        jax.ShapeDtypeStruct(A.shape, jnp.float32),
+        vmap_method="broadcast_all",
     )
-    out = call(A.astype(jnp.float32).reshape(N, C, C),
-               beta.astype(jnp.float32).reshape(N, C))
-    return out.reshape(batch + (C, C))
+    return call(A.astype(jnp.float32), beta.astype(jnp.float32))
+
+
+def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save):
+    """The forward chunk loop (docs/DESIGN.md "Forward steps").
+
+    Args:
+      bank: `[..., P, K, D]` float32 or bfloat16; updated in place (aliased to the returned bank).
+      k_idx, q_idx, v, beta: `[..., NC, P, C, W|R|D]` / `[..., NC, P, C]` (kernel layout).
+      p1: Phase 1's outputs (`Phase1`) in the same layout; minv: the solve's `[..., NC, P, C, C]`.
+      save: keep the residuals for the backward (else they come back empty and nothing is saved).
+
+    Returns:
+      `(final_bank, y, delta, G, snapshot)`; `y`, `delta`, `G` float32, `snapshot` in the bank's dtype.
+    """
+    C, W = k_idx.shape[-2:]
+    D = bank.shape[-1]
+    tokens = k_idx.shape[:-1]
+    f32 = jnp.float32
+
+    def residual(shape, dtype):
+        return jax.ShapeDtypeStruct(shape if save else (0,), dtype)
+
+    call = jax.ffi.ffi_call(
+        "sdm_forward",
+        (jax.ShapeDtypeStruct(bank.shape, bank.dtype), jax.ShapeDtypeStruct(tokens + (D,), f32),
+         residual(tokens + (D,), f32), residual(tokens + (D,), f32),
+         residual(tokens[:-1] + (C * W, D), bank.dtype), _workspace(bank, C)),
+        vmap_method="broadcast_all",
+        input_output_aliases={0: 0},
+    )
+    return call(bank, k_idx.astype(jnp.int32), q_idx.astype(jnp.int32), v.astype(f32), beta.astype(f32),
+                p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.QK, p1.w_order, p1.w_group, minv)[:5]
+
+
+def _workspace(bank, C):
+    """The steps' scratch (kernels/steps.h `step_workspace_floats`): `2 * streams * C * D` floats."""
+    return jax.ShapeDtypeStruct((2 * math.prod(bank.shape[:-2]) * C * bank.shape[-1],), jnp.float32)
+
+
+def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snapshot):
+    """The reverse chunk loop (docs/DESIGN.md "Backward steps").
+
+    `bank` is the final bank (it comes back as the initial one, restored in place) and `dbank` the cotangent of
+    the final bank (it comes back as the gradient of the initial bank, float32).
+
+    Returns:
+      `(initial_bank, dbank, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv)`.
+    """
+    f32 = jnp.float32
+    like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+    call = jax.ffi.ffi_call(
+        "sdm_backward",
+        (like(bank), jax.ShapeDtypeStruct(dbank.shape, f32), like(p1.k_eff), like(p1.w), like(p1.cpe),
+         like(p1.q_w), like(p1.A), like(p1.QK), like(beta.astype(f32)), like(v.astype(f32)),
+         _workspace(bank, k_idx.shape[-2])),
+        vmap_method="broadcast_all",
+        input_output_aliases={0: 0, 1: 1},
+    )
+    return call(bank, dbank.astype(f32), dy.astype(f32), k_idx.astype(jnp.int32), q_idx.astype(jnp.int32),
+                v.astype(f32), beta.astype(f32), p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.A, p1.QK, p1.w_order,
+                p1.w_group, p1.r_order, p1.r_group, minv, delta, G, snapshot)[:10]

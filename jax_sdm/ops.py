@@ -4,10 +4,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import layout
+from . import ffi_ops, layout, lowering
 from .reference import sdm_reference
 from .xla import chunk_loop_xla, phase1_xla, solve_xla
-from . import ffi_ops
 
 IMPLS = ("auto", "ffi", "xla", "reference")
 
@@ -26,7 +25,8 @@ def _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
         bank = jnp.broadcast_to(bank[None], (dims.B,) + bank.shape)
     y, final = chunk_loop_xla(bank.reshape(dims.P, dims.K, dims.D), k_idx_u, q_idx_u, units(v.astype(f32)),
                               beta_u, p1, minv)
-    return layout.from_units(y, dims).astype(bank.dtype), final.reshape(dims.B, dims.H, dims.K, dims.D)
+    return (layout.from_units(y, dims).astype(bank.dtype), final.reshape(dims.B, dims.H, dims.K, dims.D),
+            jnp.sum(p1.repeats))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
@@ -61,21 +61,67 @@ def _sdm_kernels_bwd(num_slots, residuals, cotangents):
 _sdm_kernels.defvjp(_sdm_kernels_fwd, _sdm_kernels_bwd)
 
 
+KERNEL_TARGETS = ("sdm_phase1", "sdm_solve", "sdm_forward", "sdm_backward", "sdm_phase1_bwd")
+
+
+def _require_kernels():
+    """Raise before any work if this backend lacks one of the kernels (no silent fallback, SPEC 2)."""
+    platform = jax.default_backend()
+    missing = [t for t in KERNEL_TARGETS if not lowering.is_registered(t, platform)]
+    if missing:
+        raise NotImplementedError(
+            f"sdm_write_read: impl='ffi' has no {platform} kernels for {', '.join(missing)} in this build; "
+            "use impl='xla' (the chunked form in pure JAX) or impl='reference' (the token loop)")
+
+
 def _sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
     """The op on the FFI kernels (C++ on CPU, CUDA on GPU)."""
-    f32 = jnp.float32
-    units = lambda a, fill=0: layout.to_units(a, dims, fill)
-    if dims.shared_bank:
-        bank = jnp.broadcast_to(bank[None], (dims.B,) + bank.shape)
-    y, final, repeats = _sdm_kernels(
-        bank.reshape(dims.P, dims.K, dims.D), units(k_idx.astype(jnp.int32), -1), units(k_val.astype(f32)),
-        units(layout.lane_gates(g, dims).astype(f32)), units(v.astype(f32)), units(beta.astype(f32)),
-        units(q_idx.astype(jnp.int32), -1), units(q_val.astype(f32)), dims.K)
+    _require_kernels()
+    y, final, repeats = _sdm_kernels(*kernel_layout(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims), dims.K)
     return (layout.from_units(y, dims).astype(bank.dtype), final.reshape(dims.B, dims.H, dims.K, dims.D),
             jnp.sum(repeats))
 
 
-def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=64, impl="auto"):
+def kernel_layout(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
+    """The kernels' arguments: bank `[P, K, D]` and per-token float32 / int32 arrays `[NC, P, C, ...]`, in the
+    order of `_sdm_kernels` (gates per lane)."""
+    f32 = jnp.float32
+    units = lambda a, fill=0: layout.to_units(a, dims, fill)
+    if dims.shared_bank:
+        bank = jnp.broadcast_to(bank[None], (dims.B,) + bank.shape)
+    return (bank.reshape(dims.P, dims.K, dims.D), units(k_idx.astype(jnp.int32), -1), units(k_val.astype(f32)),
+            units(layout.lane_gates(g, dims).astype(f32)), units(v.astype(f32)), units(beta.astype(f32)),
+            units(q_idx.astype(jnp.int32), -1), units(q_val.astype(f32)))
+
+
+def _check_inputs(num_slots, k_idx, q_idx, floats):
+    """Runtime check (`check=True`): raise for slot ids outside `[0, K)` and non-finite inputs."""
+    def raise_if_bad(k_out, q_out, nonfinite):
+        problems = [f"{int(n)} {name} outside [0, K={num_slots})"
+                    for n, name in ((k_out, "write slot ids (k_idx)"), (q_out, "read slot ids (q_idx)")) if n]
+        problems += [f"non-finite values in `{name}`" for name, bad in zip(CHECKED_FLOATS, nonfinite) if bad]
+        if problems:
+            raise ValueError("sdm_write_read(check=True): " + "; ".join(problems))
+
+    out_of_range = lambda idx: jnp.sum((idx < 0) | (idx >= num_slots))
+    nonfinite = jnp.stack([~jnp.all(jnp.isfinite(a)) for a in floats])
+    jax.debug.callback(raise_if_bad, out_of_range(k_idx), out_of_range(q_idx), nonfinite)
+
+
+CHECKED_FLOATS = ("bank", "k_val", "v", "beta", "g", "q_val")
+
+
+def _count_repeats(k_idx, num_slots):
+    """Write lanes that repeat an earlier lane's slot in the same token (the reference path's count)."""
+    W = k_idx.shape[-1]
+    earlier = jnp.tril(jnp.ones((W, W), bool), -1)
+    same = (k_idx[..., :, None] == k_idx[..., None, :]) & earlier
+    valid = (k_idx >= 0) & (k_idx < num_slots)
+    return jnp.sum(valid & jnp.any(same, axis=-1)).astype(jnp.int32)
+
+
+def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=64, impl="auto", check=False,
+                   return_repeats=False):
     """Sparse Delta Memory: write then read a sparse per-head memory bank at every token (SPEC 1.1).
 
     Args:
@@ -86,20 +132,29 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
       g: `[B, T, H]` per-token or `[B, T, H, W]` per-write log-gates, float32.
       q_idx, q_val: `[B, T, H, R]` read slot ids and weights.
       chunk_size: tokens per chunk of the chunked form (changes results only by rounding).
-      impl: "auto" | "ffi" | "xla" | "reference".
+      impl: "auto" | "ffi" | "xla" | "reference". "auto" and "ffi" run the FFI kernels (C++ on CPU, CUDA on
+        GPU), "xla" the chunked form in pure JAX, "reference" the token loop.
+      check: also check the data at run time: slot ids outside `[0, K)` or non-finite inputs raise an error
+        (a `ValueError` raised from a host callback, surfacing as a runtime error under `jit`). Without it an
+        out-of-range id is ignored: it reads zeros and touches no row.
+      return_repeats: also return the number of write lanes that repeated a slot of an earlier lane of the same
+        token (such a slot decays once; SPEC 1.1).
 
     Returns:
       `(y, final_bank)`: readings `[B, T, H, D]` and the bank after the last token `[B, H, K, D]`, in the bank's
-      dtype.
+      dtype; `(y, final_bank, repeats)` with `return_repeats=True`.
     """
     if impl not in IMPLS:
         raise ValueError(f"sdm_write_read: `impl` must be one of {IMPLS}, got {impl!r}")
     bank, k_idx, k_val, v, beta, g, q_idx, q_val = map(jnp.asarray, (bank, k_idx, k_val, v, beta, g, q_idx, q_val))
     dims = layout.validate(bank, k_idx, k_val, v, beta, g, q_idx, q_val, chunk_size,
                            allow_float64=impl in ("xla", "reference"))
+    if check:
+        _check_inputs(dims.K, k_idx, q_idx, (bank, k_val, v, beta, g, q_val))
     if impl == "reference":
-        return sdm_reference(bank, k_idx, k_val, v, beta, g, q_idx, q_val)
-    if impl == "xla":
-        return _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
-    y, final, _ = _sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
-    return y, final
+        y, final = sdm_reference(bank, k_idx, k_val, v, beta, g, q_idx, q_val)
+        repeats = _count_repeats(k_idx, dims.K) if return_repeats else None
+    else:
+        run = _sdm_xla if impl == "xla" else _sdm_ffi
+        y, final, repeats = run(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
+    return (y, final, repeats) if return_repeats else (y, final)

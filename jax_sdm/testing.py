@@ -118,3 +118,27 @@ def out_of_range_case(seed, K=16):
                 k_idx=np.where(k_out, K, bad["k_idx"]), k_val=np.where(k_out, 0, p["k_val"]).astype(np.float32),
                 q_idx=np.where(q_out, K, bad["q_idx"]), q_val=np.where(q_out, 0, p["q_val"]).astype(np.float32))
     return bad, twin
+
+
+def cotangents(seed, args):
+    """Random cotangents `(dy, dbank)` for a problem."""
+    rng = np.random.default_rng(seed + 1000)
+    B, T, H, _ = args["k_idx"].shape
+    D = args["v"].shape[-1]
+    K = args["bank"].shape[-2]
+    return rng.standard_normal((B, T, H, D)), rng.standard_normal((B, H, K, D))
+
+
+def check_against_reference(op, args, chunk_size, tol, seed=0):
+    """Assert `op` matches the token loop on outputs and every gradient, to relative L2 error `tol`."""
+    from .reference import sdm_reference
+
+    dy, dbank = cotangents(seed, args)
+    y, final, g = outputs_and_grads(op, args, dy, dbank, chunk_size=chunk_size)
+    y_ref, final_ref, g_ref = outputs_and_grads(sdm_reference, args, dy, dbank)
+    assert y.dtype == args["bank"].dtype and final.dtype == args["bank"].dtype
+    assert rel_err(y, y_ref) < tol, rel_err(y, y_ref)
+    assert rel_err(final, final_ref) < tol, rel_err(final, final_ref)
+    for k in FLOAT_ARGS:
+        assert g[k].shape == np.shape(args[k]), k
+        assert rel_err(g[k], g_ref[k]) < tol, (k, rel_err(g[k], g_ref[k]))

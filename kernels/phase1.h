@@ -13,8 +13,8 @@
 //            repeats [N]                              int32
 //
 // Every output element is written. The result is deterministic and does not depend
-// on num_threads (units are split over threads in contiguous blocks; each unit is
-// computed by one thread in a fixed order).
+// on the thread count (units are split over threads in contiguous blocks; each unit
+// is computed by one thread in a fixed order).
 #ifndef JAX_SDM_KERNELS_PHASE1_H_
 #define JAX_SDM_KERNELS_PHASE1_H_
 
@@ -23,14 +23,40 @@
 namespace sdm {
 
 // Requirements (checked by the caller): N, C, W, R, K >= 0, C * (W + R) < 2^31,
-// K <= 2^31 - 1. num_threads <= 0 picks a count from the hardware and the size.
+// K <= 2^31 - 1. May throw std::bad_alloc (scratch).
 void phase1_cpu(const int32_t* k_idx, const float* k_val, const float* x,
                 const int32_t* q_idx, const float* q_val, int64_t N, int64_t C,
                 int64_t W, int64_t R, int64_t K, float* log_k, float* rex,
                 float* cpe, float* k_eff, float* w, float* log_q, float* q_w,
                 float* A, float* QK, int32_t* w_order, int32_t* w_group,
-                int32_t* r_order, int32_t* r_group, int32_t* repeats,
-                int num_threads = 0);
+                int32_t* r_order, int32_t* r_group, int32_t* repeats);
+
+// The VJP of phase1_cpu with respect to k_val, x and q_val (docs/DESIGN.md
+// "Phase-1 backward"), given Phase 1's inputs, the outputs it needs and the
+// cotangents of k_eff, w, cpe, q_w, A and QK (those of log_k, rex, log_q are 0):
+//
+//   inputs   k_idx, k_val                  [N, C, W]  (int32, float32)
+//            q_idx, q_val                  [N, C, R]  (int32, float32)
+//            log_k, rex, cpe               [N, C, W]  Phase 1's outputs
+//            log_q                         [N, C, R]  Phase 1's output
+//            dk_eff, dw, dcpe              [N, C, W]  cotangents
+//            dq_w                          [N, C, R]
+//            dA, dQK                       [N, C, C]  (only the strictly lower part
+//                                                      of dA and the lower part of
+//                                                      dQK are read)
+//   outputs  dk_val, dx                    [N, C, W]  float32
+//            dq_val                        [N, C, R]  float32
+//
+// The gates x themselves are not needed (log_k, rex, log_q, cpe carry them).
+// Invalid entries get 0, and so do the gates of repeats. Deterministic, float32,
+// independent of the thread count. Same requirements as phase1_cpu.
+void phase1_bwd_cpu(const int32_t* k_idx, const float* k_val,
+                    const int32_t* q_idx, const float* q_val, int64_t N,
+                    int64_t C, int64_t W, int64_t R, int64_t K,
+                    const float* log_k, const float* rex, const float* cpe,
+                    const float* log_q, const float* dk_eff, const float* dw,
+                    const float* dcpe, const float* dq_w, const float* dA,
+                    const float* dQK, float* dk_val, float* dx, float* dq_val);
 
 }  // namespace sdm
 

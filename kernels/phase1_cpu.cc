@@ -1,4 +1,5 @@
-// Phase 1 on the CPU. See phase1.h and docs/DESIGN.md "Phase 1".
+// Phase 1 and its backward on the CPU. See phase1.h and docs/DESIGN.md "Phase 1",
+// "Phase-1 backward".
 //
 // Per unit:
 //  1. Every valid write entry (t, n) and read entry (t, m) gets the 64-bit key
@@ -20,15 +21,26 @@
 //     which is the entry-pair sum of the definition, factored per run. Cells are
 //     accumulated in (slot, run) order: fixed by the input.
 //  4. The CSR group maps for writes and reads fall out of the same sorted walk.
-// All arithmetic is float32, in a fixed order: the result is bitwise reproducible
+//
+// The backward redoes steps 1 and 3's run split with the same code and walks each
+// group in sorted order:
+//  - the pair walk of step 3 gives, per run, the gradient of each of its weights
+//    (the same for every entry of the run) and of its log value;
+//  - per entry: the chain rule through k_eff, w, q_w and cpe;
+//  - the gate of a non-repeat write at sorted position p gets the suffix sum from p
+//    of the log_k / log_q gradients (entries at or after its token), the prefix sum
+//    before p of the rex gradients (writes of earlier tokens) and the gradient of
+//    the group total: one backward and one forward scan.
+// All arithmetic is float32, in a fixed order: the results are bitwise reproducible
 // and independent of how units are split over threads.
 #include "kernels/phase1.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
-#include <thread>
 #include <vector>
+
+#include "kernels/parallel.h"
 
 namespace sdm {
 namespace {
@@ -38,16 +50,113 @@ struct Run {
   bool is_write;
   float sum;  // sum of the weights of the run's entries, in lane order
   float log;  // log_k (write run) or log_q (read run), constant over the run
+  // Backward only: gradient of each weight of the run from the pair terms, and of
+  // the run's log value.
+  float dsum;
+  float dlog;
 };
+
+// Sizes of a unit and the decoding of its sort keys.
+struct Dims {
+  int64_t C, W, R, K;
+  int64_t S() const { return W + R; }
+  int64_t entries() const { return C * (W + R); }
+};
+
+struct Entry {
+  int64_t t;
+  bool is_write;
+  int64_t id;  // t * W + n for a write, t * R + m for a read
+};
+
+inline Entry decode(uint64_t key, const Dims& d) {
+  const int64_t seq = static_cast<int64_t>(key & 0xffffffffu);
+  const int64_t t = seq / d.S(), lane = seq % d.S();
+  if (lane < d.W) return Entry{t, true, t * d.W + lane};
+  return Entry{t, false, t * d.R + (lane - d.W)};
+}
+
+// Step 1: the sorted keys of the unit's valid entries.
+void sort_entries(const int32_t* ki, const int32_t* qi, const Dims& d,
+                  std::vector<uint64_t>& keys) {
+  const int64_t C = d.C, W = d.W, R = d.R, K = d.K, S = d.S();
+  keys.clear();
+  for (int64_t t = 0; t < C; ++t) {
+    for (int64_t n = 0; n < W; ++n) {
+      const int64_t slot = ki[t * W + n];
+      if (slot >= 0 && slot < K) {
+        keys.push_back((static_cast<uint64_t>(slot) << 32) |
+                       static_cast<uint64_t>(t * S + n));
+      }
+    }
+    for (int64_t m = 0; m < R; ++m) {
+      const int64_t slot = qi[t * R + m];
+      if (slot >= 0 && slot < K) {
+        keys.push_back((static_cast<uint64_t>(slot) << 32) |
+                       static_cast<uint64_t>(t * S + W + m));
+      }
+    }
+  }
+  std::sort(keys.begin(), keys.end());
+}
+
+// End (exclusive) of the group that starts at sorted position `begin`.
+inline int64_t group_end(const std::vector<uint64_t>& keys, int64_t begin) {
+  const int64_t E = static_cast<int64_t>(keys.size());
+  const uint64_t slot = keys[begin] >> 32;
+  int64_t end = begin + 1;
+  while (end < E && (keys[end] >> 32) == slot) ++end;
+  return end;
+}
+
+// Whether the write at sorted position p of the group starting at `begin` is a
+// repeat: its predecessor in the group is a write of the same token.
+inline bool is_repeat(const std::vector<uint64_t>& keys, int64_t begin, int64_t p,
+                      const Dims& d) {
+  if (p == begin) return false;
+  const Entry prev = decode(keys[p - 1], d);
+  return prev.is_write && prev.t == decode(keys[p], d).t;
+}
+
+// Step 3's runs: appends an entry (in sorted order) to the runs of its group.
+inline void add_to_runs(std::vector<Run>& runs, int64_t t, bool is_write, float weight,
+                        float lg) {
+  if (!runs.empty() && runs.back().token == t && runs.back().is_write == is_write) {
+    runs.back().sum += weight;
+  } else {
+    runs.push_back(Run{static_cast<int32_t>(t), is_write, weight, lg, 0.0f, 0.0f});
+  }
+}
+
+// Step 3's walk: f(a, b) for every run a and every earlier write run b of the group,
+// a ascending, then b ascending.
+template <typename F>
+inline void for_each_pair(std::vector<Run>& runs, F f) {
+  const int64_t n_runs = static_cast<int64_t>(runs.size());
+  for (int64_t ra = 0; ra < n_runs; ++ra) {
+    for (int64_t rb = 0; rb < ra; ++rb) {
+      if (runs[rb].is_write) f(runs[ra], runs[rb]);
+    }
+  }
+}
+
+// Units per thread: about 2^15 elementary steps per thread at least.
+inline int64_t units_per_thread(const Dims& d) {
+  return std::max<int64_t>(1, (int64_t{1} << 15) /
+                                  std::max<int64_t>(1, d.C * (d.W + d.R + d.C)));
+}
+
+// ---------------------------------------------------------------------------
+// Forward
+// ---------------------------------------------------------------------------
 
 struct Scratch {
   std::vector<uint64_t> keys;
   std::vector<float> xe;  // gate of each sorted entry (0 for reads and repeats)
   std::vector<Run> runs;
 
-  void reserve(size_t entries) {
+  explicit Scratch(size_t entries) : xe(entries) {
     keys.reserve(entries);
-    xe.resize(entries);
     runs.reserve(entries);
   }
 };
@@ -58,7 +167,7 @@ struct Args {
   const float* x;
   const int32_t* q_idx;
   const float* q_val;
-  int64_t C, W, R, K;
+  Dims d;
   float* log_k;
   float* rex;
   float* cpe;
@@ -76,8 +185,9 @@ struct Args {
 };
 
 void phase1_unit(const Args& a, int64_t u, Scratch& s) {
-  const int64_t C = a.C, W = a.W, R = a.R, K = a.K;
-  const int64_t CW = C * W, CR = C * R, S = W + R;
+  const Dims& d = a.d;
+  const int64_t C = d.C, W = d.W, R = d.R;
+  const int64_t CW = C * W, CR = C * R;
 
   const int32_t* ki = a.k_idx + u * CW;
   const float* kv = a.k_val + u * CW;
@@ -114,24 +224,7 @@ void phase1_unit(const Args& a, int64_t u, Scratch& s) {
 
   // 1. Keys of the valid entries, sorted.
   std::vector<uint64_t>& keys = s.keys;
-  keys.clear();
-  for (int64_t t = 0; t < C; ++t) {
-    for (int64_t n = 0; n < W; ++n) {
-      const int64_t slot = ki[t * W + n];
-      if (slot >= 0 && slot < K) {
-        keys.push_back((static_cast<uint64_t>(slot) << 32) |
-                       static_cast<uint64_t>(t * S + n));
-      }
-    }
-    for (int64_t m = 0; m < R; ++m) {
-      const int64_t slot = qi[t * R + m];
-      if (slot >= 0 && slot < K) {
-        keys.push_back((static_cast<uint64_t>(slot) << 32) |
-                       static_cast<uint64_t>(t * S + W + m));
-      }
-    }
-  }
-  std::sort(keys.begin(), keys.end());
+  sort_entries(ki, qi, d, keys);
 
   const int64_t E = static_cast<int64_t>(keys.size());
   float* xe = s.xe.data();
@@ -141,44 +234,34 @@ void phase1_unit(const Args& a, int64_t u, Scratch& s) {
   int64_t g_w = 0, g_r = 0;  // number of write / read groups so far
   int32_t n_repeats = 0;
 
-  int64_t begin = 0;
-  while (begin < E) {
-    const uint64_t slot = keys[begin] >> 32;
-    int64_t end = begin + 1;
-    while (end < E && (keys[end] >> 32) == slot) ++end;
+  for (int64_t begin = 0, end = 0; begin < E; begin = end) {
+    end = group_end(keys, begin);
 
     // 2a. Forward walk: repeats, inclusive prefix sums, CSR maps.
     bool group_has_write = false, group_has_read = false;
     float run = 0.0f;
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t seq = static_cast<int64_t>(keys[p] & 0xffffffffu);
-      const int64_t t = seq / S, lane = seq % S;
-      if (lane < W) {
-        const int64_t id = t * W + lane;
-        bool repeat = false;
-        if (p > begin) {
-          const int64_t prev = static_cast<int64_t>(keys[p - 1] & 0xffffffffu);
-          repeat = (prev / S == t) && (prev % S < W);
-        }
-        const float g = repeat ? 0.0f : xs[id];
+      const Entry e = decode(keys[p], d);
+      if (e.is_write) {
+        const bool repeat = is_repeat(keys, begin, p, d);
+        const float g = repeat ? 0.0f : xs[e.id];
         n_repeats += repeat ? 1 : 0;
         xe[p] = g;
         run += g;
-        log_k[id] = run;
+        log_k[e.id] = run;
         if (!group_has_write) {
           w_group[g_w++] = n_w;
           group_has_write = true;
         }
-        w_order[n_w++] = static_cast<int32_t>(id);
+        w_order[n_w++] = static_cast<int32_t>(e.id);
       } else {
-        const int64_t id = t * R + (lane - W);
         xe[p] = 0.0f;
-        log_q[id] = run;
+        log_q[e.id] = run;
         if (!group_has_read) {
           r_group[g_r++] = n_r;
           group_has_read = true;
         }
-        r_order[n_r++] = static_cast<int32_t>(id);
+        r_order[n_r++] = static_cast<int32_t>(e.id);
       }
     }
     const float decay = std::exp(run);
@@ -186,10 +269,9 @@ void phase1_unit(const Args& a, int64_t u, Scratch& s) {
     // 2b. Backward walk: exclusive suffix sums (rex).
     float suffix = 0.0f;
     for (int64_t p = end - 1; p >= begin; --p) {
-      const int64_t seq = static_cast<int64_t>(keys[p] & 0xffffffffu);
-      const int64_t lane = seq % S;
-      if (lane < W) {
-        rex[(seq / S) * W + lane] = suffix;
+      const Entry e = decode(keys[p], d);
+      if (e.is_write) {
+        rex[e.id] = suffix;
         suffix += xe[p];
       }
     }
@@ -197,50 +279,175 @@ void phase1_unit(const Args& a, int64_t u, Scratch& s) {
     // 2c. Per-entry values and the runs of the group.
     runs.clear();
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t seq = static_cast<int64_t>(keys[p] & 0xffffffffu);
-      const int64_t t = seq / S, lane = seq % S;
-      const bool is_write = lane < W;
+      const Entry e = decode(keys[p], d);
       float weight, lg;
-      if (is_write) {
-        const int64_t id = t * W + lane;
-        weight = kv[id];
-        lg = log_k[id];
-        cpe[id] = decay;
-        k_eff[id] = weight * std::exp(lg);
-        wv[id] = weight * std::exp(rex[id]);
+      if (e.is_write) {
+        weight = kv[e.id];
+        lg = log_k[e.id];
+        cpe[e.id] = decay;
+        k_eff[e.id] = weight * std::exp(lg);
+        wv[e.id] = weight * std::exp(rex[e.id]);
       } else {
-        const int64_t id = t * R + (lane - W);
-        weight = qv[id];
-        lg = log_q[id];
-        q_w[id] = weight * std::exp(lg);
+        weight = qv[e.id];
+        lg = log_q[e.id];
+        q_w[e.id] = weight * std::exp(lg);
       }
-      if (!runs.empty() && runs.back().token == t &&
-          runs.back().is_write == is_write) {
-        runs.back().sum += weight;
-      } else {
-        runs.push_back(Run{static_cast<int32_t>(t), is_write, weight, lg});
-      }
+      add_to_runs(runs, e.t, e.is_write, weight, lg);
     }
 
     // 3. Pair sums: each run meets the earlier write runs of its group.
-    const int64_t n_runs = static_cast<int64_t>(runs.size());
-    for (int64_t ra = 0; ra < n_runs; ++ra) {
-      const Run& ar = runs[ra];
+    for_each_pair(runs, [&](const Run& ar, const Run& br) {
       float* row = (ar.is_write ? A : QK) + static_cast<int64_t>(ar.token) * C;
-      for (int64_t rb = 0; rb < ra; ++rb) {
-        const Run& br = runs[rb];
-        if (!br.is_write) continue;
-        row[br.token] += ar.sum * br.sum * std::exp(ar.log - br.log);
-      }
-    }
-
-    begin = end;
+      row[br.token] += ar.sum * br.sum * std::exp(ar.log - br.log);
+    });
   }
 
   // 4. Close the CSR offsets: w_group[G] = n_valid and every later offset too.
   for (int64_t g = g_w; g <= CW; ++g) w_group[g] = n_w;
   for (int64_t g = g_r; g <= CR; ++g) r_group[g] = n_r;
   a.repeats[u] = n_repeats;
+}
+
+// ---------------------------------------------------------------------------
+// Backward
+// ---------------------------------------------------------------------------
+
+struct BwdScratch {
+  std::vector<uint64_t> keys;
+  std::vector<Run> runs;
+  std::vector<int32_t> run_of;  // run of each sorted entry (in its group)
+  std::vector<float> dlog;      // d log_k / d log_q of each sorted entry, then its suffix sum
+  std::vector<float> drex;      // d rex of each sorted entry (0 for reads)
+
+  explicit BwdScratch(size_t entries) : run_of(entries), dlog(entries), drex(entries) {
+    keys.reserve(entries);
+    runs.reserve(entries);
+  }
+};
+
+struct BwdArgs {
+  const int32_t* k_idx;
+  const float* k_val;
+  const int32_t* q_idx;
+  const float* q_val;
+  Dims d;
+  const float* log_k;
+  const float* rex;
+  const float* cpe;
+  const float* log_q;
+  const float* dk_eff;
+  const float* dw;
+  const float* dcpe;
+  const float* dq_w;
+  const float* dA;
+  const float* dQK;
+  float* dk_val;
+  float* dx;
+  float* dq_val;
+};
+
+void phase1_bwd_unit(const BwdArgs& a, int64_t u, BwdScratch& s) {
+  const Dims& d = a.d;
+  const int64_t C = d.C, W = d.W, R = d.R;
+  const int64_t CW = C * W, CR = C * R;
+
+  const int32_t* ki = a.k_idx + u * CW;
+  const float* kv = a.k_val + u * CW;
+  const int32_t* qi = a.q_idx + u * CR;
+  const float* qv = a.q_val + u * CR;
+  const float* log_k = a.log_k + u * CW;
+  const float* rex = a.rex + u * CW;
+  const float* cpe = a.cpe + u * CW;
+  const float* log_q = a.log_q + u * CR;
+  const float* dk_eff = a.dk_eff + u * CW;
+  const float* dw = a.dw + u * CW;
+  const float* dcpe = a.dcpe + u * CW;
+  const float* dq_w = a.dq_w + u * CR;
+  const float* dA = a.dA + u * C * C;
+  const float* dQK = a.dQK + u * C * C;
+  float* dk_val = a.dk_val + u * CW;
+  float* dx = a.dx + u * CW;
+  float* dq_val = a.dq_val + u * CR;
+
+  // Invalid entries and repeat gates keep these zeros.
+  std::fill(dk_val, dk_val + CW, 0.0f);
+  std::fill(dx, dx + CW, 0.0f);
+  std::fill(dq_val, dq_val + CR, 0.0f);
+
+  std::vector<uint64_t>& keys = s.keys;
+  sort_entries(ki, qi, d, keys);
+  const int64_t E = static_cast<int64_t>(keys.size());
+  std::vector<Run>& runs = s.runs;
+  int32_t* run_of = s.run_of.data();
+  float* dlog = s.dlog.data();
+  float* drex = s.drex.data();
+
+  for (int64_t begin = 0, end = 0; begin < E; begin = end) {
+    end = group_end(keys, begin);
+
+    // The runs of the group, as in the forward.
+    runs.clear();
+    for (int64_t p = begin; p < end; ++p) {
+      const Entry e = decode(keys[p], d);
+      if (e.is_write) {
+        add_to_runs(runs, e.t, true, kv[e.id], log_k[e.id]);
+      } else {
+        add_to_runs(runs, e.t, false, qv[e.id], log_q[e.id]);
+      }
+      run_of[p] = static_cast<int32_t>(runs.size() - 1);
+    }
+
+    // Pair terms: term = K_a K_b exp(L_a - L_b) with cotangent c.
+    for_each_pair(runs, [&](Run& ar, Run& br) {
+      const float c = (ar.is_write ? dA : dQK)[static_cast<int64_t>(ar.token) * C + br.token];
+      const float ce = c * std::exp(ar.log - br.log);
+      ar.dsum += ce * br.sum;
+      br.dsum += ce * ar.sum;
+      const float dterm = ce * ar.sum * br.sum;
+      ar.dlog += dterm;
+      br.dlog -= dterm;
+    });
+
+    // Per entry: weights, and the gradients of each entry's log values; the
+    // gradient of the group total.
+    float dtotal = 0.0f;
+    for (int64_t p = begin; p < end; ++p) {
+      const Entry e = decode(keys[p], d);
+      const Run& run = runs[run_of[p]];
+      const bool run_head = p == begin || run_of[p - 1] != run_of[p];
+      float dl;
+      if (e.is_write) {
+        const float el = std::exp(log_k[e.id]), er = std::exp(rex[e.id]);
+        const float k = kv[e.id];
+        dk_val[e.id] = dk_eff[e.id] * el + dw[e.id] * er + run.dsum;
+        dl = dk_eff[e.id] * (k * el);
+        drex[p] = dw[e.id] * (k * er);
+        dtotal += dcpe[e.id] * cpe[e.id];
+      } else {
+        const float el = std::exp(log_q[e.id]);
+        dq_val[e.id] = dq_w[e.id] * el + run.dsum;
+        dl = dq_w[e.id] * (qv[e.id] * el);
+        drex[p] = 0.0f;
+      }
+      dlog[p] = run_head ? dl + run.dlog : dl;
+    }
+
+    // Suffix sums of the log gradients (in place), from the group's end.
+    float suffix = 0.0f;
+    for (int64_t p = end - 1; p >= begin; --p) {
+      suffix += dlog[p];
+      dlog[p] = suffix;
+    }
+
+    // Gates of the non-repeat writes: suffix from p, rex gradients before p, total.
+    float prefix = 0.0f;
+    for (int64_t p = begin; p < end; ++p) {
+      const Entry e = decode(keys[p], d);
+      if (!e.is_write) continue;
+      if (!is_repeat(keys, begin, p, d)) dx[e.id] = dlog[p] + prefix + dtotal;
+      prefix += drex[p];
+    }
+  }
 }
 
 }  // namespace
@@ -250,45 +457,32 @@ void phase1_cpu(const int32_t* k_idx, const float* k_val, const float* x,
                 int64_t W, int64_t R, int64_t K, float* log_k, float* rex,
                 float* cpe, float* k_eff, float* w, float* log_q, float* q_w,
                 float* A, float* QK, int32_t* w_order, int32_t* w_group,
-                int32_t* r_order, int32_t* r_group, int32_t* repeats,
-                int num_threads) {
-  if (N <= 0) return;
-  const Args args{k_idx, k_val, x, q_idx, q_val, C, W, R, K,
-                  log_k, rex, cpe, k_eff, w, log_q, q_w, A, QK,
-                  w_order, w_group, r_order, r_group, repeats};
-  const size_t entries = static_cast<size_t>(C * (W + R));
+                int32_t* r_order, int32_t* r_group, int32_t* repeats) {
+  const Dims d{C, W, R, K};
+  const Args args{k_idx, k_val, x,     q_idx,   q_val,   d,       log_k,
+                  rex,   cpe,   k_eff, w,       log_q,   q_w,     A,
+                  QK,    w_order, w_group, r_order, r_group, repeats};
+  parallel_blocks(N, units_per_thread(d), [&](int64_t lo, int64_t hi) {
+    Scratch scratch(static_cast<size_t>(d.entries()));
+    for (int64_t u = lo; u < hi; ++u) phase1_unit(args, u, scratch);
+  });
+}
 
-  // Thread count: from the work size unless given. The split only changes which
-  // thread computes a unit, never how.
-  int64_t nt = num_threads;
-  if (nt <= 0) {
-    const int64_t hw = std::max<int64_t>(1, std::thread::hardware_concurrency());
-    const int64_t work = N * std::max<int64_t>(1, C * (W + R + C));
-    nt = std::min<int64_t>(std::min<int64_t>(hw, 16), work / (1 << 15) + 1);
-  }
-  nt = std::max<int64_t>(1, std::min<int64_t>(nt, N));
-
-  // All allocation happens here, in the calling thread; the workers only reuse
-  // reserved capacity.
-  std::vector<Scratch> scratch(static_cast<size_t>(nt));
-  for (Scratch& s : scratch) s.reserve(entries);
-
-  auto block = [&](int64_t b) {
-    const int64_t lo = N * b / nt, hi = N * (b + 1) / nt;
-    for (int64_t u = lo; u < hi; ++u) phase1_unit(args, u, scratch[b]);
-  };
-
-  std::vector<std::thread> workers;
-  workers.reserve(static_cast<size_t>(nt - 1));
-  for (int64_t b = 1; b < nt; ++b) {
-    try {
-      workers.emplace_back(block, b);
-    } catch (...) {
-      block(b);  // could not start a thread: do that block here
-    }
-  }
-  block(0);
-  for (std::thread& th : workers) th.join();
+void phase1_bwd_cpu(const int32_t* k_idx, const float* k_val,
+                    const int32_t* q_idx, const float* q_val, int64_t N,
+                    int64_t C, int64_t W, int64_t R, int64_t K,
+                    const float* log_k, const float* rex, const float* cpe,
+                    const float* log_q, const float* dk_eff, const float* dw,
+                    const float* dcpe, const float* dq_w, const float* dA,
+                    const float* dQK, float* dk_val, float* dx, float* dq_val) {
+  const Dims d{C, W, R, K};
+  const BwdArgs args{k_idx, k_val, q_idx, q_val, d,    log_k, rex,
+                     cpe,   log_q, dk_eff, dw,   dcpe, dq_w,  dA,
+                     dQK,   dk_val, dx,   dq_val};
+  parallel_blocks(N, units_per_thread(d), [&](int64_t lo, int64_t hi) {
+    BwdScratch scratch(static_cast<size_t>(d.entries()));
+    for (int64_t u = lo; u < hi; ++u) phase1_bwd_unit(args, u, scratch);
+  });
 }
 
 }  // namespace sdm

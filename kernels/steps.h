@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+struct CUstream_st;  // cudaStream_t, declared so that this header needs no CUDA include
+
 namespace sdm {
 
 struct StepDims {
@@ -73,6 +75,18 @@ void forward_cpu(const StepDims& dims, const StepPhase1& p1, const ForwardIO& io
 // restoring each chunk's written rows from the snapshot.
 template <typename BankT>
 void backward_cpu(const StepDims& dims, const StepPhase1& p1, const BackwardIO& io, BankT* bank);
+
+// CUDA: the same loops, enqueued on `stream` (no allocation, no synchronisation; the launch configuration
+// depends on the shapes only). `workspace` holds step_workspace_floats(dims) floats (the handlers of both
+// platforms take it, so that their interfaces are the same). BankT is float or
+// __nv_bfloat16 (passed as sdm::bf16, same layout). Returns the first cudaError_t met, 0 on success.
+inline int64_t step_workspace_floats(const StepDims& dims) { return 2 * dims.streams() * dims.C * dims.D; }
+template <typename BankT>
+int forward_cuda(const StepDims& dims, const StepPhase1& p1, const ForwardIO& io, BankT* bank, float* workspace,
+                 CUstream_st* stream);
+template <typename BankT>
+int backward_cuda(const StepDims& dims, const StepPhase1& p1, const BackwardIO& io, BankT* bank, float* workspace,
+                  CUstream_st* stream);
 
 }  // namespace sdm
 

@@ -324,3 +324,300 @@ def test_phase1_matches_xla(case, invalid, gate):
             np.testing.assert_array_equal(g, wv, err_msg=name)
         else:
             np.testing.assert_allclose(g, wv, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+# ---------------------------------------------------------------------------
+# Phase-1 backward (sdm_phase1_bwd via phase1_bwd_ffi) against jax.vjp(phase1_xla)
+# ---------------------------------------------------------------------------
+
+from jax_sdm.ffi_ops import phase1_bwd_ffi  # noqa: E402
+
+
+def fresh_seed():
+    """A new seed every run (reported by the assertions that use it)."""
+    return int(np.random.SeedSequence().entropy % 2**32)
+
+
+def make_bwd_inputs(seed, N, C, W, R, K, *, invalid=0.1, partial=0.3, pad_tokens=1, gate="lane"):
+    """Collisions (small K), repeats in a token (W vs K), out-of-range ids, tokens with
+    some lanes -1 and padding tokens at the end (all ids -1)."""
+    rng = np.random.default_rng(seed + 1)
+    args = list(make_inputs(seed, N, C, W, R, K, invalid=invalid, gate=gate, pad_tokens=pad_tokens))
+    for i in (0, 3):
+        idx = args[i]
+        tokens = rng.random(idx.shape[:2]) < partial
+        lanes = rng.random(idx.shape) < 0.5
+        idx[tokens[:, :, None] & lanes] = -1
+    return tuple(args)
+
+
+def group_first_entries(p1):
+    """Mask [N, C*W] of each write group's first sorted entry."""
+    w_order, w_group = np.asarray(p1.w_order), np.asarray(p1.w_group)
+    N, CW = w_order.shape
+    mask = np.zeros((N, CW), bool)
+    for u in range(N):
+        starts = w_group[u, :-1]
+        nonempty = starts < w_group[u, 1:]
+        mask[u, w_order[u, starts[nonempty]]] = True
+    return mask
+
+
+def make_cotangents(seed, p1, *, dcpe_everywhere=False):
+    """Random cotangents of k_eff, w, cpe, q_w, A (strictly lower), QK (lower incl. the
+    diagonal). dcpe is nonzero only at group-first entries, as the backward steps give it."""
+    rng = np.random.default_rng(seed + 2)
+    shape_w, shape_r = p1.k_eff.shape, p1.q_w.shape
+    C = shape_w[-2]
+    f32 = np.float32
+    dk_eff = rng.standard_normal(shape_w).astype(f32)
+    dw = rng.standard_normal(shape_w).astype(f32)
+    dq_w = rng.standard_normal(shape_r).astype(f32)
+    dA = (rng.standard_normal(p1.A.shape) * np.tri(C, C, -1)).astype(f32)
+    dQK = (rng.standard_normal(p1.QK.shape) * np.tri(C, C, 0)).astype(f32)
+    dcpe = rng.standard_normal(shape_w).astype(f32)
+    if not dcpe_everywhere:
+        first = group_first_entries(p1).reshape(shape_w)
+        dcpe = np.where(first, dcpe, 0).astype(f32)
+    return dk_eff, dw, dcpe, dq_w, dA, dQK
+
+
+def phase1_vjp_xla(args, K, cots):
+    """jax.vjp of phase1_xla w.r.t. (k_val, x, q_val); zero cotangents on log_k, rex, log_q."""
+    k_idx, k_val, x, q_idx, q_val = args
+    dk_eff, dw, dcpe, dq_w, dA, dQK = cots
+
+    def f(kv, xx, qv):
+        return tuple(phase1_xla(jnp.asarray(k_idx), kv, xx, jnp.asarray(q_idx), qv, K)[:9])
+
+    out, vjp = jax.vjp(f, jnp.asarray(k_val), jnp.asarray(x), jnp.asarray(q_val))
+    zero = [jnp.zeros_like(o) for o in out]
+    return vjp((zero[0], zero[1], dcpe, dk_eff, dw, zero[5], dq_w, dA, dQK))
+
+
+def rel_l2(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
+phase1_xla = _phase1_xla()
+
+BWD_CASES = [
+    # (N, C, W, R, K, gate)
+    (3, 5, 1, 1, 3, "lane"),
+    (3, 8, 4, 3, 3, "lane"),      # hot: W > K, repeats in most tokens
+    (4, 9, 6, 5, 12, "lane"),
+    (3, 13, 3, 4, 5, "token"),
+    (2, 16, 6, 5, 4, "lane"),
+    (3, 12, 5, 2, 7, "any"),      # gates of either sign
+    (2, 7, 3, 3, 1000, "lane"),   # sparse: few collisions
+]
+
+
+@pytest.mark.skipif(phase1_xla is None, reason="jax_sdm.xla.phase1_xla does not import")
+@pytest.mark.parametrize("case", BWD_CASES, ids=[f"N{c[0]}C{c[1]}W{c[2]}R{c[3]}K{c[4]}-{c[5]}" for c in BWD_CASES])
+def test_phase1_bwd_matches_xla_vjp(case):
+    N, C, W, R, K, gate = case
+    seed = fresh_seed()
+    args = make_bwd_inputs(seed, N, C, W, R, K, gate=gate)
+    p1 = phase1_ffi(*args, K)
+    cots = make_cotangents(seed, p1)
+    got = phase1_bwd_ffi(*args, K, p1, *cots)
+    want = phase1_vjp_xla(args, K, cots)
+    for name, g, wv, like in zip(("dk_val", "dx", "dq_val"), got, want, (args[1], args[2], args[4])):
+        g = np.asarray(g)
+        assert g.shape == like.shape and g.dtype == np.float32, (name, g.shape, g.dtype)
+        err = rel_l2(g, wv)
+        assert err < 1e-5, f"{name}: relative L2 error {err:.3g} (seed {seed})"
+
+
+@pytest.mark.skipif(phase1_xla is None, reason="jax_sdm.xla.phase1_xla does not import")
+def test_phase1_bwd_dcpe_anywhere_and_none_cotangents():
+    """dcpe at any write entry counts for its slot's total; None cotangents are zeros."""
+    N, C, W, R, K = 3, 10, 4, 3, 5
+    seed = fresh_seed()
+    args = make_bwd_inputs(seed, N, C, W, R, K)
+    p1 = phase1_ffi(*args, K)
+    cots = make_cotangents(seed, p1, dcpe_everywhere=True)
+    got = phase1_bwd_ffi(*args, K, p1, *cots)
+    want = phase1_vjp_xla(args, K, cots)
+    for name, g, wv in zip(("dk_val", "dx", "dq_val"), got, want):
+        assert rel_l2(g, wv) < 1e-5, (name, seed)
+    # only dA: None for the rest equals explicit zeros
+    zeros = [np.zeros_like(c) for c in cots]
+    only_dA = list(zeros)
+    only_dA[4] = cots[4]
+    a = phase1_bwd_ffi(*args, K, p1, None, None, None, None, cots[4], None)
+    b = phase1_bwd_ffi(*args, K, p1, *only_dA)
+    for x1, x2 in zip(a, b):
+        assert np.asarray(x1).tobytes() == np.asarray(x2).tobytes()
+
+
+def test_phase1_bwd_zero_for_invalid_and_repeats():
+    N, C, W, R, K = 3, 11, 5, 4, 4
+    args = make_bwd_inputs(seed_of("bwd-zeros"), N, C, W, R, K, invalid=0.25)
+    k_idx, q_idx = args[0], args[3]
+    p1 = phase1_ffi(*args, K)
+    assert (np.asarray(p1.repeats) > 0).all()
+    cots = make_cotangents(7, p1)
+    dk_val, dx, dq_val = (np.asarray(a) for a in phase1_bwd_ffi(*args, K, p1, *cots))
+    kinv = (k_idx < 0) | (k_idx >= K)
+    qinv = (q_idx < 0) | (q_idx >= K)
+    repeat = np.zeros_like(kinv)
+    for n in range(W):
+        for n2 in range(n):
+            repeat[:, :, n] |= (k_idx[:, :, n] == k_idx[:, :, n2]) & ~kinv[:, :, n]
+    assert kinv.any() and qinv.any() and repeat.any()
+    assert (dk_val[kinv] == 0).all() and (dx[kinv] == 0).all() and (dq_val[qinv] == 0).all()
+    assert (dx[repeat] == 0).all()
+    assert (dk_val[repeat] != 0).any()  # a repeat still has a weight gradient
+
+
+def test_phase1_bwd_reads_only_the_lower_parts():
+    """Garbage on and above dA's diagonal and above dQK's is ignored, bitwise."""
+    N, C, W, R, K = 2, 9, 3, 3, 4
+    args = make_bwd_inputs(seed_of("bwd-tril"), N, C, W, R, K)
+    p1 = phase1_ffi(*args, K)
+    cots = list(make_cotangents(3, p1))
+    ref = phase1_bwd_ffi(*args, K, p1, *cots)
+    rng = np.random.default_rng(4)
+    cots[4] = cots[4] + (rng.standard_normal(cots[4].shape) * np.triu(np.ones((C, C)))).astype(np.float32)
+    cots[5] = cots[5] + (rng.standard_normal(cots[5].shape) * np.triu(np.ones((C, C)), 1)).astype(np.float32)
+    got = phase1_bwd_ffi(*args, K, p1, *cots)
+    for x1, x2 in zip(ref, got):
+        assert np.asarray(x1).tobytes() == np.asarray(x2).tobytes()
+
+
+def test_phase1_bwd_deterministic_bitwise_and_threads():
+    """Repeated calls, jit, and a unit-by-unit run agree bitwise (enough units for several threads)."""
+    N, C, W, R, K = 64, 32, 8, 8, 24
+    args = make_bwd_inputs(seed_of("bwd-det"), N, C, W, R, K)
+    p1 = phase1_ffi(*args, K)
+    cots = make_cotangents(5, p1)
+    a = phase1_bwd_ffi(*args, K, p1, *cots)
+    b = phase1_bwd_ffi(*args, K, p1, *cots)
+    c = jax.jit(phase1_bwd_ffi, static_argnums=5)(*args, K, p1, *cots)
+    for x1, x2, x3 in zip(a, b, c):
+        assert np.asarray(x1).tobytes() == np.asarray(x2).tobytes()
+        assert np.asarray(x1).tobytes() == np.asarray(x3).tobytes()
+    for u in (0, 17, 63):
+        sl = lambda t: type(t)(*(np.asarray(f)[u:u + 1] for f in t))
+        one = phase1_bwd_ffi(*(x[u:u + 1] for x in args), K, sl(p1), *(x[u:u + 1] for x in cots))
+        for full, o in zip(a, one):
+            assert np.asarray(full)[u:u + 1].tobytes() == np.asarray(o).tobytes()
+
+
+def test_phase1_bwd_shape_errors():
+    N, C, W, R, K = 2, 4, 2, 3, 3
+    args = make_bwd_inputs(seed_of("bwd-err"), N, C, W, R, K)
+    p1 = phase1_ffi(*args, K)
+    cots = list(make_cotangents(1, p1))
+    for i, name in enumerate(("dk_eff", "dw", "dcpe", "dq_w", "dA", "dQK")):
+        bad = list(cots)
+        bad[i] = bad[i][..., :1]
+        with pytest.raises(ValueError, match=name):
+            phase1_bwd_ffi(*args, K, p1, *bad)
+    with pytest.raises(ValueError, match="log_q"):
+        phase1_bwd_ffi(*args, K, p1._replace(log_q=p1.log_q[:1]), *cots)
+    with pytest.raises(ValueError, match="x"):
+        phase1_bwd_ffi(args[0], args[1], args[2][:1], args[3], args[4], K, p1, *cots)
+
+
+# ---------------------------------------------------------------------------
+# Leading batch dims and vmap: one kernel call, per-example results bitwise
+# ---------------------------------------------------------------------------
+
+def primitive_names(closed_jaxpr):
+    """Every primitive of a jaxpr, sub-jaxprs included."""
+    names = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            names.append(eqn.primitive.name)
+            for v in eqn.params.values():
+                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+                        walk(sub.jaxpr)
+
+    walk(closed_jaxpr.jaxpr)
+    return names
+
+
+def assert_one_kernel_call(fn, *args):
+    names = primitive_names(jax.make_jaxpr(fn)(*args))
+    assert names.count("ffi_call") == 1, names
+    loops = {"while", "scan", "fori_loop", "map"} & set(names)
+    assert not loops, names
+    hlo = jax.jit(fn).lower(*args).as_text()
+    assert hlo.count("stablehlo.custom_call") == 1 and "stablehlo.while" not in hlo
+
+
+def test_phase1_vmap_one_call_and_bitwise():
+    V1, V2, P, C, W, R, K = 3, 2, 2, 7, 4, 3, 5
+    args = make_bwd_inputs(seed_of("vmap-fwd"), V1 * V2 * P, C, W, R, K)
+    nested = [a.reshape((V1, V2, P) + a.shape[1:]) for a in args]
+    per_example = [[phase1_ffi(*(a[i, j] for a in nested), K) for j in range(V2)] for i in range(V1)]
+
+    f1 = jax.vmap(lambda *a: phase1_ffi(*a, K))
+    f2 = jax.vmap(jax.vmap(lambda *a: phase1_ffi(*a, K)))
+    one = f1(*(a[0] for a in nested))
+    two = f2(*nested)
+    for name, k in zip(FIELDS, range(len(FIELDS))):
+        for i in range(V1):
+            for j in range(V2):
+                want = np.asarray(per_example[i][j][k]).tobytes()
+                assert np.asarray(two[k])[i, j].tobytes() == want, name
+                if i == 0:
+                    assert np.asarray(one[k])[j].tobytes() == want, name
+    assert_one_kernel_call(f2, *nested)
+
+    # mapped over axis 1 of x only: the other inputs are shared (broadcast)
+    xs = np.stack([args[2][:P], 0.5 * args[2][:P]], axis=1)  # [P, 2, C, W]
+    g = jax.vmap(lambda x: phase1_ffi(args[0][:P], args[1][:P], x, args[3][:P], args[4][:P], K),
+                 in_axes=1)
+    got = g(xs)
+    for v in range(2):
+        want = phase1_ffi(args[0][:P], args[1][:P], xs[:, v], args[3][:P], args[4][:P], K)
+        for name, gv, wv in zip(FIELDS, got, want):
+            assert np.asarray(gv)[v].tobytes() == np.asarray(wv).tobytes(), name
+    assert_one_kernel_call(g, xs)
+
+
+def test_phase1_unbatched_unit():
+    """A single unit without batch dims: [C, W] / [C, R]."""
+    args = make_bwd_inputs(seed_of("one-unit"), 1, 6, 3, 2, 4)
+    got = phase1_ffi(*(a[0] for a in args), 4)
+    want = phase1_ffi(*args, 4)
+    for name, g, wv in zip(FIELDS, got, want):
+        assert g.shape == wv.shape[1:], name
+        assert np.asarray(g).tobytes() == np.asarray(wv)[0].tobytes(), name
+
+
+def test_phase1_bwd_batch_dims_and_vmap():
+    V, P, C, W, R, K = 3, 2, 8, 4, 3, 5
+    args = make_bwd_inputs(seed_of("vmap-bwd"), V * P, C, W, R, K)
+    p1 = phase1_ffi(*args, K)
+    cots = make_cotangents(9, p1)
+    flat = phase1_bwd_ffi(*args, K, p1, *cots)
+
+    def split(a):
+        return np.asarray(a).reshape((V, P) + np.shape(a)[1:])
+
+    b_args = [split(a) for a in args]
+    b_p1 = type(p1)(*(split(f) for f in p1))
+    b_cots = [split(c) for c in cots]
+    batched = phase1_bwd_ffi(*b_args, K, b_p1, *b_cots)
+    f = jax.vmap(lambda a, p, c: phase1_bwd_ffi(*a, K, p, *c))
+    vmapped = f(b_args, b_p1, b_cots)
+    for fl, ba, vm in zip(flat, batched, vmapped):
+        assert ba.shape == (V, P) + fl.shape[1:]
+        assert np.asarray(ba).tobytes() == np.asarray(fl).tobytes()
+        assert np.asarray(vm).tobytes() == np.asarray(fl).tobytes()
+    for v in range(V):
+        one = phase1_bwd_ffi(*(a[v] for a in b_args), K, type(p1)(*(x[v] for x in b_p1)),
+                             *(c[v] for c in b_cots))
+        for vm, o in zip(vmapped, one):
+            assert np.asarray(vm)[v].tobytes() == np.asarray(o).tobytes()
+    assert_one_kernel_call(f, b_args, b_p1, b_cots)

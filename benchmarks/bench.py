@@ -1,0 +1,201 @@
+"""Time `sdm_write_read` forward and forward+backward for each implementation; print a Markdown table.
+
+    python benchmarks/bench.py [--impls reference,xla,ffi] [--shape cpu-small|small|mid|flagship] [--repeats N]
+
+* forward: `jax.jit` of the op, returning `(y, final_bank)`.
+* forward+backward: `jax.jit(jax.grad(loss))` with `loss = sum(y * dy) + sum(final_bank * dbank)` (fixed random
+  cotangents `dy`, `dbank`), differentiated with respect to every float input (bank, k_val, v, beta, g, q_val).
+* Each function is called once to warm up (tracing and compilation), then timed over `--repeats` calls with
+  `jax.block_until_ready`; the table shows the median. tokens/s is `B*T*H / time`.
+* An implementation that raises `NotImplementedError` (not built in this install) is reported as "n/a", one that
+  runs out of memory as "OOM" (the token loop's gradient keeps a bank per token). Any other error is printed to
+  stderr, shown as "error" in the table, and makes the exit status 1.
+
+Inputs come from `jax_sdm.testing.random_problem` (the input recipe of SPEC 6). Shapes `small`, `mid` and
+`flagship` are the SPEC 6 anchors (one stream per batch element, H=1 and B=P; bfloat16 bank; chunk 64): for them
+the table adds our time divided by the reference PyTorch package's time on one H200 (no-grad forward for "fwd",
+forward + backward for "fwd+bwd"); below 1 is faster than the package.
+"""
+import argparse
+import datetime
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_sdm
+from jax_sdm import sdm_write_read
+from jax_sdm.testing import random_problem
+
+ARG_NAMES = ("bank", "k_idx", "k_val", "v", "beta", "g", "q_idx", "q_val")
+FLOAT_ARGS = (0, 2, 3, 4, 5, 7)  # positions of bank, k_val, v, beta, g, q_val
+
+SHAPES = {
+    "cpu-small": dict(B=2, H=2, T=256, K=1024, D=32, W=8, R=8, chunk=32, dtype="float32"),
+    "small": dict(B=8, H=1, T=2048, K=16384, D=128, W=16, R=16, chunk=64, dtype="bfloat16"),
+    "mid": dict(B=4, H=1, T=4096, K=65536, D=512, W=32, R=32, chunk=64, dtype="bfloat16"),
+    "flagship": dict(B=4, H=1, T=4096, K=65536, D=1024, W=64, R=64, chunk=64, dtype="bfloat16"),
+}
+
+# SPEC 6: the reference PyTorch package on one H200, bfloat16 bank, chunk 64 (ms).
+ANCHORS = {
+    "small": dict(nograd_fwd=2.79, fwd=2.59, bwd=4.06),
+    "mid": dict(nograd_fwd=2.64, fwd=3.08, bwd=5.13),
+    "flagship": dict(nograd_fwd=4.11, fwd=5.02, bwd=7.71),
+}
+
+NA, OOM, ERROR = "n/a", "OOM", "error"
+
+
+def make_inputs(shape, seed):
+    dtype = jnp.bfloat16 if shape["dtype"] == "bfloat16" else np.float32
+    dims = {k: shape[k] for k in ("B", "T", "H", "K", "D", "W", "R")}
+    problem = random_problem(seed, **dims, dtype=dtype)
+    args = [jnp.asarray(problem[name]) for name in ARG_NAMES]
+    rng = np.random.default_rng(seed + 1)
+    dy = jnp.asarray(rng.standard_normal(args[3].shape, dtype=np.float32))
+    dbank = jnp.asarray(rng.standard_normal(args[0].shape, dtype=np.float32))
+    return args, dy, dbank
+
+
+def make_functions(impl, chunk, dy, dbank):
+    def forward(*args):
+        return sdm_write_read(*args, chunk_size=chunk, impl=impl)
+
+    def loss(*args):
+        y, final = forward(*args)
+        return jnp.sum(y.astype(jnp.float32) * dy) + jnp.sum(final.astype(jnp.float32) * dbank)
+
+    return jax.jit(forward), jax.jit(jax.grad(loss, argnums=FLOAT_ARGS))
+
+
+def median_seconds(fn, args, repeats):
+    """Warm up once, then the median wall time of `repeats` calls (seconds)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(label, fn, args, repeats):
+    """Seconds, or NA / ERROR."""
+    try:
+        return median_seconds(fn, args, repeats)
+    except NotImplementedError as err:
+        print(f"[{label}] not available: {err}", file=sys.stderr)
+        return NA
+    except Exception as err:  # noqa: BLE001  (report, keep benchmarking the other rows)
+        if "RESOURCE_EXHAUSTED" in str(err):  # e.g. the token loop's gradient at the large shapes
+            print(f"[{label}] out of memory: {str(err).splitlines()[0]}", file=sys.stderr)
+            return OOM
+        print(f"[{label}] failed:", file=sys.stderr)
+        traceback.print_exc()
+        return ERROR
+
+
+def fmt_ms(t):
+    return t if isinstance(t, str) else f"{1e3 * t:.2f}"
+
+
+def fmt_rate(tokens, t):
+    return t if isinstance(t, str) else f"{tokens / t:.3g}"
+
+
+def fmt_ratio(t, anchor_ms):
+    if isinstance(t, str) or anchor_ms is None:
+        return "-" if anchor_ms is None else t
+    return f"{1e3 * t / anchor_ms:.2f}x"
+
+
+def git_commit():
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--impls", default="reference,xla,ffi",
+                        help="comma-separated implementations (default: reference,xla,ffi)")
+    parser.add_argument("--shape", default=None,
+                        help=f"comma-separated shapes from {', '.join(SHAPES)} "
+                             "(default: cpu-small on CPU, small elsewhere)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (default 5)")
+    parser.add_argument("--chunk", type=int, default=None, help="override the shape's chunk size")
+    parser.add_argument("--seed", type=int, default=0)
+    opts = parser.parse_args(argv)
+
+    backend = jax.default_backend()
+    shapes = (opts.shape or ("cpu-small" if backend == "cpu" else "small")).split(",")
+    impls = [s.strip() for s in opts.impls.split(",") if s.strip()]
+    for name in shapes:
+        if name not in SHAPES:
+            parser.error(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
+    for impl in impls:
+        if impl not in jax_sdm.ops.IMPLS:
+            parser.error(f"unknown impl {impl!r}; choose from {', '.join(jax_sdm.ops.IMPLS)}")
+    if opts.repeats < 1:
+        parser.error("--repeats must be at least 1")
+
+    device = jax.devices()[0]
+    print(f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}, commit {git_commit()}, "
+          f"jax {jax.__version__}, backend {backend}, device {device.device_kind}, "
+          f"median of {opts.repeats} runs after one warm-up call", flush=True)
+    print()
+
+    rows = []
+    failed = False
+    for name in shapes:
+        shape = dict(SHAPES[name])
+        if opts.chunk is not None:
+            shape["chunk"] = opts.chunk
+        args, dy, dbank = make_inputs(shape, opts.seed)
+        tokens = shape["B"] * shape["T"] * shape["H"]
+        anchor = ANCHORS.get(name) if opts.chunk in (None, 64) else None
+        for impl in impls:
+            fwd, fwd_bwd = make_functions(impl, shape["chunk"], dy, dbank)
+            t_fwd = measure(f"{impl} {name} fwd", fwd, args, opts.repeats)
+            t_bwd = measure(f"{impl} {name} fwd+bwd", fwd_bwd, args, opts.repeats)
+            failed |= ERROR in (t_fwd, t_bwd)
+            rows.append([
+                impl, name, fmt_ms(t_fwd), fmt_ms(t_bwd), fmt_rate(tokens, t_fwd), fmt_rate(tokens, t_bwd),
+                fmt_ratio(t_fwd, anchor and anchor["nograd_fwd"]),
+                fmt_ratio(t_bwd, anchor and anchor["fwd"] + anchor["bwd"]),
+            ])
+            print(f"  {impl} {name}: fwd {fmt_ms(t_fwd)}, fwd+bwd {fmt_ms(t_bwd)} (ms)", file=sys.stderr, flush=True)
+        del args, dy, dbank
+
+    header = ["impl", "shape", "fwd ms", "fwd+bwd ms", "fwd tokens/s", "fwd+bwd tokens/s",
+              "fwd / anchor", "fwd+bwd / anchor"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print()
+    for name in shapes:
+        s = SHAPES[name]
+        chunk = opts.chunk or s["chunk"]
+        print(f"- {name}: B={s['B']} H={s['H']} T={s['T']} K={s['K']} D={s['D']} W={s['W']} R={s['R']} "
+              f"chunk={chunk} {s['dtype']} bank")
+    for name in shapes:
+        if name in ANCHORS:
+            a = ANCHORS[name]
+            print(f"- anchor {name} (SPEC 6, reference PyTorch package, one H200): no-grad fwd {a['nograd_fwd']} ms, "
+                  f"fwd+bwd {a['fwd'] + a['bwd']:.2f} ms")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

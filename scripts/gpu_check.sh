@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
+#
+#   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench (default: all)
+#
+# Environment: PYTEST_ARGS (extra pytest arguments, e.g. "-k golden"), BENCH_ARGS (extra bench.py arguments).
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-/tmp/sdm_out}
+STAGES=${1:-build,tests,determinism,bench}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+status=0
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+summary() { echo "== $*" | tee -a "$OUT/summary.txt"; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv > "$OUT/device.txt" 2>&1
+python3 -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())" >> "$OUT/device.txt" 2>&1
+(cd "$REPO" && git rev-parse --short HEAD 2>/dev/null || echo "no git") >> "$OUT/device.txt"
+cat "$OUT/device.txt"
+
+if has build; then
+  start=$SECONDS
+  (cd "$REPO" && python3 -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1)
+  rc=$?
+  grep -E "warning|error" "$OUT/build.log" | grep -v "^ *$" | tail -20
+  summary "build rc=$rc in $((SECONDS - start)) s"
+  [ $rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
+fi
+
+# Tests import the installed package: run from outside the source tree.
+cd /tmp
+run_pytest() {  # name, then pytest arguments
+  local name=$1; shift
+  python3 -m pytest -q -p no:cacheprovider --import-mode=importlib --rootdir "$REPO" "$@" ${PYTEST_ARGS:-} \
+    > "$OUT/$name.log" 2>&1
+  local rc=$?
+  summary "$name rc=$rc: $(tail -1 "$OUT/$name.log")"
+  [ $rc -eq 0 ] || { grep -E "^(FAILED|ERROR)|Error" "$OUT/$name.log" | head -20; status=1; }
+}
+
+if has tests; then
+  run_pytest gpu_tests "$REPO"/tests/test_gpu_*.py "$REPO"/tests/test_ffi_op.py "$REPO"/tests/test_reference.py
+fi
+if has determinism; then
+  # Three processes must agree bit for bit: command buffers (CUDA graphs) on, on again, and off.
+  export SDM_DIGEST_FILE=$(mktemp -d)
+  run_pytest determinism_first "$REPO"/tests/test_gpu_determinism.py
+  run_pytest determinism_again "$REPO"/tests/test_gpu_determinism.py
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= run_pytest determinism_no_cmdbuf "$REPO"/tests/test_gpu_determinism.py
+fi
+if has bench; then
+  python3 "$REPO/benchmarks/bench.py" --impls ffi ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+  summary "bench rc=$?"
+  tail -20 "$OUT/bench.log"
+fi
+cat "$OUT/summary.txt"
+exit $status

@@ -1,0 +1,194 @@
+"""impl="ffi" (the default on CPU): the whole op on our C++ kernels, against the golden files and the token loop."""
+import functools
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_sdm import sdm_reference, sdm_write_read
+from jax_sdm.testing import (FLOAT_ARGS, check_against_reference, cotangents, out_of_range_case, outputs_and_grads,
+                             random_problem, rel_err)
+
+ffi_op = functools.partial(sdm_write_read, impl="ffi")
+
+
+def test_ffi_matches_golden(golden):
+    args, expected, chunk = golden
+    y, final, g = outputs_and_grads(ffi_op, args, expected["dy"], chunk_size=chunk)
+    assert rel_err(y, expected["y"]) < 1e-5
+    assert rel_err(final, expected["final_bank"]) < 1e-5
+    for k in FLOAT_ARGS:
+        assert rel_err(g[k], expected[f"grad_{k}"]) < 1e-5, k
+
+
+def test_ffi_matches_reference(random_case):
+    args, chunk, seed = random_case
+    check_against_reference(ffi_op, args, chunk, 1e-5, seed)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 16, 64, 256])
+def test_ffi_chunk_sizes(chunk_size):
+    seed = chunk_size + int(np.random.SeedSequence().entropy % 10_000) * 1000
+    args = random_problem(seed, B=1, T=300, H=2, K=24, D=8, W=4, R=3, distinct=False, repeats=True)
+    check_against_reference(ffi_op, args, chunk_size, 1e-5, seed)
+
+
+@pytest.mark.parametrize("W,R", [(256, 1), (1, 256), (256, 256)])
+def test_ffi_lane_limits(W, R):
+    args = random_problem(W + 7 * R, B=1, T=9, H=1, K=300, D=4, W=W, R=R, distinct=False, repeats=True)
+    check_against_reference(ffi_op, args, 4, 1e-5, W)
+
+
+def test_ffi_bfloat16_bank():
+    args = random_problem(21, T=48, K=32, D=16, W=4, R=4, distinct=False, dtype=jnp.bfloat16)
+    check_against_reference(ffi_op, args, 16, 2e-2, 21)
+    # and the same rounding as the pure-JAX chunked form, which rounds rows at the same points
+    y, final = ffi_op(**args, chunk_size=16)
+    y_x, final_x = sdm_write_read(**args, chunk_size=16, impl="xla")
+    assert rel_err(y, y_x) < 1e-2 and rel_err(final, final_x) < 1e-2
+
+
+def test_ffi_is_the_default_on_cpu():
+    args = random_problem(1, T=5, K=8, W=2, R=2)
+    jaxpr = str(jax.make_jaxpr(lambda a: sdm_write_read(**a))(args))
+    assert "sdm_forward" in jaxpr and "sdm_phase1" in jaxpr
+
+
+def _ffi_calls(jaxpr, target):
+    """The equations of `jaxpr` (recursively) that call FFI target `target`."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.params.get("call_target_name") == target:
+            found.append(eqn)
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    found += _ffi_calls(getattr(inner, "jaxpr", inner), target)
+    return found
+
+
+def test_no_grad_forward_saves_nothing():
+    args = random_problem(2, T=40, K=16, W=3, R=2)
+    plain = jax.make_jaxpr(lambda a: ffi_op(**a, chunk_size=8))(args).jaxpr
+    (fwd,) = _ffi_calls(plain, "sdm_forward")
+    residual_sizes = [int(np.prod(v.aval.shape)) for v in fwd.outvars[2:]]
+    assert residual_sizes == [0, 0, 0]
+    # ... while the forward of a VJP keeps delta, G and the snapshot.
+    trained = jax.make_jaxpr(lambda a: jax.vjp(lambda b: ffi_op(**dict(a, bank=b), chunk_size=8), a["bank"]))(args)
+    (fwd,) = _ffi_calls(trained.jaxpr, "sdm_forward")
+    assert all(int(np.prod(v.aval.shape)) > 0 for v in fwd.outvars[2:])
+
+
+def _digest(*trees):
+    h = hashlib.sha256()
+    for leaf in jax.tree_util.tree_leaves(trees):
+        h.update(np.asarray(leaf).tobytes())
+    return h.hexdigest()
+
+
+def test_ffi_bitwise_repeatable():
+    args = random_problem(31, T=70, K=12, W=5, R=4, distinct=False, repeats=True, per_write_gates=True)
+    dy, dbank = cotangents(31, args)
+    first = outputs_and_grads(ffi_op, args, dy, dbank, chunk_size=16)
+    jax.clear_caches()  # recompile too
+    second = outputs_and_grads(ffi_op, args, dy, dbank, chunk_size=16)
+    assert _digest(*first) == _digest(*second)
+
+
+_PROCESS_SCRIPT = textwrap.dedent("""
+    import functools, hashlib, jax, numpy as np
+    from jax_sdm import sdm_write_read
+    from jax_sdm.testing import cotangents, outputs_and_grads, random_problem
+    args = random_problem(41, T=50, K=10, W=4, R=3, distinct=False, repeats=True)
+    dy, dbank = cotangents(41, args)
+    out = outputs_and_grads(functools.partial(sdm_write_read, impl="ffi"), args, dy, dbank, chunk_size=16)
+    h = hashlib.sha256()
+    for leaf in jax.tree_util.tree_leaves(out):
+        h.update(np.asarray(leaf).tobytes())
+    print(h.hexdigest())
+""")
+
+
+def test_ffi_bitwise_across_processes():
+    run = lambda: subprocess.run([sys.executable, "-c", _PROCESS_SCRIPT], capture_output=True, text=True,
+                                 check=True, env=dict(os.environ)).stdout.strip().splitlines()[-1]
+    args = random_problem(41, T=50, K=10, W=4, R=3, distinct=False, repeats=True)
+    dy, dbank = cotangents(41, args)
+    here = _digest(*outputs_and_grads(ffi_op, args, dy, dbank, chunk_size=16))
+    assert run() == run() == here
+
+
+def test_ffi_under_vmap_folds_into_streams():
+    args = random_problem(13, B=1, T=20, K=16, W=3, R=2, distinct=False)
+    stacked = {k: np.stack([v, v[..., ::-1] if k.endswith("idx") else 0.5 * v]) for k, v in args.items()}
+    f = jax.vmap(lambda a: ffi_op(**a, chunk_size=8))
+    ys, finals = f(stacked)
+    for i in range(2):
+        y, final = ffi_op(**{k: v[i] for k, v in stacked.items()}, chunk_size=8)
+        np.testing.assert_array_equal(ys[i], y)
+        np.testing.assert_array_equal(finals[i], final)
+    jaxpr = jax.make_jaxpr(f)(stacked).jaxpr
+    assert len(_ffi_calls(jaxpr, "sdm_forward")) == 1
+    assert "while" not in str(jaxpr)
+
+
+def test_ffi_grad_under_vmap():
+    args = random_problem(14, B=1, T=20, K=16, W=3, R=2, distinct=False)
+    stacked = {k: np.stack([v, v[..., ::-1] if k.endswith("idx") else 0.5 * v]) for k, v in args.items()}
+    loss = lambda a: jnp.sum(ffi_op(**a, chunk_size=8)[0] ** 2)
+    floats = lambda a: {k: a[k] for k in FLOAT_ARGS}
+    rest = lambda a: {k: a[k] for k in a if k not in FLOAT_ARGS}
+    batched = jax.vmap(lambda a: jax.grad(lambda f: loss(dict(rest(a), **f)))(floats(a)))(stacked)
+    for i in range(2):
+        one = {k: v[i] for k, v in stacked.items()}
+        g = jax.grad(lambda f: loss(dict(rest(one), **f)))(floats(one))
+        for k in FLOAT_ARGS:
+            np.testing.assert_allclose(batched[k][i], g[k], rtol=1e-5, atol=1e-6)
+
+
+def test_ffi_out_of_range_ids_touch_nothing():
+    bad, twin = out_of_range_case(8)
+    y_bad, f_bad = ffi_op(**bad, chunk_size=4)
+    y_twin, f_twin = ffi_op(**twin, chunk_size=4)
+    np.testing.assert_allclose(y_bad, y_twin, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(f_bad, f_twin[..., :-1, :], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla", "reference"])
+def test_repeats_are_counted(impl):
+    args = random_problem(9, T=30, K=6, W=5, R=2, distinct=False, repeats=True)
+    k = args["k_idx"]
+    expected = sum(int(k[b, t, h, n] in k[b, t, h, :n]) for b, t, h, n in np.ndindex(k.shape))
+    assert expected > 0
+    _, _, repeats = jax.jit(lambda a: sdm_write_read(**a, chunk_size=8, impl=impl, return_repeats=True))(args)
+    assert int(repeats) == expected
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_check_mode_raises_on_bad_data(impl):
+    args = random_problem(10, T=12, K=8, W=3, R=2, distinct=False)
+    op = jax.jit(lambda a: sdm_write_read(**a, chunk_size=4, impl=impl, check=True))
+    jax.block_until_ready(op(args))  # good data passes
+    bad_ids = dict(args, k_idx=np.where(np.arange(3) == 1, 8, args["k_idx"]).astype(np.int32))
+    with pytest.raises(Exception, match=r"write slot ids \(k_idx\) outside \[0, K=8\)"):
+        jax.block_until_ready(op(bad_ids))
+    bad_q = dict(args, q_idx=np.full_like(args["q_idx"], -1))
+    with pytest.raises(Exception, match=r"read slot ids \(q_idx\) outside"):
+        jax.block_until_ready(op(bad_q))
+    nan_v = dict(args, v=np.where(np.arange(16) == 3, np.nan, args["v"]).astype(np.float32))
+    with pytest.raises(Exception, match="non-finite values in `v`"):
+        jax.block_until_ready(op(nan_v))
+
+
+def test_ffi_rejects_float64_bank():
+    with jax.enable_x64(True):
+        args = random_problem(1, T=5, K=8, W=2, R=2, dtype=np.float64)
+        with pytest.raises(TypeError, match="`bank` has dtype float64, expected float32 or bfloat16"):
+            ffi_op(**args)

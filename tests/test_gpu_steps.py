@@ -1,0 +1,90 @@
+"""The CUDA chunk steps against the CPU ones on identical inputs (GPU only; skipped elsewhere).
+
+Phase 1 and the solve run on the CPU; their outputs go to both devices, so these tests isolate the step kernels.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_sdm import ffi_ops, layout
+from jax_sdm.ops import kernel_layout
+from jax_sdm.testing import random_problem, rel_err
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+
+def poison_allocator(device, nbytes=1 << 28):
+    """Fill and free a large buffer with NaN so that fresh result buffers are unlikely to start at zero."""
+    jax.block_until_ready(jax.device_put(jnp.full(nbytes // 4, jnp.nan, jnp.float32), device)).delete()
+
+
+def kernel_inputs(seed, chunk, **kw):
+    names = ("bank", "k_idx", "k_val", "v", "beta", "g", "q_idx", "q_val")
+    with jax.default_device(jax.devices("cpu")[0]):
+        args = {k: jnp.asarray(v) for k, v in random_problem(seed, **kw).items()}
+        dims = layout.validate(*[args[k] for k in names], chunk)
+        bank, k_idx, k_val, x, v, beta, q_idx, q_val = kernel_layout(
+            *[args[k] for k in names], dims)
+        p1 = ffi_ops.phase1_ffi(k_idx, k_val, x, q_idx, q_val, dims.K)
+        minv = ffi_ops.solve_ffi(p1.A, beta)
+    return bank, k_idx, q_idx, v, beta, p1, minv
+
+
+def run_steps(device, bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank):
+    put = lambda t: jax.device_put(t, device)
+    bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank = map(put, (bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank))
+    poison_allocator(device)
+    fwd = jax.jit(lambda *a: ffi_ops.forward_ffi(*a, save=True))
+    final, y, delta, G, snap = fwd(bank, k_idx, q_idx, v, beta, p1, minv)
+    no_grad = jax.jit(lambda *a: ffi_ops.forward_ffi(*a, save=False))(bank, k_idx, q_idx, v, beta, p1, minv)
+    poison_allocator(device)
+    bwd = jax.jit(ffi_ops.backward_ffi)(final, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snap)
+    return (final, y, delta, G, snap), no_grad[:2], bwd
+
+
+CASES = [
+    dict(T=40, K=64, D=16, W=4, R=3),
+    dict(T=37, K=8, D=5, W=5, R=4, distinct=False, repeats=True, per_write_gates=True),
+    dict(B=2, H=3, T=70, K=16, D=40, W=3, R=2, distinct=False),
+    dict(T=33, K=40, D=130, W=9, R=7, distinct=False, repeats=True, dtype=jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_gpu_steps_match_cpu(case, chunk):
+    seed = case * 100 + chunk + int(np.random.SeedSequence().entropy % 1000) * 1000
+    inputs = kernel_inputs(seed, chunk, **CASES[case])
+    bank = inputs[0]
+    rng = np.random.default_rng(seed)
+    NC, P, C = inputs[1].shape[:3]
+    dy = jnp.asarray(rng.standard_normal((NC, P, C, bank.shape[-1])), jnp.float32)
+    dbank = jnp.asarray(rng.standard_normal(bank.shape), jnp.float32)
+    cpu_fwd, cpu_plain, cpu_bwd = run_steps(jax.devices("cpu")[0], *inputs, dy, dbank)
+    gpu_fwd, gpu_plain, gpu_bwd = run_steps(jax.devices()[0], *inputs, dy, dbank)
+    tol = 1e-5 if bank.dtype == jnp.float32 else 1e-2
+    names = ["final", "y", "delta", "G", "snapshot"]
+    for name, a, b in zip(names, gpu_fwd, cpu_fwd):
+        assert np.all(np.isfinite(np.asarray(a, np.float32))), name
+        assert rel_err(a, b) < tol, (name, rel_err(a, b))
+    for name, a, b in zip(["final (no grad)", "y (no grad)"], gpu_plain, gpu_fwd[:2]):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+    names = ["initial bank", "dbank", "dk_eff", "dw", "dcpe", "dq_w", "dA", "dQK", "dbeta", "dv"]
+    for name, a, b in zip(names, gpu_bwd, cpu_bwd):
+        assert np.all(np.isfinite(np.asarray(a, np.float32))), name
+        assert rel_err(a, b) < tol, (name, rel_err(a, b))
+    # the backward restores the initial bank exactly
+    np.testing.assert_array_equal(np.asarray(gpu_bwd[0], np.float32), np.asarray(bank, np.float32))
+
+
+def test_gpu_steps_bitwise_repeatable():
+    inputs = kernel_inputs(5, 16, T=50, K=12, D=24, W=5, R=4, distinct=False, repeats=True)
+    rng = np.random.default_rng(5)
+    NC, P, C = inputs[1].shape[:3]
+    dy = jnp.asarray(rng.standard_normal((NC, P, C, 24)), jnp.float32)
+    dbank = jnp.asarray(rng.standard_normal(inputs[0].shape), jnp.float32)
+    first = run_steps(jax.devices()[0], *inputs, dy, dbank)
+    second = run_steps(jax.devices()[0], *inputs, dy, dbank)
+    for a, b in zip(jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(second)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
