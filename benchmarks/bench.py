@@ -18,6 +18,7 @@ forward + backward for "fwd+bwd"); below 1 is faster than the package.
 """
 import argparse
 import datetime
+import os
 import statistics
 import subprocess
 import sys
@@ -125,6 +126,14 @@ def git_commit():
         return "unknown"
 
 
+def _load():
+    """The 1-minute load average, for judging CPU timings on a shared machine."""
+    try:
+        return f", load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    except (AttributeError, OSError):
+        return ""
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--impls", default="reference,xla,ffi",
@@ -152,7 +161,7 @@ def main(argv=None):
     device = jax.devices()[0]
     print(f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}, commit {git_commit()}, "
           f"jax {jax.__version__}, backend {backend}, device {device.device_kind}, "
-          f"median of {opts.repeats} runs after one warm-up call", flush=True)
+          f"median of {opts.repeats} runs after one warm-up call{_load()}", flush=True)
     print()
 
     rows = []

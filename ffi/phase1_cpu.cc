@@ -66,7 +66,8 @@ ffi::Error Phase1Impl(S32 k_idx, F32 k_val, F32 x, S32 q_idx, F32 q_val,
                       int64_t num_slots, RetF32 log_k, RetF32 rex, RetF32 cpe,
                       RetF32 k_eff, RetF32 w, RetF32 log_q, RetF32 q_w, RetF32 A,
                       RetF32 QK, RetS32 w_order, RetS32 w_group, RetS32 r_order,
-                      RetS32 r_group, RetS32 repeats) {
+                      RetS32 r_group, RetS32 repeats,
+                      ffi::RemainingRets /*workspace of the CUDA handler, if passed: ignored*/) {
   constexpr const char* op = "sdm_phase1";
   UnitDims u;
   SDM_RETURN_IF_ERROR(Phase1Dims(op, k_idx, q_idx, num_slots, &u));
@@ -107,7 +108,8 @@ ffi::Error Phase1Impl(S32 k_idx, F32 k_val, F32 x, S32 q_idx, F32 q_val,
 ffi::Error Phase1BwdImpl(S32 k_idx, F32 k_val, S32 q_idx, F32 q_val, F32 log_k,
                          F32 rex, F32 cpe, F32 log_q, F32 dk_eff, F32 dw, F32 dcpe,
                          F32 dq_w, F32 dA, F32 dQK, int64_t num_slots,
-                         RetF32 dk_val, RetF32 dx, RetF32 dq_val) {
+                         RetF32 dk_val, RetF32 dx, RetF32 dq_val,
+                         ffi::RemainingRets /*workspace of the CUDA handler, if passed: ignored*/) {
   constexpr const char* op = "sdm_phase1_bwd";
   UnitDims u;
   SDM_RETURN_IF_ERROR(Phase1Dims(op, k_idx, q_idx, num_slots, &u));
@@ -165,6 +167,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmPhase1Cpu, Phase1Impl,
                                   .Ret<S32>()  // r_order
                                   .Ret<S32>()  // r_group
                                   .Ret<S32>()  // repeats
+                                  .RemainingRets()  // the CUDA handler's trailing workspace (optional here, ignored)
 );
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmPhase1BwdCpu, Phase1BwdImpl,
@@ -187,4 +190,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmPhase1BwdCpu, Phase1BwdImpl,
                                   .Ret<F32>()  // dk_val
                                   .Ret<F32>()  // dx
                                   .Ret<F32>()  // dq_val
+                                  .RemainingRets()  // the CUDA handler's trailing workspace (optional here, ignored)
 );

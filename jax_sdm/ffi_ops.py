@@ -70,6 +70,27 @@ def _phase1_dims(op, k_idx, k_val, x, q_idx, q_val, num_slots):
     return shape_w[:-2], shape_w[-2], shape_w[-1], shape_r[-1], K
 
 
+# kernels/phase1.h: kPhase1CudaSharedBytes, kPhase1CudaGlobalBlocks, phase1_cuda_scratch_bytes.
+_PHASE1_CUDA_SHARED_BYTES = 200 * 1024
+_PHASE1_CUDA_GLOBAL_BLOCKS = 128
+
+
+def _phase1_workspace(batch, C, W, R, backward):
+    """The trailing workspace result of ``sdm_phase1`` / ``sdm_phase1_bwd`` (uint8, bytes).
+
+    The CUDA kernels keep each unit's sorted keys and run heads in shared memory when
+    they fit, else in this workspace (one slice per block); the size mirrors
+    ``sdm::phase1_cuda_workspace_bytes`` in kernels/phase1.h. The CPU handlers ignore it.
+    """
+    E = C * (W + R)
+    p2 = 1 << max(E - 1, 0).bit_length()
+    scratch = 8 * p2 + (16 * E if backward else 12 * C * W)
+    scratch = (scratch + 255) // 256 * 256
+    n = math.prod(batch)
+    size = 0 if n <= 0 or scratch <= _PHASE1_CUDA_SHARED_BYTES else min(n, _PHASE1_CUDA_GLOBAL_BLOCKS) * scratch
+    return jax.ShapeDtypeStruct((size,), jnp.uint8)
+
+
 def phase1_ffi(k_idx, k_val, x, q_idx, q_val, num_slots):
     """Phase 1 of the chunked form on the kernels (docs/DESIGN.md "Phase 1").
 
@@ -106,13 +127,14 @@ def phase1_ffi(k_idx, k_val, x, q_idx, q_val, num_slots):
     ]
     call = jax.ffi.ffi_call(
         "sdm_phase1",
-        [jax.ShapeDtypeStruct(batch + s, d) for s, d in out_shapes],
+        [jax.ShapeDtypeStruct(batch + s, d) for s, d in out_shapes]
+        + [_phase1_workspace(batch, C, W, R, backward=False)],
         vmap_method="broadcast_all",
     )
     outs = call(jnp.asarray(k_idx).astype(i32), jnp.asarray(k_val).astype(f32),
                 jnp.asarray(x).astype(f32), jnp.asarray(q_idx).astype(i32),
                 jnp.asarray(q_val).astype(f32), num_slots=np.int64(K))
-    return _phase1_result(outs)
+    return _phase1_result(outs[:len(out_shapes)])
 
 
 def phase1_bwd_ffi(k_idx, k_val, x, q_idx, q_val, num_slots, p1, dk_eff, dw, dcpe, dq_w, dA, dQK):
@@ -155,13 +177,14 @@ def phase1_bwd_ffi(k_idx, k_val, x, q_idx, q_val, num_slots, p1, dk_eff, dw, dcp
     call = jax.ffi.ffi_call(
         "sdm_phase1_bwd",
         (jax.ShapeDtypeStruct(shape_w, f32), jax.ShapeDtypeStruct(shape_w, f32),
-         jax.ShapeDtypeStruct(shape_r, f32)),
+         jax.ShapeDtypeStruct(shape_r, f32), _phase1_workspace(batch, C, W, R, backward=True)),
         vmap_method="broadcast_all",
     )
-    return call(jnp.asarray(k_idx).astype(jnp.int32), jnp.asarray(k_val).astype(f32),
+    dk_val, dx, dq_val, _ = call(jnp.asarray(k_idx).astype(jnp.int32), jnp.asarray(k_val).astype(f32),
                 jnp.asarray(q_idx).astype(jnp.int32), jnp.asarray(q_val).astype(f32),
                 *(jnp.asarray(getattr(p1, n)).astype(f32) for n in ("log_k", "rex", "cpe", "log_q")),
                 *cots, num_slots=np.int64(K))
+    return dk_val, dx, dq_val
 
 
 def solve_ffi(A, beta):

@@ -4,7 +4,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import ffi_ops, layout, lowering
+from . import ffi_ops, layout, lowering, sharding
 from .reference import sdm_reference
 from .xla import chunk_loop_xla, phase1_xla, solve_xla
 
@@ -75,11 +75,10 @@ def _require_kernels():
 
 
 def _sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
-    """The op on the FFI kernels (C++ on CPU, CUDA on GPU)."""
+    """The op on the FFI kernels (C++ on CPU, CUDA on GPU): `_sdm_kernels`' bodies, partitioned per stream for
+    sharded inputs (`sharding.py`)."""
     _require_kernels()
-    y, final, repeats = _sdm_kernels(*kernel_layout(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims), dims.K)
-    return (layout.from_units(y, dims).astype(bank.dtype), final.reshape(dims.B, dims.H, dims.K, dims.D),
-            jnp.sum(repeats))
+    return sharding.sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
 
 
 def kernel_layout(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):

@@ -60,4 +60,60 @@ void phase1_bwd_cpu(const int32_t* k_idx, const float* k_val,
 
 }  // namespace sdm
 
+// ---------------------------------------------------------------------------
+// CUDA (kernels/phase1_cuda.cu)
+// ---------------------------------------------------------------------------
+
+// The CUDA runtime's stream handle type is `CUstream_st*` (cudaStream_t); declared here so that this header
+// needs no CUDA include.
+struct CUstream_st;
+
+namespace sdm {
+
+// Per-unit scratch of the CUDA kernels (the sorted keys and the run-head arrays): in dynamic shared memory when
+// it is at most kPhase1CudaSharedBytes, else in a global workspace with one slice per block, at most
+// kPhase1CudaGlobalBlocks blocks. Decided from the shapes only. jax_sdm/ffi_ops.py (_phase1_workspace) mirrors
+// these formulas to size the workspace result: keep them in sync.
+constexpr int64_t kPhase1CudaSharedBytes = 200 * 1024;
+constexpr int64_t kPhase1CudaGlobalBlocks = 128;
+// Largest C * (W + R) the CUDA kernels take (the sort pads it to a power of two).
+constexpr int64_t kPhase1CudaMaxEntries = int64_t{1} << 22;
+
+// 8 bytes per key (E = C * (W + R) padded to a power of two) plus 12 bytes per write entry (forward) or 16
+// bytes per entry (backward), rounded up to 256.
+inline int64_t phase1_cuda_scratch_bytes(int64_t C, int64_t W, int64_t R, bool backward) {
+  const int64_t E = C * (W + R);
+  int64_t p2 = 1;
+  while (p2 < E) p2 <<= 1;
+  const int64_t bytes = 8 * p2 + (backward ? 16 * E : 12 * C * W);
+  return (bytes + 255) / 256 * 256;
+}
+
+// Bytes of the workspace the CUDA kernels need for N units: 0 when the scratch fits in shared memory.
+inline int64_t phase1_cuda_workspace_bytes(int64_t N, int64_t C, int64_t W, int64_t R, bool backward) {
+  const int64_t scratch = phase1_cuda_scratch_bytes(C, W, R, backward);
+  if (N <= 0 || scratch <= kPhase1CudaSharedBytes) return 0;
+  return (N < kPhase1CudaGlobalBlocks ? N : kPhase1CudaGlobalBlocks) * scratch;
+}
+
+// phase1_cpu and phase1_bwd_cpu on the GPU: the same arrays (to float32 rounding; the integer maps exactly),
+// bitwise reproducible. Enqueued on `stream`; no allocation, no synchronisation, launch configuration from the
+// shapes only. `workspace` (16-byte aligned) holds at least phase1_cuda_workspace_bytes(N, C, W, R, backward)
+// bytes (may be null when that is 0). Requires C * (W + R) <= kPhase1CudaMaxEntries and K <= 2^31 - 1.
+// Returns the cudaError_t of the launch (cudaErrorInvalidValue for a workspace too small or sizes out of
+// range), 0 on success; N == 0 launches nothing.
+int phase1_cuda(const int32_t* k_idx, const float* k_val, const float* x, const int32_t* q_idx,
+                const float* q_val, int64_t N, int64_t C, int64_t W, int64_t R, int64_t K, float* log_k,
+                float* rex, float* cpe, float* k_eff, float* w, float* log_q, float* q_w, float* A, float* QK,
+                int32_t* w_order, int32_t* w_group, int32_t* r_order, int32_t* r_group, int32_t* repeats,
+                void* workspace, int64_t workspace_bytes, CUstream_st* stream);
+
+int phase1_bwd_cuda(const int32_t* k_idx, const float* k_val, const int32_t* q_idx, const float* q_val,
+                    int64_t N, int64_t C, int64_t W, int64_t R, int64_t K, const float* log_k, const float* rex,
+                    const float* cpe, const float* log_q, const float* dk_eff, const float* dw,
+                    const float* dcpe, const float* dq_w, const float* dA, const float* dQK, float* dk_val,
+                    float* dx, float* dq_val, void* workspace, int64_t workspace_bytes, CUstream_st* stream);
+
+}  // namespace sdm
+
 #endif  // JAX_SDM_KERNELS_PHASE1_H_

@@ -109,3 +109,35 @@ def test_solve_matches_xla():
     A, beta = make_inputs(15, (4,), 16, garbage_upper=False)
     np.testing.assert_allclose(np.asarray(solve_ffi(A, beta)),
                                np.asarray(_solve_xla()(A, beta)), rtol=1e-5, atol=1e-5)
+
+
+def test_solve_vmap_one_call_and_bitwise():
+    """vmap and nested vmap fold into the batch of one kernel call; results equal per-example calls bitwise."""
+    from vmap_checks import assert_one_kernel_call
+
+    A, beta = make_inputs(12, (3, 2, 4), 10)
+    per_example = [[np.asarray(solve_ffi(A[i, j], beta[i, j])) for j in range(2)] for i in range(3)]
+    f1 = jax.vmap(solve_ffi)
+    f2 = jax.vmap(jax.vmap(solve_ffi))
+    one = np.asarray(f1(A[0], beta[0]))
+    two = np.asarray(f2(A, beta))
+    for i in range(3):
+        for j in range(2):
+            assert two[i, j].tobytes() == per_example[i][j].tobytes()
+            if i == 0:
+                assert one[j].tobytes() == per_example[0][j].tobytes()
+    assert_one_kernel_call(f2, A, beta)
+    # beta shared (broadcast), A mapped over its axis 1
+    g = jax.vmap(solve_ffi, in_axes=(1, None))
+    At = np.swapaxes(A[0], 0, 1)  # [4, 2, 10, 10]: axis 1 is the mapped one
+    got = np.asarray(g(At, beta[0, 0]))
+    for v in range(2):
+        assert got[v].tobytes() == np.asarray(solve_ffi(At[:, v], beta[0, 0])).tobytes()
+    assert_one_kernel_call(g, At, beta[0, 0])
+
+
+def test_solve_single_unit_without_batch_dims():
+    A, beta = make_inputs(13, (1,), 6)
+    got = solve_ffi(A[0], beta[0])
+    assert got.shape == (6, 6)
+    assert np.asarray(got).tobytes() == np.asarray(solve_ffi(A, beta))[0].tobytes()

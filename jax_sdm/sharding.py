@@ -1,0 +1,300 @@
+"""The kernel path on inputs sharded along batch and/or heads: every device runs its own streams.
+
+Streams (batch element x head) are independent, so under `jax.jit` with inputs sharded along `B` and/or `H` nothing
+needs to move between devices. The FFI custom calls have no partitioning rule of their own (XLA would replicate their
+operands, i.e. all-gather the bank), so the three bodies of the kernel path -- the primal, the forward that keeps
+residuals, and the backward -- are `jax.experimental.custom_partitioning` functions of arrays whose `B` and `H`
+axes are explicit:
+
+- bank-like arrays `[B, H, K, D]` (the bank, its cotangent and gradient);
+- per-token arrays `[NC, B, H, C, ...]` (and `repeats [NC, B, H]`).
+
+The kernels' `P = B*H` streams exist only inside the per-shard lowering, where the local `B` and `H` are merged
+(merging them outside would hide an `H` sharding inside the merged dim). Only `B` and `H` may be sharded: the
+sharding rule (Shardy) gives them one factor each, shared by every operand and result, and marks every other dim
+as needing replication; the partition callback (XLA's SPMD partitioner) keeps each operand's `B` / `H` sharding and
+replicates the rest, so XLA reshards an input that is sharded along another axis. A shared `[H, K, D]` bank is
+broadcast over `B` before the partitioned calls: its gradient is the sum over the batch, the one collective.
+
+A `custom_vmap` folds a vmapped axis into `B`: still one kernel call, never a loop (DESIGN.md "Leading batch dims").
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+from . import layout
+
+BANK, UNITS = 0, 1  # where an array's B axis is (its H axis follows): `[B, H, K, D]` / `[NC, B, H, C, ...]`
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Layout: `[B, T, H, ...]` <-> `[NC, B, H, C, ...]`
+
+
+def to_stream_units(a, dims, fill=0):
+    """`[B, T, H, ...]` -> `[NC, B, H, C, ...]`, padding the last chunk with `fill` (`layout.to_units` with `P`
+    kept as `B, H`)."""
+    B, T, H, C, NC = dims.B, dims.T, dims.H, dims.C, dims.NC
+    if NC * C > T:
+        a = jnp.pad(a, [(0, 0), (0, NC * C - T)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+    a = a.reshape((B, NC, C) + a.shape[2:])  # [B, NC, C, H, ...]
+    return jnp.moveaxis(a, (1, 3), (0, 2))  # [NC, B, H, C, ...]
+
+
+def from_stream_units(a, dims):
+    """`[NC, B, H, C, ...]` -> `[B, T, H, ...]` (inverse of `to_stream_units`, dropping the padding)."""
+    a = jnp.moveaxis(a, (0, 2), (1, 3))  # [B, NC, C, H, ...]
+    return a.reshape((dims.B, dims.NC * dims.C) + a.shape[3:])[:, :dims.T]
+
+
+def _merge(a, at):
+    """`[..., B, H, ...]` -> `[..., B*H, ...]` with `B` at axis `at`."""
+    return a.reshape(a.shape[:at] + (a.shape[at] * a.shape[at + 1],) + a.shape[at + 2:])
+
+
+def _split(a, at, H):
+    """`[..., B*H, ...]` -> `[..., B, H, ...]` (inverse of `_merge`)."""
+    return a.reshape(a.shape[:at] + (a.shape[at] // H, H) + a.shape[at + 1:])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Per-stream partitioning of a function of flat arrays
+
+
+def _sharding_rule(in_axes, out_axes, in_ranks, out_ranks):
+    """The Shardy rule: factors `b` and `h` at each array's B/H axes, a fresh need-replication factor elsewhere."""
+    others = []
+
+    def mapping(prefix, i, at, rank):
+        names = []
+        for d in range(rank):
+            if d in (at, at + 1):
+                names.append("b" if d == at else "h")
+            else:
+                names.append(f"{prefix}{i}d{d}")
+                others.append(names[-1])
+        return " ".join(names)
+
+    ins = ", ".join(mapping("i", i, at, r) for i, (at, r) in enumerate(zip(in_axes, in_ranks)))
+    outs = ", ".join(mapping("o", i, at, r) for i, (at, r) in enumerate(zip(out_axes, out_ranks)))
+    return f"{ins} -> {outs}", tuple(others)
+
+
+def _stream_shardings(mesh, in_axes, out_axes, arg_shapes):
+    """Operand and result shardings: the operands' B and H mesh axes (the first operand that shards each), every
+    other dim replicated."""
+    def entry(shape, at, d):
+        sharding = shape.sharding
+        spec = getattr(sharding, "spec", None)
+        if spec is None or d >= len(spec):
+            return None
+        return spec[at + d]
+
+    def first(d):
+        return next((e for s, at in zip(arg_shapes, in_axes) if (e := entry(s, at, d)) is not None), None)
+
+    b, h = first(0), first(1)
+    names = lambda e: set() if e is None else ({e} if isinstance(e, str) else set(e))
+    if names(b) & names(h):  # one mesh axis on both: keep it on B
+        h = None
+
+    def sharding(at, rank):
+        return NamedSharding(mesh, PartitionSpec(*([None] * at + [b, h] + [None] * (rank - at - 2))))
+
+    ins = [sharding(at, len(s.shape)) for s, at in zip(arg_shapes, in_axes)]
+    return ins, sharding
+
+
+@functools.lru_cache(maxsize=None)
+def _partitioned(local_fn, in_axes, out_axes, in_ranks, out_ranks):
+    """`local_fn(static, *arrays) -> tuple of arrays` as a custom-partitioned function of the same arguments.
+
+    `in_axes` / `out_axes`: each array's B axis (`BANK` or `UNITS`). `local_fn` sees the arrays of one shard (all of
+    them, when nothing is sharded) and must be agnostic to the sizes of B and H.
+    """
+    fn = custom_partitioning(local_fn, static_argnums=(0,))
+
+    def shardings(mesh, arg_shapes, result_shape):
+        ins, make = _stream_shardings(mesh, in_axes, out_axes, arg_shapes)
+        outs = tuple(make(at, len(s.shape)) for s, at in zip(result_shape, out_axes))
+        return ins, outs
+
+    def partition(static, mesh, arg_shapes, result_shape):
+        ins, outs = shardings(mesh, arg_shapes, result_shape)
+        return mesh, functools.partial(local_fn, static), outs, tuple(ins)
+
+    def infer_sharding_from_operands(static, mesh, arg_shapes, result_shape):
+        return shardings(mesh, arg_shapes, result_shape)[1]
+
+    rule, others = _sharding_rule(in_axes, out_axes, in_ranks, out_ranks)
+    fn.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands,
+                     sharding_rule=rule, need_replication_factors=others)
+    return fn
+
+
+def _fold(a, at):
+    """`[V, ..., B, ...]` (B at `at` after the leading V) -> `[..., V*B, ...]`."""
+    return _merge(jnp.moveaxis(a, 0, at), at)
+
+
+def _unfold(a, at, size):
+    """Inverse of `_fold`."""
+    return jnp.moveaxis(a.reshape(a.shape[:at] + (size, a.shape[at] // size) + a.shape[at + 1:]), at, 0)
+
+
+def per_stream(local_fn, static, arrays, in_axes, out_axes):
+    """Call `local_fn(static, *arrays)`, partitioned per stream under SPMD and with vmap folded into B."""
+    in_axes, out_axes = tuple(in_axes), tuple(out_axes)
+
+    @custom_vmap
+    def call(*arrays):
+        out_ranks = tuple(len(o.shape) for o in jax.eval_shape(functools.partial(local_fn, static), *arrays))
+        fn = _partitioned(local_fn, in_axes, out_axes, tuple(a.ndim for a in arrays), out_ranks)
+        return tuple(fn(static, *arrays))
+
+    @call.def_vmap
+    def call_vmap(axis_size, in_batched, *arrays):
+        arrays = [a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
+                  for a, batched in zip(arrays, in_batched)]
+        outs = call(*(_fold(a, at) for a, at in zip(arrays, in_axes)))
+        return tuple(_unfold(o, at, axis_size) for o, at in zip(outs, out_axes)), (True,) * len(outs)
+
+    return call(*arrays)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The kernel path with explicit B and H
+
+
+def _local_forward(save, num_slots, bank, *tokens):
+    """One shard's forward: merge to `P = B*H`, run the kernels (`ops._sdm_kernels_fwd`), split back.
+
+    Returns `(y, final, repeats)`, then with `save` the kernels' residuals (those beyond the inputs), flattened.
+    """
+    from . import ops
+
+    H = bank.shape[1]
+    merged = [_merge(bank, BANK)] + [_merge(a, UNITS) for a in tokens]
+    (y, final, repeats), residuals = ops._sdm_kernels_fwd(*merged, num_slots, save=save)
+    out = (_split(y, UNITS, H), _split(final, BANK, H), _split(repeats, UNITS, H))
+    if not save:
+        return out
+    if residuals[0] is not final or any(r is not m for r, m in zip(residuals[1:], merged[1:])):
+        raise AssertionError("sharding._local_forward: ops._sdm_kernels_fwd's residuals must start with the final "
+                             "bank and the 7 per-token inputs")
+    saved = jax.tree_util.tree_leaves(residuals[1 + len(tokens):])
+    return out + tuple(_split(r, UNITS, H) for r in saved)
+
+
+def _local_primal(num_slots, *args):
+    return _local_forward(False, num_slots, *args)
+
+
+def _local_saving(num_slots, *args):
+    return _local_forward(True, num_slots, *args)
+
+
+def _local_backward(num_slots, final, dfinal, dy, *rest):
+    """One shard's backward (`ops._sdm_kernels_bwd`): `rest` is the 7 per-token inputs and the saved residuals."""
+    from . import ops
+
+    H = final.shape[1]
+    tokens, saved = rest[:7], rest[7:]
+    merged = [_merge(a, UNITS) for a in tokens]
+    treedef = _saved_treedef(num_slots, [_merge(final, BANK)] + merged)
+    saved = jax.tree_util.tree_unflatten(treedef, [_merge(a, UNITS) for a in saved])
+    grads = ops._sdm_kernels_bwd(num_slots, (_merge(final, BANK), *merged, *saved),
+                                 (_merge(dy, UNITS), _merge(dfinal, BANK), None))
+    dbank, _, *dtokens = grads
+    return (_split(dbank, BANK, H),) + tuple(_split(g, UNITS, H) for g in dtokens if g is not None)
+
+
+def _saved_treedef(num_slots, merged):
+    """The tree structure of the kernels' residuals beyond the inputs (without running anything)."""
+    from . import ops
+
+    shapes = jax.eval_shape(lambda *a: ops._sdm_kernels_fwd(*a, num_slots, save=True)[1], *merged)
+    return jax.tree_util.tree_structure(shapes[1 + 7:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def stream_kernels(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots):
+    """The op on the kernels with explicit streams: bank `[B, H, K, D]`, per-token arrays `[NC, B, H, C, ...]`
+    (int32 ids, float32 values, per-lane gates `x`).
+
+    Returns `(y [NC, B, H, C, D] float32, final_bank [B, H, K, D], repeats [NC, B, H])`. A call that is not
+    differentiated saves no residuals.
+    """
+    args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val)
+    return per_stream(_local_primal, num_slots, args, (BANK,) + (UNITS,) * 7,
+                      (UNITS, BANK, UNITS))
+
+
+def _stream_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots):
+    args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val)
+    n_saved = len(jax.eval_shape(functools.partial(_local_saving, num_slots), *args)) - 3
+    y, final, repeats, *saved = per_stream(_local_saving, num_slots, args,
+                                           (BANK,) + (UNITS,) * 7, (UNITS, BANK, UNITS) + (UNITS,) * n_saved)
+    return (y, final, repeats), (final, args[1:], tuple(saved))
+
+
+def _stream_kernels_bwd(num_slots, residuals, cotangents):
+    final, tokens, saved = residuals
+    dy, dfinal, _ = cotangents
+    args = (final, dfinal.astype(jnp.float32), dy.astype(jnp.float32)) + tokens + saved
+    dbank, dk_val, dx, dv, dbeta, dq_val = per_stream(
+        _local_backward, num_slots, args, (BANK, BANK) + (UNITS,) * (1 + len(tokens) + len(saved)),
+        (BANK,) + (UNITS,) * 5)
+    return dbank.astype(final.dtype), None, dk_val, dx, dv, dbeta, None, dq_val
+
+
+stream_kernels.defvjp(_stream_kernels_fwd, _stream_kernels_bwd)
+
+
+def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
+    """The op on the FFI kernels, partitioned per stream: `(y [B, T, H, D], final_bank [B, H, K, D], repeats)`.
+
+    Under a mesh with `Explicit` axes (sharding in types) the body runs with those axes made `Auto` (where
+    `custom_partitioning` works) and the results get the shardings of the inputs: `y` like `k_idx`, the final bank
+    like `bank` (B like `k_idx` for a shared bank).
+    """
+    args = (bank, k_idx, k_val, v, beta, g, q_idx, q_val)
+    run = functools.partial(_sdm_ffi_streams, dims=dims)
+    out_sharding = _explicit_out_sharding(bank, k_idx)
+    if out_sharding is not None:
+        run = jax.sharding.auto_axes(run, out_sharding=out_sharding)
+    return run(*args)
+
+
+def _explicit_out_sharding(bank, k_idx):
+    """The results' shardings when the inputs' types carry explicit shardings, else None."""
+    def spec(a):
+        sharding = getattr(jax.typeof(a), "sharding", None)
+        return tuple(getattr(sharding, "spec", ())) + (None,) * a.ndim
+
+    bank_spec, k_spec = spec(bank), spec(k_idx)
+    if not any(bank_spec) and not any(k_spec):
+        return None
+    mesh = jax.typeof(k_idx if any(k_spec) else bank).sharding.mesh
+    b, h = k_spec[0], k_spec[2]
+    bank_b, bank_h = bank_spec[:2] if bank.ndim == 4 else (b, bank_spec[0])
+    if not any(bank_spec):
+        bank_b, bank_h = b, h
+    named = lambda *entries: NamedSharding(mesh, PartitionSpec(*entries))
+    return named(b, None, h, None), named(bank_b, bank_h, None, None), named()
+
+
+def _sdm_ffi_streams(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
+    f32 = jnp.float32
+    units = lambda a, fill=0: to_stream_units(a, dims, fill)
+    if dims.shared_bank:
+        bank = jnp.broadcast_to(bank[None], (dims.B,) + bank.shape)
+    y, final, repeats = stream_kernels(
+        bank, units(k_idx.astype(jnp.int32), -1), units(k_val.astype(f32)),
+        units(layout.lane_gates(g, dims).astype(f32)), units(v.astype(f32)), units(beta.astype(f32)),
+        units(q_idx.astype(jnp.int32), -1), units(q_val.astype(f32)), dims.K)
+    return from_stream_units(y, dims).astype(bank.dtype), final, jnp.sum(repeats)
