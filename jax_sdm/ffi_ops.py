@@ -246,8 +246,8 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save):
 
 
 def _workspace(bank, C):
-    """The steps' scratch (kernels/steps.h `step_workspace_floats`): `2 * streams * C * D` floats."""
-    return jax.ShapeDtypeStruct((2 * math.prod(bank.shape[:-2]) * C * bank.shape[-1],), jnp.float32)
+    """The steps' scratch (kernels/steps.h `step_workspace_floats`): `3 * streams * C * D` floats."""
+    return jax.ShapeDtypeStruct((3 * math.prod(bank.shape[:-2]) * C * bank.shape[-1],), jnp.float32)
 
 
 def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snapshot):

@@ -80,7 +80,7 @@ void backward_cpu(const StepDims& dims, const StepPhase1& p1, const BackwardIO& 
 // depends on the shapes only). `workspace` holds step_workspace_floats(dims) floats (the handlers of both
 // platforms take it, so that their interfaces are the same). BankT is float or
 // __nv_bfloat16 (passed as sdm::bf16, same layout). Returns the first cudaError_t met, 0 on success.
-inline int64_t step_workspace_floats(const StepDims& dims) { return 2 * dims.streams() * dims.C * dims.D; }
+inline int64_t step_workspace_floats(const StepDims& dims) { return 3 * dims.streams() * dims.C * dims.D; }
 template <typename BankT>
 int forward_cuda(const StepDims& dims, const StepPhase1& p1, const ForwardIO& io, BankT* bank, float* workspace,
                  CUstream_st* stream);

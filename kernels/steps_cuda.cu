@@ -1,16 +1,19 @@
-// CUDA chunk steps (SPEC 1.2 "Phase 2", SPEC 1.4): the same math and summation orders as steps_cpu.cc, laid
-// out for the GPU. The host loops over the chunks and enqueues, per chunk, a few maximally parallel kernels on
-// the caller's stream (SPEC 7: one program per slot group or per column slice):
+// CUDA chunk steps (SPEC 1.2 "Phase 2", SPEC 1.4): the math of steps_cpu.cc laid out for the GPU. The host
+// loops over the chunks and enqueues, per chunk, a few maximally parallel kernels on the caller's stream
+// (SPEC 7: one program per token, slot group or column slice):
 //
-//   forward   dense  (stream, column slice): gathers G and Q0, u, delta = Minv u, y = Q0 + QK delta
-//             write  (stream, write group, one warp): snapshot, then cpe * S0 + sum_e w[e] delta[t_e], written once
-//   backward  dense  (stream, column slice): ddelta = GWR gather + QK^T dy, du = Minv^T ddelta, dv, dG
+//   forward   gather (stream, token): G and Q0 rows, 16-byte loads     -> workspace / G residual
+//             solve  (stream, 32-column slice): u, delta = Minv u, y = Q0 + QK delta
+//             write  (stream, write group = one warp): snapshot, then cpe * S0 + sum_e w[e] delta[t_e], once
+//   backward  gwr    (stream, token): sum_n w dS1[s] (gradient rows)
+//             solve  (stream, slice): ddelta = gwr + QK^T dy, du = Minv^T ddelta, dv, dG
 //             dots   (stream, token row): dA, dQK rows and dbeta (full-width dots, fixed reduction trees)
-//             phase A (stream, write group, one warp): dcpe, dw, dk_eff dots, the gradient row, the restore
-//             read side (stream, read group, one warp): dS0 += q_w dy, dq_w on the restored rows
+//             phase A (stream, write group = one warp): dcpe, dw, dk_eff dots, the gradient row, the restore
+//             read side (stream, read group = one warp): dS0 += q_w dy, dq_w on the restored rows
 //
-// One writer per bank row, gradient row and output cell; every reduction in a fixed order (warp shuffles in a
-// fixed xor tree, sequential loops in sorted order): bitwise reproducible, no atomics.
+// One writer per bank row, gradient row and output cell; every sum in a fixed order (lanes in sorted or lane
+// order, warp shuffles in a fixed xor tree): bitwise reproducible, no atomics. Rows are read and written VEC
+// columns per thread (16 bytes of bfloat16 when D allows), chosen from the shapes.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -22,14 +25,65 @@
 namespace sdm {
 namespace {
 
-constexpr int kSlice = 32;         // columns per block of the dense kernels
-constexpr int kDenseThreads = 256;
-constexpr int kGroupWarps = 8;     // warps (= groups) per block of the group kernels
+constexpr int kSlice = 32;          // columns per block of the solve kernels
+constexpr int kSolveThreads = 256;
+constexpr int kRowThreadsMax = 256;  // threads per block of the per-token row kernels
+constexpr int kGroupWarps = 8;      // warps (= groups) per block of the group kernels
 
-__device__ __forceinline__ float load(const float* p) { return *p; }
-__device__ __forceinline__ float load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-__device__ __forceinline__ void store(float* p, float x) { *p = x; }
-__device__ __forceinline__ void store(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ void from_f(float* p, float x) { *p = x; }
+__device__ __forceinline__ void from_f(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
+
+// VEC consecutive columns starting at p (aligned to VEC elements), as floats: 16-byte loads where possible.
+template <int VEC, typename T>
+__device__ __forceinline__ void load_cols(const T* p, float* out) {
+  constexpr int kBytes = VEC * static_cast<int>(sizeof(T));
+  if constexpr (kBytes % 16 == 0) {
+    constexpr int kPer = 16 / sizeof(T);
+#pragma unroll
+    for (int k = 0; k < kBytes / 16; ++k) {
+      const uint4 raw = reinterpret_cast<const uint4*>(p)[k];
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) out[k * kPer + i] = to_f(e[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) out[i] = to_f(p[i]);
+  }
+}
+
+template <int VEC, typename T>
+__device__ __forceinline__ void store_cols(T* p, const float* x) {
+  constexpr int kBytes = VEC * static_cast<int>(sizeof(T));
+  if constexpr (kBytes % 16 == 0) {
+    constexpr int kPer = 16 / sizeof(T);
+#pragma unroll
+    for (int k = 0; k < kBytes / 16; ++k) {
+      uint4 raw;
+      T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) from_f(e + i, x[k * kPer + i]);
+      reinterpret_cast<uint4*>(p)[k] = raw;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) from_f(p + i, x[i]);
+  }
+}
+
+template <int VEC, typename T>
+__device__ __forceinline__ void copy_cols(const T* src, T* dst) {
+  if constexpr (VEC * sizeof(T) % 16 == 0) {
+#pragma unroll
+    for (int k = 0; k < static_cast<int>(VEC * sizeof(T) / 16); ++k)
+      reinterpret_cast<uint4*>(dst)[k] = reinterpret_cast<const uint4*>(src)[k];
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) dst[i] = src[i];
+  }
+}
 
 __device__ __forceinline__ int64_t unit_of(const StepDims& dm, int64_t s, int64_t c) {
   return ((s / dm.P) * dm.NC + c) * dm.P + s % dm.P;
@@ -41,61 +95,89 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-template <typename A, typename B>
+// <a, b> over D columns by one warp, VEC columns per lane and step.
+template <int VEC, typename A, typename B>
 __device__ __forceinline__ float warp_dot(const A* a, const B* b, int64_t D, int lane) {
   float s = 0.f;
-  for (int64_t d = lane; d < D; d += 32) s += load(a + d) * load(b + d);
+  for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
+    float x[VEC], y[VEC];
+    load_cols<VEC>(a + d, x);
+    load_cols<VEC>(b + d, y);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) s += x[i] * y[i];
+  }
   return warp_sum(s);
 }
 
-// Where a chunk's write vectors live: the delta residual (per unit) or, in a no-grad call, the workspace
-// (per stream).
-struct DeltaAt {
-  float* base;
-  bool per_unit;
-  __device__ __forceinline__ float* operator()(const StepDims& dm, int64_t u, int64_t s) const {
-    return base + (per_unit ? u : s) * dm.C * dm.D;
+// Per-chunk scratch rows ([streams, C, D] float32 each) and where the residuals go.
+struct ChunkRows {
+  float* G;      // forward: the gathers (the G residual when saving)
+  float* Q0;     // forward: the read gathers
+  float* delta;  // forward: the write vectors (the delta residual when saving)
+  bool per_unit; // residual layout (per unit) or scratch layout (per stream)
+  __device__ __forceinline__ int64_t at(const StepDims& dm, int64_t u, int64_t s) const {
+    return (per_unit ? u : s) * dm.C * dm.D;
   }
 };
 
-template <typename BankT>
-__global__ void fwd_dense_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, const BankT* __restrict__ bank,
-                                 int64_t c, DeltaAt delta_at) {
+// out_row(t) = sum over lanes of weight * rows[idx] for token t of unit u; one block per (stream, token),
+// VEC columns per thread. Used for the gathers G, Q0 (bank rows) and the GWR gather (gradient rows).
+template <int VEC, typename T>
+__device__ __forceinline__ void gather_row(const T* __restrict__ rows, const int32_t* idx, const float* weight,
+                                           int64_t lanes, int64_t K, int64_t D, float* __restrict__ out) {
+  constexpr int kInFlight = 4;  // independent row loads issued before the first is used
+  for (int64_t d = static_cast<int64_t>(threadIdx.x) * VEC; d < D; d += blockDim.x * VEC) {
+    float acc[VEC] = {};
+    for (int64_t n0 = 0; n0 < lanes; n0 += kInFlight) {
+      float x[kInFlight][VEC];
+#pragma unroll
+      for (int j = 0; j < kInFlight; ++j) {
+        const int32_t slot = n0 + j < lanes ? idx[n0 + j] : -1;
+        if (slot >= 0 && slot < K) {
+          load_cols<VEC>(rows + slot * D + d, x[j]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) x[j][i] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kInFlight; ++j) {  // lanes in order: a fixed summation order
+        const float wgt = n0 + j < lanes ? weight[n0 + j] : 0.f;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[i] += wgt * x[j][i];
+      }
+    }
+    store_cols<VEC>(out + d, acc);
+  }
+}
+
+template <int VEC, typename T>
+__global__ void fwd_gather_kernel(StepDims dm, StepPhase1 p1, const T* __restrict__ bank, int64_t c, ChunkRows rows) {
+  const int64_t s = blockIdx.x, t = blockIdx.y;
+  const int64_t u = unit_of(dm, s, c);
+  const T* S = bank + s * dm.K * dm.D;
+  const int64_t off = rows.at(dm, u, s) + t * dm.D;
+  gather_row<VEC>(S, p1.k_idx + (u * dm.C + t) * dm.W, p1.k_eff + (u * dm.C + t) * dm.W, dm.W, dm.K, dm.D,
+                  rows.G + off);
+  gather_row<VEC>(S, p1.q_idx + (u * dm.C + t) * dm.R, p1.q_w + (u * dm.C + t) * dm.R, dm.R, dm.K, dm.D,
+                  rows.Q0 + s * dm.C * dm.D + t * dm.D);
+}
+
+__global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64_t c, ChunkRows rows) {
   extern __shared__ float sh[];
-  const int64_t C = dm.C, W = dm.W, R = dm.R, D = dm.D, K = dm.K;
+  const int64_t C = dm.C, D = dm.D;
   const int64_t s = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
   const int64_t u = unit_of(dm, s, c);
   float* su = sh;
-  float* sq = sh + C * kSlice;
-  float* sdelta = sh + 2 * C * kSlice;
-  const BankT* S = bank + s * K * D;
-  const int32_t* k_idx = p1.k_idx + u * C * W;
-  const int32_t* q_idx = p1.q_idx + u * C * R;
-  const float* k_eff = p1.k_eff + u * C * W;
-  const float* q_w = p1.q_w + u * C * R;
+  float* sdelta = sh + C * kSlice;
+  const float* G = rows.G + rows.at(dm, u, s);
   for (int idx = threadIdx.x; idx < C * kSlice; idx += blockDim.x) {
     const int64_t t = idx / kSlice, d = d0 + idx % kSlice;
-    if (d >= D) {
-      su[idx] = sq[idx] = 0.f;
-      continue;
-    }
-    float G = 0.f, Q0 = 0.f;
-    for (int64_t n = 0; n < W; ++n) {
-      const int32_t slot = k_idx[t * W + n];
-      if (slot >= 0 && slot < K) G += k_eff[t * W + n] * load(S + slot * D + d);
-    }
-    for (int64_t m = 0; m < R; ++m) {
-      const int32_t slot = q_idx[t * R + m];
-      if (slot >= 0 && slot < K) Q0 += q_w[t * R + m] * load(S + slot * D + d);
-    }
-    const int64_t k = (u * C + t) * D + d;
-    su[idx] = io.beta[u * C + t] * (io.v[k] - G);
-    sq[idx] = Q0;
-    if (io.G) io.G[k] = G;
+    su[idx] = d < D ? io.beta[u * C + t] * (io.v[(u * C + t) * D + d] - G[t * D + d]) : 0.f;
   }
   __syncthreads();
   const float* minv = p1.minv + u * C * C;
-  float* delta = delta_at(dm, u, s);
+  float* delta = rows.delta + rows.at(dm, u, s);
   for (int idx = threadIdx.x; idx < C * kSlice; idx += blockDim.x) {
     const int64_t i = idx / kSlice, dd = idx % kSlice;
     float x = 0.f;
@@ -105,12 +187,13 @@ __global__ void fwd_dense_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, const
   }
   __syncthreads();
   const float* QK = p1.QK + u * C * C;
+  const float* Q0 = rows.Q0 + s * C * D;
   for (int idx = threadIdx.x; idx < C * kSlice; idx += blockDim.x) {
-    const int64_t i = idx / kSlice, dd = idx % kSlice;
-    if (d0 + dd >= D) continue;
+    const int64_t i = idx / kSlice, d = d0 + idx % kSlice;
+    if (d >= D) continue;
     float y = 0.f;
-    for (int64_t j = 0; j <= i; ++j) y += QK[i * C + j] * sdelta[j * kSlice + dd];
-    io.y[(u * C + i) * D + d0 + dd] = y + sq[idx];
+    for (int64_t j = 0; j <= i; ++j) y += QK[i * C + j] * sdelta[j * kSlice + idx % kSlice];
+    io.y[(u * C + i) * D + d] = y + Q0[i * D + d];
   }
 }
 
@@ -124,9 +207,9 @@ __device__ __forceinline__ int32_t group_of(const int32_t* order, const int32_t*
   return (s >= 0 && s < K) ? s : -1;
 }
 
-template <typename BankT>
-__global__ void fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, BankT* __restrict__ bank, int64_t c,
-                                 DeltaAt delta_at) {
+template <int VEC, typename T>
+__global__ void fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, T* __restrict__ bank, int64_t c,
+                                 ChunkRows rows) {
   const int64_t C = dm.C, W = dm.W, D = dm.D, K = dm.K;
   const int64_t s = blockIdx.x;
   const int64_t g = static_cast<int64_t>(blockIdx.y) * kGroupWarps + threadIdx.x / 32;
@@ -137,54 +220,61 @@ __global__ void fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, BankT
   int32_t lo, hi;
   const int32_t slot = group_of(order, p1.w_group + u * (C * W + 1), p1.k_idx + u * C * W, g, K, &lo, &hi);
   if (slot < 0) return;
-  BankT* row = bank + (s * K + slot) * D;
-  BankT* snap = io.snapshot ? static_cast<BankT*>(io.snapshot) + (u * C * W + g) * D : nullptr;
+  T* row = bank + (s * K + slot) * D;
+  T* snap = io.snapshot ? static_cast<T*>(io.snapshot) + (u * C * W + g) * D : nullptr;
   const float* w = p1.w + u * C * W;
   const float cpe = p1.cpe[u * C * W + order[lo]];
-  const float* delta = delta_at(dm, u, s);
-  for (int64_t d = lane; d < D; d += 32) {
-    const BankT old = row[d];
-    if (snap) snap[d] = old;
-    float acc = cpe * load(&old);
-    for (int32_t i = lo; i < hi; ++i) {
-      const int32_t e = order[i];
-      acc += w[e] * delta[(e / W) * D + d];
+  const float* delta = rows.delta + rows.at(dm, u, s);
+  for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
+    float acc[VEC];
+    load_cols<VEC>(row + d, acc);
+    if (snap) copy_cols<VEC>(row + d, snap + d);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] *= cpe;
+    for (int32_t k = lo; k < hi; ++k) {
+      const int32_t e = order[k];
+      float x[VEC];
+      load_cols<VEC>(delta + (e / W) * D + d, x);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] += w[e] * x[i];
     }
-    store(row + d, acc);
+    store_cols<VEC>(row + d, acc);
   }
 }
 
-// Backward workspace: du and dG, [streams, C, D] each.
-struct BackWs {
+// Backward scratch ([streams, C, D] float32 each).
+struct BackRows {
+  float* gwr;
   float* du;
   float* dG;
 };
 
-__global__ void bwd_dense_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackWs ws) {
+template <int VEC>
+__global__ void bwd_gwr_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackRows rows) {
+  const int64_t s = blockIdx.x, t = blockIdx.y;
+  const int64_t u = unit_of(dm, s, c);
+  gather_row<VEC>(io.dbank + s * dm.K * dm.D, p1.k_idx + (u * dm.C + t) * dm.W, p1.w + (u * dm.C + t) * dm.W,
+                  dm.W, dm.K, dm.D, rows.gwr + (s * dm.C + t) * dm.D);
+}
+
+__global__ void bwd_solve_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackRows rows) {
   extern __shared__ float sh[];
-  const int64_t C = dm.C, W = dm.W, D = dm.D, K = dm.K;
+  const int64_t C = dm.C, D = dm.D;
   const int64_t s = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
   const int64_t u = unit_of(dm, s, c);
   float* sdd = sh;
-  const float* dS = io.dbank + s * K * D;
-  const int32_t* k_idx = p1.k_idx + u * C * W;
-  const float* w = p1.w + u * C * W;
   const float* QK = p1.QK + u * C * C;
   const float* dy = io.dy + u * C * D;
+  const float* gwr = rows.gwr + s * C * D;
   for (int idx = threadIdx.x; idx < C * kSlice; idx += blockDim.x) {
     const int64_t t = idx / kSlice, d = d0 + idx % kSlice;
     if (d >= D) {
       sdd[idx] = 0.f;
       continue;
     }
-    float x = 0.f;
-    for (int64_t n = 0; n < W; ++n) {
-      const int32_t slot = k_idx[t * W + n];
-      if (slot >= 0 && slot < K) x += w[t * W + n] * dS[slot * D + d];
-    }
     float r = 0.f;
     for (int64_t i = t; i < C; ++i) r += QK[i * C + t] * dy[i * D + d];
-    sdd[idx] = x + r;
+    sdd[idx] = gwr[t * D + d] + r;
   }
   __syncthreads();
   const float* minv = p1.minv + u * C * C;
@@ -194,25 +284,26 @@ __global__ void bwd_dense_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int6
     float du = 0.f;
     for (int64_t i = j; i < C; ++i) du += minv[i * C + j] * sdd[i * kSlice + idx % kSlice];
     const float b = io.beta[u * C + j];
-    ws.du[(s * C + j) * D + d] = du;
-    ws.dG[(s * C + j) * D + d] = -b * du;
+    rows.du[(s * C + j) * D + d] = du;
+    rows.dG[(s * C + j) * D + d] = -b * du;
     io.dv[(u * C + j) * D + d] = b * du;
   }
 }
 
-__global__ void bwd_dots_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackWs ws) {
-  __shared__ float red[kDenseThreads];
+template <int VEC>
+__global__ void bwd_dots_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackRows rows) {
+  __shared__ float red[kSolveThreads];
   const int64_t C = dm.C, D = dm.D;
   const int64_t s = blockIdx.x, i = blockIdx.y;
   const int64_t u = unit_of(dm, s, c);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const float* delta = io.delta + u * C * D;
-  const float* du_i = ws.du + (s * C + i) * D;
+  const float* du_i = rows.du + (s * C + i) * D;
   const float* dy_i = io.dy + (u * C + i) * D;
   const float beta_i = io.beta[u * C + i];
   for (int64_t j = warp; j < C; j += warps) {
-    const float a = j < i ? -beta_i * warp_dot(du_i, delta + j * D, D, lane) : 0.f;
-    const float q = j <= i ? warp_dot(dy_i, delta + j * D, D, lane) : 0.f;
+    const float a = j < i ? -beta_i * warp_dot<VEC>(du_i, delta + j * D, D, lane) : 0.f;
+    const float q = j <= i ? warp_dot<VEC>(dy_i, delta + j * D, D, lane) : 0.f;
     if (lane == 0) {
       io.dA[(u * C + i) * C + j] = a;
       io.dQK[(u * C + i) * C + j] = q;
@@ -236,9 +327,9 @@ __global__ void bwd_dots_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64
   if (threadIdx.x == 0) io.dbeta[u * C + i] = red[0];
 }
 
-template <typename BankT>
-__global__ void bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, BankT* __restrict__ bank, int64_t c,
-                                   BackWs ws) {
+template <int VEC, typename T>
+__global__ void bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T* __restrict__ bank, int64_t c,
+                                   BackRows rows) {
   const int64_t C = dm.C, W = dm.W, D = dm.D, K = dm.K;
   const int64_t s = blockIdx.x;
   const int64_t g = static_cast<int64_t>(blockIdx.y) * kGroupWarps + threadIdx.x / 32;
@@ -250,37 +341,43 @@ __global__ void bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, Ba
   const int32_t slot = group_of(order, p1.w_group + u * (C * W + 1), p1.k_idx + u * C * W, g, K, &lo, &hi);
   if (slot < 0) return;
   float* drow = io.dbank + (s * K + slot) * D;
-  const BankT* s0 = static_cast<const BankT*>(io.snapshot) + (u * C * W + g) * D;
+  const T* s0 = static_cast<const T*>(io.snapshot) + (u * C * W + g) * D;
   const int64_t e0 = u * C * W + order[lo];
   const float cpe = p1.cpe[e0];
   const float* delta = io.delta + u * C * D;
-  const float* dG = ws.dG + s * C * D;
-  const float dcpe = warp_dot(drow, s0, D, lane);
+  const float* dG = rows.dG + s * C * D;
+  const float dcpe = warp_dot<VEC>(drow, s0, D, lane);
   if (lane == 0) io.dcpe[e0] = dcpe;
-  for (int32_t i = lo; i < hi; ++i) {
-    const int32_t e = order[i];
-    const float dw = warp_dot(delta + (e / W) * D, drow, D, lane);
-    const float dk = warp_dot(dG + (e / W) * D, s0, D, lane);
+  for (int32_t k = lo; k < hi; ++k) {
+    const int32_t e = order[k];
+    const float dw = warp_dot<VEC>(delta + (e / W) * D, drow, D, lane);
+    const float dk = warp_dot<VEC>(dG + (e / W) * D, s0, D, lane);
     if (lane == 0) {
       io.dw[u * C * W + e] = dw;
       io.dk_eff[u * C * W + e] = dk;
     }
   }
   const float* k_eff = p1.k_eff + u * C * W;
-  BankT* row = bank + (s * K + slot) * D;
-  for (int64_t d = lane; d < D; d += 32) {
-    float acc = cpe * drow[d];
-    for (int32_t i = lo; i < hi; ++i) {
-      const int32_t e = order[i];
-      acc += k_eff[e] * dG[(e / W) * D + d];
+  T* row = bank + (s * K + slot) * D;
+  for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
+    float acc[VEC];
+    load_cols<VEC>(drow + d, acc);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] *= cpe;
+    for (int32_t k = lo; k < hi; ++k) {
+      const int32_t e = order[k];
+      float x[VEC];
+      load_cols<VEC>(dG + (e / W) * D + d, x);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] += k_eff[e] * x[i];
     }
-    drow[d] = acc;
-    row[d] = s0[d];
+    store_cols<VEC>(drow + d, acc);
+    copy_cols<VEC>(s0 + d, row + d);
   }
 }
 
-template <typename BankT>
-__global__ void bwd_read_side_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const BankT* __restrict__ bank,
+template <int VEC, typename T>
+__global__ void bwd_read_side_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const T* __restrict__ bank,
                                      int64_t c) {
   const int64_t C = dm.C, R = dm.R, D = dm.D, K = dm.K;
   const int64_t s = blockIdx.x;
@@ -293,21 +390,25 @@ __global__ void bwd_read_side_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, 
   const int32_t slot = group_of(order, p1.r_group + u * (C * R + 1), p1.q_idx + u * C * R, g, K, &lo, &hi);
   if (slot < 0) return;
   float* drow = io.dbank + (s * K + slot) * D;
-  const BankT* row = bank + (s * K + slot) * D;
+  const T* row = bank + (s * K + slot) * D;
   const float* dy = io.dy + u * C * D;
   const float* q_w = p1.q_w + u * C * R;
-  for (int32_t i = lo; i < hi; ++i) {
-    const int32_t r = order[i];
-    const float dq = warp_dot(dy + (r / R) * D, row, D, lane);
+  for (int32_t k = lo; k < hi; ++k) {
+    const int32_t r = order[k];
+    const float dq = warp_dot<VEC>(dy + (r / R) * D, row, D, lane);
     if (lane == 0) io.dq_w[u * C * R + r] = dq;
   }
-  for (int64_t d = lane; d < D; d += 32) {
-    float acc = drow[d];
-    for (int32_t i = lo; i < hi; ++i) {
-      const int32_t r = order[i];
-      acc += q_w[r] * dy[(r / R) * D + d];
+  for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
+    float acc[VEC];
+    load_cols<VEC>(drow + d, acc);
+    for (int32_t k = lo; k < hi; ++k) {
+      const int32_t r = order[k];
+      float x[VEC];
+      load_cols<VEC>(dy + (r / R) * D + d, x);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] += q_w[r] * x[i];
     }
-    drow[d] = acc;
+    store_cols<VEC>(drow + d, acc);
   }
 }
 
@@ -330,6 +431,68 @@ struct Device<bf16> {
   using type = __nv_bfloat16;
 };
 
+// Threads of a per-token row kernel: one per VEC columns, a whole number of warps, at most kRowThreadsMax.
+inline int row_threads(int64_t D, int vec) {
+  const int64_t t = (D + vec - 1) / vec;
+  return static_cast<int>(std::min<int64_t>(kRowThreadsMax, std::max<int64_t>(32, (t + 31) / 32 * 32)));
+}
+
+template <int VEC, typename T>
+int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, T* bank, float* workspace,
+                 cudaStream_t stream) {
+  const int64_t n = dm.streams() * dm.C * dm.D;
+  const bool save = io.delta != nullptr;
+  const ChunkRows rows{save ? io.G : workspace, workspace + n, save ? io.delta : workspace + 2 * n, save};
+  const size_t smem = 2 * dm.C * kSlice * sizeof(float);
+  int rc = smem_attribute(fwd_solve_kernel, smem);
+  const dim3 row_grid(dm.streams(), dm.C);
+  const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
+  const dim3 group_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
+  const int threads = row_threads(dm.D, VEC);
+  for (int64_t c = 0; c < dm.NC && !rc; ++c) {
+    fwd_gather_kernel<VEC, T><<<row_grid, threads, 0, stream>>>(dm, p1, bank, c, rows);
+    rc = launched(rc);
+    fwd_solve_kernel<<<slice_grid, kSolveThreads, smem, stream>>>(dm, p1, io, c, rows);
+    rc = launched(rc);
+    fwd_write_kernel<VEC, T><<<group_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, c, rows);
+    rc = launched(rc);
+  }
+  return rc;
+}
+
+template <int VEC, typename T>
+int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, T* bank, float* workspace,
+                  cudaStream_t stream) {
+  const int64_t n = dm.streams() * dm.C * dm.D;
+  const BackRows rows{workspace, workspace + n, workspace + 2 * n};
+  const size_t smem = dm.C * kSlice * sizeof(float);
+  int rc = smem_attribute(bwd_solve_kernel, smem);
+  const dim3 row_grid(dm.streams(), dm.C);
+  const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
+  const dim3 write_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
+  const dim3 read_grid(dm.streams(), (dm.C * dm.R + kGroupWarps - 1) / kGroupWarps);
+  // The gradient rows are float32: VEC float32 columns per thread read 16 bytes at VEC = 4.
+  constexpr int kFVec = VEC >= 4 ? 4 : 1;
+  const int threads = row_threads(dm.D, kFVec);
+  for (int64_t c = dm.NC - 1; c >= 0 && !rc; --c) {
+    bwd_gwr_kernel<kFVec><<<row_grid, threads, 0, stream>>>(dm, p1, io, c, rows);
+    rc = launched(rc);
+    bwd_solve_kernel<<<slice_grid, kSolveThreads, smem, stream>>>(dm, p1, io, c, rows);
+    rc = launched(rc);
+    bwd_dots_kernel<kFVec><<<row_grid, kSolveThreads, 0, stream>>>(dm, p1, io, c, rows);
+    rc = launched(rc);
+    bwd_phase_a_kernel<VEC, T><<<write_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, c, rows);
+    rc = launched(rc);
+    bwd_read_side_kernel<VEC, T><<<read_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, c);
+    rc = launched(rc);
+  }
+  return rc;
+}
+
+// Columns per thread from the shapes: 8 (16 bytes of bfloat16, two float4 of float32) when D allows, else 4,
+// else 1. Every D works; the wide paths need D to be a multiple of VEC (rows stay 16-byte aligned).
+inline int vec_of(int64_t D) { return D % 8 == 0 ? 8 : D % 4 == 0 ? 4 : 1; }
+
 }  // namespace
 
 template <typename BankT>
@@ -338,18 +501,11 @@ int forward_cuda(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   using T = typename Device<BankT>::type;
   T* bank = reinterpret_cast<T*>(bank_in);
   if (dm.streams() == 0 || dm.NC == 0 || dm.C == 0 || dm.D == 0) return 0;
-  const DeltaAt delta_at{io.delta ? io.delta : workspace, io.delta != nullptr};
-  const size_t smem = 3 * dm.C * kSlice * sizeof(float);
-  int rc = smem_attribute(fwd_dense_kernel<T>, smem);
-  const dim3 dense_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
-  const dim3 group_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
-  for (int64_t c = 0; c < dm.NC && !rc; ++c) {
-    fwd_dense_kernel<T><<<dense_grid, kDenseThreads, smem, stream>>>(dm, p1, io, bank, c, delta_at);
-    rc = launched(rc);
-    fwd_write_kernel<T><<<group_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, c, delta_at);
-    rc = launched(rc);
+  switch (vec_of(dm.D)) {
+    case 8: return forward_loop<8>(dm, p1, io, bank, workspace, stream);
+    case 4: return forward_loop<4>(dm, p1, io, bank, workspace, stream);
+    default: return forward_loop<1>(dm, p1, io, bank, workspace, stream);
   }
-  return rc;
 }
 
 template <typename BankT>
@@ -357,32 +513,18 @@ int backward_cuda(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
                   CUstream_st* stream) {
   using T = typename Device<BankT>::type;
   T* bank = reinterpret_cast<T*>(bank_in);
-  const int64_t units = dm.units();
   int rc = 0;
   // Entries in no group (out-of-range ids, padding) get zero gradients.
   for (auto [p, n] : {std::pair{io.dk_eff, dm.W}, std::pair{io.dw, dm.W}, std::pair{io.dcpe, dm.W},
                       std::pair{io.dq_w, dm.R}}) {
-    if (!rc) rc = static_cast<int>(cudaMemsetAsync(p, 0, units * dm.C * n * sizeof(float), stream));
+    if (!rc) rc = static_cast<int>(cudaMemsetAsync(p, 0, dm.units() * dm.C * n * sizeof(float), stream));
   }
   if (dm.streams() == 0 || dm.NC == 0 || dm.C == 0 || dm.D == 0 || rc) return rc;
-  const BackWs ws{workspace, workspace + dm.streams() * dm.C * dm.D};
-  const size_t smem = dm.C * kSlice * sizeof(float);
-  rc = smem_attribute(bwd_dense_kernel, smem);
-  const dim3 dense_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
-  const dim3 dots_grid(dm.streams(), dm.C);
-  const dim3 write_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
-  const dim3 read_grid(dm.streams(), (dm.C * dm.R + kGroupWarps - 1) / kGroupWarps);
-  for (int64_t c = dm.NC - 1; c >= 0 && !rc; --c) {
-    bwd_dense_kernel<<<dense_grid, kDenseThreads, smem, stream>>>(dm, p1, io, c, ws);
-    rc = launched(rc);
-    bwd_dots_kernel<<<dots_grid, kDenseThreads, 0, stream>>>(dm, p1, io, c, ws);
-    rc = launched(rc);
-    bwd_phase_a_kernel<T><<<write_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, c, ws);
-    rc = launched(rc);
-    bwd_read_side_kernel<T><<<read_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, c);
-    rc = launched(rc);
+  switch (vec_of(dm.D)) {
+    case 8: return backward_loop<8>(dm, p1, io, bank, workspace, stream);
+    case 4: return backward_loop<4>(dm, p1, io, bank, workspace, stream);
+    default: return backward_loop<1>(dm, p1, io, bank, workspace, stream);
   }
-  return rc;
 }
 
 template int forward_cuda<float>(const StepDims&, const StepPhase1&, const ForwardIO&, float*, float*, CUstream_st*);
