@@ -142,3 +142,34 @@ def check_against_reference(op, args, chunk_size, tol, seed=0):
     for k in FLOAT_ARGS:
         assert g[k].shape == np.shape(args[k]), k
         assert rel_err(g[k], g_ref[k]) < tol, (k, rel_err(g[k], g_ref[k]))
+
+
+def equations(jaxpr):
+    """Every equation of a (closed) jaxpr, those of its sub-jaxprs included."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    found = []
+    for eqn in jaxpr.eqns:
+        found.append(eqn)
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    found += equations(sub)
+    return found
+
+
+def ffi_calls(jaxpr, target):
+    """The equations of `jaxpr` that call FFI target `target`."""
+    return [e for e in equations(jaxpr) if e.params.get("target_name") == target]
+
+
+def assert_one_kernel_call(fn, *args):
+    """`fn(*args)` traces to exactly one ffi_call and no loop, and lowers to one custom call (vmap folds the
+    mapped axis into the kernel's batch instead of looping)."""
+    import jax
+
+    names = [e.primitive.name for e in equations(jax.make_jaxpr(fn)(*args))]
+    assert names.count("ffi_call") == 1, names
+    assert not {"while", "scan", "map"} & set(names), names
+    hlo = jax.jit(fn).lower(*args).as_text()
+    assert hlo.count("stablehlo.custom_call") == 1, hlo
+    assert "stablehlo.while" not in hlo, hlo

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from jax_sdm import sdm_reference, sdm_write_read
-from jax_sdm.testing import (FLOAT_ARGS, check_against_reference, cotangents, out_of_range_case, outputs_and_grads,
-                             random_problem, rel_err)
+from jax_sdm.testing import (FLOAT_ARGS, check_against_reference, cotangents, ffi_calls, out_of_range_case,
+                             outputs_and_grads, random_problem, rel_err)
 
 ffi_op = functools.partial(sdm_write_read, impl="ffi")
 
@@ -60,29 +60,15 @@ def test_ffi_is_the_default_on_cpu():
     assert "sdm_forward" in jaxpr and "sdm_phase1" in jaxpr
 
 
-def _ffi_calls(jaxpr, target):
-    """The equations of `jaxpr` (recursively) that call FFI target `target`."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.params.get("target_name") == target:
-            found.append(eqn)
-        for p in eqn.params.values():
-            for sub in (p if isinstance(p, (list, tuple)) else [p]):
-                inner = getattr(sub, "jaxpr", None)
-                if inner is not None:
-                    found += _ffi_calls(getattr(inner, "jaxpr", inner), target)
-    return found
-
-
 def test_no_grad_forward_saves_nothing():
     args = random_problem(2, T=40, K=16, W=3, R=2)
     plain = jax.make_jaxpr(lambda a: ffi_op(**a, chunk_size=8))(args).jaxpr
-    (fwd,) = _ffi_calls(plain, "sdm_forward")
+    (fwd,) = ffi_calls(plain, "sdm_forward")
     residual_sizes = [int(np.prod(v.aval.shape)) for v in fwd.outvars[2:5]]  # delta, G, snapshot
     assert residual_sizes == [0, 0, 0]
     # ... while the forward of a VJP keeps delta, G and the snapshot.
     trained = jax.make_jaxpr(lambda a: jax.vjp(lambda b: ffi_op(**dict(a, bank=b), chunk_size=8), a["bank"]))(args)
-    (fwd,) = _ffi_calls(trained.jaxpr, "sdm_forward")
+    (fwd,) = ffi_calls(trained.jaxpr, "sdm_forward")
     assert all(int(np.prod(v.aval.shape)) > 0 for v in fwd.outvars[2:5])
 
 
@@ -135,7 +121,7 @@ def test_ffi_under_vmap_folds_into_streams():
         np.testing.assert_array_equal(ys[i], y)
         np.testing.assert_array_equal(finals[i], final)
     jaxpr = jax.make_jaxpr(f)(stacked).jaxpr
-    assert len(_ffi_calls(jaxpr, "sdm_forward")) == 1
+    assert len(ffi_calls(jaxpr, "sdm_forward")) == 1
     assert "while" not in str(jaxpr)
 
 

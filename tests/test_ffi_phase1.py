@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_sdm.ffi_ops import phase1_bwd_ffi, phase1_ffi
-from vmap_checks import assert_one_kernel_call
+from jax_sdm.testing import assert_one_kernel_call
 
 FIELDS = (
     "log_k", "rex", "cpe", "k_eff", "w", "log_q", "q_w", "A", "QK",

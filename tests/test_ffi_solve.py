@@ -113,7 +113,7 @@ def test_solve_matches_xla():
 
 def test_solve_vmap_one_call_and_bitwise():
     """vmap and nested vmap fold into the batch of one kernel call; results equal per-example calls bitwise."""
-    from vmap_checks import assert_one_kernel_call
+    from jax_sdm.testing import assert_one_kernel_call
 
     A, beta = make_inputs(12, (3, 2, 4), 10)
     per_example = [[np.asarray(solve_ffi(A[i, j], beta[i, j])) for j in range(2)] for i in range(3)]
