@@ -99,25 +99,30 @@ def validate(bank, k_idx, k_val, v, beta, g, q_idx, q_val, chunk_size, allow_flo
     return Dims(B, T, H, K, D, W, R, int(chunk_size), per_write, bank.ndim == 3)
 
 
-def to_units(a, dims, fill=0):
-    """`[B, T, H, ...]` -> `[NC, P, C, ...]`, padding the last chunk with `fill`."""
+def to_stream_units(a, dims, fill=0):
+    """`[B, T, H, ...]` -> `[NC, B, H, C, ...]`, padding the last chunk with `fill`."""
     B, T, H, C, NC = dims.B, dims.T, dims.H, dims.C, dims.NC
-    rest = a.shape[3:]
-    pad = NC * C - T
-    if pad:
-        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
-    a = a.reshape((B, NC, C, H) + rest)
-    a = jnp.moveaxis(a, 3, 1)  # [B, H, NC, C, ...]
-    a = jnp.moveaxis(a.reshape((B * H, NC, C) + rest), 1, 0)
-    return a
+    if NC * C > T:
+        a = jnp.pad(a, [(0, 0), (0, NC * C - T)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+    a = a.reshape((B, NC, C) + a.shape[2:])  # [B, NC, C, H, ...]
+    return jnp.moveaxis(a, (1, 3), (0, 2))  # [NC, B, H, C, ...]
+
+
+def from_stream_units(a, dims):
+    """`[NC, B, H, C, ...]` -> `[B, T, H, ...]` (inverse of `to_stream_units`, dropping the padding)."""
+    a = jnp.moveaxis(a, (0, 2), (1, 3))  # [B, NC, C, H, ...]
+    return a.reshape((dims.B, dims.NC * dims.C) + a.shape[3:])[:, :dims.T]
+
+
+def to_units(a, dims, fill=0):
+    """`[B, T, H, ...]` -> `[NC, P, C, ...]` (streams `P = B*H`), padding the last chunk with `fill`."""
+    a = to_stream_units(a, dims, fill)
+    return a.reshape((dims.NC, dims.P) + a.shape[3:])
 
 
 def from_units(a, dims):
     """`[NC, P, C, ...]` -> `[B, T, H, ...]` (inverse of `to_units`, dropping the padding)."""
-    B, T, H, C, NC = dims.B, dims.T, dims.H, dims.C, dims.NC
-    rest = a.shape[3:]
-    a = jnp.moveaxis(a, 0, 1).reshape((B, H, NC * C) + rest)
-    return jnp.moveaxis(a, 1, 2)[:, :T]
+    return from_stream_units(a.reshape((dims.NC, dims.B, dims.H) + a.shape[2:]), dims)
 
 
 def lane_gates(g, dims):

@@ -29,18 +29,10 @@ def _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
             jnp.sum(p1.repeats))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _sdm_kernels(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots):
-    """The op on the FFI kernels in kernel layout: bank `[P, K, D]`, tokens `[NC, P, C, ...]`, per-lane gates `x`.
-
-    Returns `(y [NC, P, C, D] float32, final_bank, repeats [NC, P])`. A call that is not differentiated saves no
-    residuals.
-    """
-    out, _ = _sdm_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots, save=False)
-    return out
-
-
 def _sdm_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots, save=True):
+    """The kernels' forward in kernel layout (bank `[P, K, D]`, tokens `[NC, P, C, ...]`, per-lane gates `x`):
+    `((y [NC, P, C, D] float32, final_bank, repeats [NC, P]), residuals)`; with `save=False` nothing is kept for
+    a backward. `sharding.py` runs it (and `_sdm_kernels_bwd`) per shard inside its custom VJP."""
     p1 = ffi_ops.phase1_ffi(k_idx, k_val, x, q_idx, q_val, num_slots)
     minv = ffi_ops.solve_ffi(p1.A, beta)
     final, y, delta, G, snapshot = ffi_ops.forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save)
@@ -49,6 +41,7 @@ def _sdm_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots, sa
 
 
 def _sdm_kernels_bwd(num_slots, residuals, cotangents):
+    """The kernels' backward: gradients of `_sdm_kernels_fwd`'s inputs (None for the slot ids)."""
     final, k_idx, k_val, x, v, beta, q_idx, q_val, p1, minv, delta, G, snapshot = residuals
     dy, dfinal, _ = cotangents
     _, dbank, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv = ffi_ops.backward_ffi(
@@ -56,9 +49,6 @@ def _sdm_kernels_bwd(num_slots, residuals, cotangents):
     dk_val, dx, dq_val = ffi_ops.phase1_bwd_ffi(k_idx, k_val, x, q_idx, q_val, num_slots, p1,
                                                 dk_eff, dw, dcpe, dq_w, dA, dQK)
     return dbank.astype(final.dtype), None, dk_val, dx, dv, dbeta, None, dq_val
-
-
-_sdm_kernels.defvjp(_sdm_kernels_fwd, _sdm_kernels_bwd)
 
 
 KERNEL_TARGETS = ("sdm_phase1", "sdm_solve", "sdm_forward", "sdm_backward", "sdm_phase1_bwd")
@@ -75,15 +65,15 @@ def _require_kernels():
 
 
 def _sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
-    """The op on the FFI kernels (C++ on CPU, CUDA on GPU): `_sdm_kernels`' bodies, partitioned per stream for
-    sharded inputs (`sharding.py`)."""
+    """The op on the FFI kernels (C++ on CPU, CUDA on GPU): `_sdm_kernels_fwd` / `_sdm_kernels_bwd`, partitioned
+    per stream for sharded inputs (`sharding.py`)."""
     _require_kernels()
     return sharding.sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
 
 
 def kernel_layout(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
     """The kernels' arguments: bank `[P, K, D]` and per-token float32 / int32 arrays `[NC, P, C, ...]`, in the
-    order of `_sdm_kernels` (gates per lane)."""
+    order of `_sdm_kernels_fwd` (gates per lane)."""
     f32 = jnp.float32
     units = lambda a, fill=0: layout.to_units(a, dims, fill)
     if dims.shared_bank:

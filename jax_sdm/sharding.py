@@ -35,22 +35,6 @@ BANK, UNITS = 0, 1  # where an array's B axis is (its H axis follows): `[B, H, K
 # Layout: `[B, T, H, ...]` <-> `[NC, B, H, C, ...]`
 
 
-def to_stream_units(a, dims, fill=0):
-    """`[B, T, H, ...]` -> `[NC, B, H, C, ...]`, padding the last chunk with `fill` (`layout.to_units` with `P`
-    kept as `B, H`)."""
-    B, T, H, C, NC = dims.B, dims.T, dims.H, dims.C, dims.NC
-    if NC * C > T:
-        a = jnp.pad(a, [(0, 0), (0, NC * C - T)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
-    a = a.reshape((B, NC, C) + a.shape[2:])  # [B, NC, C, H, ...]
-    return jnp.moveaxis(a, (1, 3), (0, 2))  # [NC, B, H, C, ...]
-
-
-def from_stream_units(a, dims):
-    """`[NC, B, H, C, ...]` -> `[B, T, H, ...]` (inverse of `to_stream_units`, dropping the padding)."""
-    a = jnp.moveaxis(a, (0, 2), (1, 3))  # [B, NC, C, H, ...]
-    return a.reshape((dims.B, dims.NC * dims.C) + a.shape[3:])[:, :dims.T]
-
-
 def _merge(a, at):
     """`[..., B, H, ...]` -> `[..., B*H, ...]` with `B` at axis `at`."""
     return a.reshape(a.shape[:at] + (a.shape[at] * a.shape[at + 1],) + a.shape[at + 2:])
@@ -84,29 +68,29 @@ def _sharding_rule(in_axes, out_axes, in_ranks, out_ranks):
     return f"{ins} -> {outs}", tuple(others)
 
 
-def _stream_shardings(mesh, in_axes, out_axes, arg_shapes):
-    """Operand and result shardings: the operands' B and H mesh axes (the first operand that shards each), every
-    other dim replicated."""
-    def entry(shape, at, d):
-        sharding = shape.sharding
-        spec = getattr(sharding, "spec", None)
-        if spec is None or d >= len(spec):
-            return None
-        return spec[at + d]
+def _axes(entry):
+    """The mesh axes of one PartitionSpec entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
+
+def _stream_spec(mesh, at, rank, b, h):
+    """A sharding of a rank-`rank` array with B at `at`: B on `b`, H on `h`, every other dim replicated."""
+    return NamedSharding(mesh, PartitionSpec(*([None] * at + [b, h] + [None] * (rank - at - 2))))
+
+
+def _stream_axes(in_axes, arg_shapes):
+    """The mesh axes of B and of H: those of the first operand that shards each (Shardy has made them agree)."""
     def first(d):
-        return next((e for s, at in zip(arg_shapes, in_axes) if (e := entry(s, at, d)) is not None), None)
+        for shape, at in zip(arg_shapes, in_axes):
+            spec = tuple(getattr(shape.sharding, "spec", None) or ())
+            if at + d < len(spec) and spec[at + d] is not None:
+                return spec[at + d]
+        return None
 
     b, h = first(0), first(1)
-    names = lambda e: set() if e is None else ({e} if isinstance(e, str) else set(e))
-    if names(b) & names(h):  # one mesh axis on both: keep it on B
+    if set(_axes(b)) & set(_axes(h)):  # a mesh axis cannot shard both: keep it on B
         h = None
-
-    def sharding(at, rank):
-        return NamedSharding(mesh, PartitionSpec(*([None] * at + [b, h] + [None] * (rank - at - 2))))
-
-    ins = [sharding(at, len(s.shape)) for s, at in zip(arg_shapes, in_axes)]
-    return ins, sharding
+    return b, h
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,13 +103,14 @@ def _partitioned(local_fn, in_axes, out_axes, in_ranks, out_ranks):
     fn = custom_partitioning(local_fn, static_argnums=(0,))
 
     def shardings(mesh, arg_shapes, result_shape):
-        ins, make = _stream_shardings(mesh, in_axes, out_axes, arg_shapes)
-        outs = tuple(make(at, len(s.shape)) for s, at in zip(result_shape, out_axes))
+        b, h = _stream_axes(in_axes, arg_shapes)
+        ins = tuple(_stream_spec(mesh, at, len(s.shape), b, h) for s, at in zip(arg_shapes, in_axes))
+        outs = tuple(_stream_spec(mesh, at, len(s.shape), b, h) for s, at in zip(result_shape, out_axes))
         return ins, outs
 
     def partition(static, mesh, arg_shapes, result_shape):
         ins, outs = shardings(mesh, arg_shapes, result_shape)
-        return mesh, functools.partial(local_fn, static), outs, tuple(ins)
+        return mesh, functools.partial(local_fn, static), outs, ins
 
     def infer_sharding_from_operands(static, mesh, arg_shapes, result_shape):
         return shardings(mesh, arg_shapes, result_shape)[1]
@@ -264,37 +249,53 @@ def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
     """
     args = (bank, k_idx, k_val, v, beta, g, q_idx, q_val)
     run = functools.partial(_sdm_ffi_streams, dims=dims)
-    out_sharding = _explicit_out_sharding(bank, k_idx)
-    if out_sharding is not None:
-        run = jax.sharding.auto_axes(run, out_sharding=out_sharding)
+    explicit = _explicit_out_sharding(*args)
+    if explicit is not None:
+        out_sharding, axes = explicit
+        run = jax.sharding.auto_axes(run, axes=axes, out_sharding=out_sharding)
     return run(*args)
 
 
-def _explicit_out_sharding(bank, k_idx):
-    """The results' shardings when the inputs' types carry explicit shardings, else None."""
-    def spec(a):
-        sharding = getattr(jax.typeof(a), "sharding", None)
-        return tuple(getattr(sharding, "spec", ())) + (None,) * a.ndim
+def _explicit_out_sharding(bank, *tokens):
+    """The results' shardings when the inputs' types carry shardings (a mesh with `Explicit` axes), else None.
 
-    bank_spec, k_spec = spec(bank), spec(k_idx)
-    if not any(bank_spec) and not any(k_spec):
+    `y` like `k_idx` (B, T and H; B and H of the first per-token input or bank that shards them when `k_idx`
+    does not), the final bank like `bank` (B and H as `y` where `bank` leaves them unsharded), `repeats`
+    replicated. Also returns the mesh's explicit axes.
+    """
+    def spec(a):
+        return tuple(getattr(jax.typeof(a).sharding, "spec", None) or ()) + (None,) * a.ndim
+
+    bank_spec = spec(bank)
+    if bank.ndim == 3:
+        bank_spec = (None,) + bank_spec
+    token_specs = [spec(a) for a in tokens]
+    if not any(bank_spec) and not any(any(s) for s in token_specs):
         return None
-    mesh = jax.typeof(k_idx if any(k_spec) else bank).sharding.mesh
-    b, h = k_spec[0], k_spec[2]
-    bank_b, bank_h = bank_spec[:2] if bank.ndim == 4 else (b, bank_spec[0])
-    if not any(bank_spec):
-        bank_b, bank_h = b, h
-    named = lambda *entries: NamedSharding(mesh, PartitionSpec(*entries))
-    return named(b, None, h, None), named(bank_b, bank_h, None, None), named()
+    mesh = next(jax.typeof(a).sharding.mesh for a in (bank,) + tokens if any(spec(a)))
+    b = next((s[0] for s in token_specs + [bank_spec] if s[0] is not None), None)
+    h = next((e for e in [s[2] for s in token_specs] + [bank_spec[1]] if e is not None), None)
+
+    def named(*entries):  # drop an entry whose mesh axes an earlier entry already uses
+        used, out = set(), []
+        for e in entries:
+            out.append(None if used & set(_axes(e)) else e)
+            used |= set(_axes(out[-1]))
+        return NamedSharding(mesh, PartitionSpec(*out))
+
+    k_spec = token_specs[0]
+    y = named(k_spec[0] or b, k_spec[1], k_spec[2] or h, None)
+    final = named(bank_spec[0] or b, bank_spec[1] or h, *bank_spec[2:4])
+    return (y, final, named()), tuple(mesh.explicit_axes)
 
 
 def _sdm_ffi_streams(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
     f32 = jnp.float32
-    units = lambda a, fill=0: to_stream_units(a, dims, fill)
+    units = lambda a, fill=0: layout.to_stream_units(a, dims, fill)
     if dims.shared_bank:
         bank = jnp.broadcast_to(bank[None], (dims.B,) + bank.shape)
     y, final, repeats = stream_kernels(
         bank, units(k_idx.astype(jnp.int32), -1), units(k_val.astype(f32)),
         units(layout.lane_gates(g, dims).astype(f32)), units(v.astype(f32)), units(beta.astype(f32)),
         units(q_idx.astype(jnp.int32), -1), units(q_val.astype(f32)), dims.K)
-    return from_stream_units(y, dims).astype(bank.dtype), final, jnp.sum(repeats)
+    return layout.from_stream_units(y, dims).astype(bank.dtype), final, jnp.sum(repeats)

@@ -1,7 +1,7 @@
 // Phase 1 and its backward on the GPU (docs/DESIGN.md "Phase 1", "Phase-1 backward"; SPEC 1.3, 1.4). The same
 // arrays as kernels/phase1_cpu.cc, the same sums in the same order where it matters (segmented scans, run sums,
-// the per-run pair gradients), so the two agree to float32 rounding (exp differs in the last bits, and the cells
-// of A / QK add their per-slot terms in another order).
+// the per-run pair gradients), so the two agree to float32 rounding (exp may differ in the last bit, and the
+// cells of A / QK add their per-slot terms in another order).
 //
 // One thread block per unit (grid-stride over the units). Per unit:
 //  1. Every entry e in [0, E), E = C * (W + R), with e = t * (W + R) + lane (write lanes 0..W-1, read lanes
@@ -80,6 +80,11 @@ __device__ __forceinline__ int token_of(uint64_t key, const Shape& s) {
 __device__ __forceinline__ bool same_run(const Ent& a, const Ent& b) {
   return a.slot == b.slot && a.t == b.t && a.write == b.write;
 }
+
+// exp in double, rounded once to float: almost always the correctly rounded value, like the CPU kernel's
+// std::exp on float (glibc, < 0.51 ulp), where CUDA's expf may be 2 ulp off. Phase 1 is a small part of the
+// work; this keeps the CUDA and CPU kernels within a few float32 roundings of each other.
+__device__ __forceinline__ float exp_f(float x) { return static_cast<float>(exp(static_cast<double>(x))); }
 
 __device__ __forceinline__ uint64_t slot_key(uint32_t slot) { return static_cast<uint64_t>(slot) << 32; }
 
@@ -219,7 +224,7 @@ struct FwdArgs {
 };
 
 template <bool kShared>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kMaxThreads, 1)
     phase1_fwd_kernel(FwdArgs a, Shape s, int64_t N, unsigned char* workspace, int64_t scratch_bytes) {
   extern __shared__ __align__(16) unsigned char dyn_smem[];
   __shared__ int scan_sh[32 * 4];
@@ -283,7 +288,11 @@ __global__ void __launch_bounds__(kMaxThreads)
         const bool cont = q > 0 && same_run(prev, e);
         if (e.write) {
           ++cnt[0];
-          ++cnt[cont ? 3 : 2];
+          if (cont) {
+            ++cnt[3];
+          } else {
+            ++cnt[2];
+          }
         } else {
           ++cnt[1];
         }
@@ -362,10 +371,10 @@ __global__ void __launch_bounds__(kMaxThreads)
             head_log = run;
           }
           log_k[e.id] = run;
-          k_eff[e.id] = k * expf(run);
+          k_eff[e.id] = k * exp_f(run);
         } else {
           log_q[e.id] = run;
-          q_w[e.id] = qv[e.id] * expf(run);
+          q_w[e.id] = qv[e.id] * exp_f(run);
         }
         prev = e;
       }
@@ -373,14 +382,14 @@ __global__ void __launch_bounds__(kMaxThreads)
         hsum[h] = head_sum;
         hlog[h] = head_log;
       }
-      const float decay = expf(run);
+      const float decay = exp_f(run);
       float suffix = 0.0f;
       for (int q = end - 1; q >= p; --q) {
         const Ent e = decode(keys[q], s);
         if (!e.write) continue;
         const bool repeat = q > p && same_run(decode(keys[q - 1], s), e);
         rex[e.id] = suffix;
-        wv[e.id] = kv[e.id] * expf(suffix);
+        wv[e.id] = kv[e.id] * exp_f(suffix);
         cpe[e.id] = decay;
         suffix += repeat ? 0.0f : xs[e.id];
       }
@@ -406,7 +415,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         const float as = hsum[h], al = hlog[h];
         for (int b = g0; b < h; ++b) {
           const int j = token_of(keys[hpos[b]], s);
-          a_row[j] += as * hsum[b] * expf(al - hlog[b]);
+          a_row[j] += as * hsum[b] * exp_f(al - hlog[b]);
         }
       }
       for (int m = 0; m < R; ++m) {
@@ -429,7 +438,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         const int g0 = lower_bound(hpos, 0, h_end, lower_bound(keys, 0, p, slot_key(us)));
         for (int b = g0; b < h_end; ++b) {
           const int j = token_of(keys[hpos[b]], s);
-          qk_row[j] += qs * hsum[b] * expf(ql - hlog[b]);
+          qk_row[j] += qs * hsum[b] * exp_f(ql - hlog[b]);
         }
       }
     }
@@ -462,7 +471,7 @@ struct BwdArgs {
 };
 
 template <bool kShared>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kMaxThreads, 1)
     phase1_bwd_kernel(BwdArgs a, Shape s, int64_t N, unsigned char* workspace, int64_t scratch_bytes) {
   extern __shared__ __align__(16) unsigned char dyn_smem[];
   __shared__ int scan_sh[32 * 4];
@@ -520,7 +529,13 @@ __global__ void __launch_bounds__(kMaxThreads)
       if (lo > 0 && lo < hi) prev = decode(keys[lo - 1], s);
       for (int q = lo; q < hi; ++q) {
         const Ent e = decode(keys[q], s);
-        if (!(q > 0 && same_run(prev, e))) ++cnt[e.write ? 0 : 1];
+        if (!(q > 0 && same_run(prev, e))) {
+          if (e.write) {
+            ++cnt[0];
+          } else {
+            ++cnt[1];
+          }
+        }
         prev = e;
       }
       int off[2], tot[2];
@@ -583,7 +598,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       const int w_end = write ? h : lower_bound(whpos, w0, n_wh, p);
       for (int b = w0; b < w_end; ++b) {
         const float bs = whsum[b];
-        const float ce = c_row[token_of(keys[whpos[b]], s)] * expf(al - whlog[b]);
+        const float ce = c_row[token_of(keys[whpos[b]], s)] * exp_f(al - whlog[b]);
         dsum += ce * bs;
         dlog += ce * as * bs;
       }
@@ -600,7 +615,7 @@ __global__ void __launch_bounds__(kMaxThreads)
           const float a_sum = take_write ? whsum[iw] : rhsum[ir];
           const float a_log = take_write ? whlog[iw] : rhlog[ir];
           const float* dm = take_write ? dA : dQK;
-          const float ce = dm[static_cast<int64_t>(token_of(keys[pa], s)) * C + t] * expf(a_log - al);
+          const float ce = dm[static_cast<int64_t>(token_of(keys[pa], s)) * C + t] * exp_f(a_log - al);
           dsum += ce * a_sum;
           dlog -= ce * a_sum * as;
           if (take_write) {
@@ -618,9 +633,9 @@ __global__ void __launch_bounds__(kMaxThreads)
         const Ent e = decode(keys[q], s);
         if (q > p && !same_run(e0, e)) break;
         if (write) {
-          dk_val[e.id] = dk_eff[e.id] * expf(log_k[e.id]) + dw[e.id] * expf(rex[e.id]) + dsum;
+          dk_val[e.id] = dk_eff[e.id] * exp_f(log_k[e.id]) + dw[e.id] * exp_f(rex[e.id]) + dsum;
         } else {
-          dq_val[e.id] = dq_w[e.id] * expf(log_q[e.id]) + dsum;
+          dq_val[e.id] = dq_w[e.id] * exp_f(log_q[e.id]) + dsum;
         }
       }
     }
@@ -648,11 +663,11 @@ __global__ void __launch_bounds__(kMaxThreads)
         const bool head = q == p || !same_run(decode(keys[q - 1], s), e);
         float dl;
         if (e.write) {
-          const float el = expf(log_k[e.id]);
+          const float el = exp_f(log_k[e.id]);
           dl = dk_eff[e.id] * (kv[e.id] * el);
           if (head) dl = dl + whdlog[iw--];
         } else {
-          const float el = expf(log_q[e.id]);
+          const float el = exp_f(log_q[e.id]);
           dl = dq_w[e.id] * (qv[e.id] * el);
           if (head) dl = dl + rhdlog[ir--];
         }
@@ -667,7 +682,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         if (e.write) {
           const bool head = q == p || !same_run(prev, e);
           dx[e.id] = head ? dx[e.id] + prefix + dtotal : 0.0f;
-          prefix += dw[e.id] * (kv[e.id] * expf(rex[e.id]));
+          prefix += dw[e.id] * (kv[e.id] * exp_f(rex[e.id]));
         }
         prev = e;
       }
