@@ -729,7 +729,9 @@ int launch(void (*shared_kernel)(Args, Shape, int64_t, unsigned char*, int64_t),
            cudaStream_t stream) {
   const int threads = threads_for(s);
   if (scratch <= kPhase1CudaSharedBytes) {
-    if (scratch > 48 * 1024) {
+    // Dynamic plus static shared memory may pass 48 KB even when the scratch alone does not: always raise the
+    // limit to the scratch (idempotent).
+    if (scratch > 0) {
       const cudaError_t e = cudaFuncSetAttribute(shared_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  static_cast<int>(scratch));
       if (e != cudaSuccess) return static_cast<int>(e);

@@ -412,9 +412,10 @@ __global__ void bwd_read_side_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, 
   }
 }
 
+// Allow `bytes` of dynamic shared memory (idempotent; kernels with static shared memory too must not rely on
+// the default 48 KB).
 template <typename Kernel>
 int smem_attribute(Kernel kernel, size_t bytes) {
-  if (bytes <= 48 * 1024) return 0;
   return static_cast<int>(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(bytes)));
 }
