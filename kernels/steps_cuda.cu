@@ -26,7 +26,8 @@ namespace sdm {
 namespace {
 
 constexpr int kSlice = 32;          // columns per block of the solve kernels
-constexpr int kSolveThreads = 256;
+constexpr int kSolveThreads = 1024;  // the solve kernels are latency-bound: many warps per SM
+constexpr int kDotsThreads = 256;
 constexpr int kRowThreadsMax = 256;  // threads per block of the per-token row kernels
 constexpr int kGroupWarps = 8;      // warps (= groups) per block of the group kernels
 
@@ -120,47 +121,70 @@ struct ChunkRows {
   }
 };
 
-// out_row(t) = sum over lanes of weight * rows[idx] for token t of unit u; one block per (stream, token),
-// VEC columns per thread. Used for the gathers G, Q0 (bank rows) and the GWR gather (gradient rows).
+// out_row = sum over lanes of weight * rows[idx] for one token; one block per (stream, token). Threads are
+// (column, part): blockDim.x threads cover the columns VEC at a time, and the lanes are split into blockDim.y
+// contiguous parts whose partial sums are added in part order (a fixed order): more rows in flight per token.
+// `partial` is dynamic shared memory of blockDim.y * blockDim.x * VEC floats. Used for the gathers G, Q0 (bank
+// rows) and the GWR gather (gradient rows).
 template <int VEC, typename T>
 __device__ __forceinline__ void gather_row(const T* __restrict__ rows, const int32_t* idx, const float* weight,
-                                           int64_t lanes, int64_t K, int64_t D, float* __restrict__ out) {
+                                           int64_t lanes, int64_t K, int64_t D, float* __restrict__ out,
+                                           float* partial) {
   constexpr int kInFlight = 4;  // independent row loads issued before the first is used
-  for (int64_t d = static_cast<int64_t>(threadIdx.x) * VEC; d < D; d += blockDim.x * VEC) {
+  const int64_t per_part = (lanes + blockDim.y - 1) / blockDim.y;
+  const int64_t n_lo = threadIdx.y * per_part, n_hi = min(lanes, n_lo + per_part);
+  const int64_t tile = static_cast<int64_t>(blockDim.x) * VEC;
+  for (int64_t d0 = 0; d0 < D; d0 += tile) {  // the same trip count for every thread: barriers inside are safe
+    const int64_t d = d0 + static_cast<int64_t>(threadIdx.x) * VEC;
     float acc[VEC] = {};
-    for (int64_t n0 = 0; n0 < lanes; n0 += kInFlight) {
-      float x[kInFlight][VEC];
+    if (d < D) {
+      for (int64_t n0 = n_lo; n0 < n_hi; n0 += kInFlight) {
+        float x[kInFlight][VEC];
 #pragma unroll
-      for (int j = 0; j < kInFlight; ++j) {
-        const int32_t slot = n0 + j < lanes ? idx[n0 + j] : -1;
-        if (slot >= 0 && slot < K) {
-          load_cols<VEC>(rows + slot * D + d, x[j]);
-        } else {
+        for (int j = 0; j < kInFlight; ++j) {
+          const int32_t slot = n0 + j < n_hi ? idx[n0 + j] : -1;
+          if (slot >= 0 && slot < K) {
+            load_cols<VEC>(rows + slot * D + d, x[j]);
+          } else {
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) x[j][i] = 0.f;
+            for (int i = 0; i < VEC; ++i) x[j][i] = 0.f;
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kInFlight; ++j) {  // lanes in order within the part
+          const float wgt = n0 + j < n_hi ? weight[n0 + j] : 0.f;
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) acc[i] += wgt * x[j][i];
         }
       }
-#pragma unroll
-      for (int j = 0; j < kInFlight; ++j) {  // lanes in order: a fixed summation order
-        const float wgt = n0 + j < lanes ? weight[n0 + j] : 0.f;
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) acc[i] += wgt * x[j][i];
-      }
     }
-    store_cols<VEC>(out + d, acc);
+    float* mine = partial + (threadIdx.y * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) mine[i] = acc[i];
+    __syncthreads();
+    if (threadIdx.y == 0 && d < D) {
+      for (unsigned part = 1; part < blockDim.y; ++part) {
+        const float* other = partial + (part * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[i] += other[i];
+      }
+      store_cols<VEC>(out + d, acc);
+    }
+    __syncthreads();
   }
 }
 
 template <int VEC, typename T>
 __global__ void fwd_gather_kernel(StepDims dm, StepPhase1 p1, const T* __restrict__ bank, int64_t c, ChunkRows rows) {
+  extern __shared__ float partial[];
   const int64_t s = blockIdx.x, t = blockIdx.y;
   const int64_t u = unit_of(dm, s, c);
   const T* S = bank + s * dm.K * dm.D;
   const int64_t off = rows.at(dm, u, s) + t * dm.D;
   gather_row<VEC>(S, p1.k_idx + (u * dm.C + t) * dm.W, p1.k_eff + (u * dm.C + t) * dm.W, dm.W, dm.K, dm.D,
-                  rows.G + off);
+                  rows.G + off, partial);
   gather_row<VEC>(S, p1.q_idx + (u * dm.C + t) * dm.R, p1.q_w + (u * dm.C + t) * dm.R, dm.R, dm.K, dm.D,
-                  rows.Q0 + s * dm.C * dm.D + t * dm.D);
+                  rows.Q0 + s * dm.C * dm.D + t * dm.D, partial);
 }
 
 __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64_t c, ChunkRows rows) {
@@ -251,10 +275,11 @@ struct BackRows {
 
 template <int VEC>
 __global__ void bwd_gwr_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackRows rows) {
+  extern __shared__ float partial[];
   const int64_t s = blockIdx.x, t = blockIdx.y;
   const int64_t u = unit_of(dm, s, c);
   gather_row<VEC>(io.dbank + s * dm.K * dm.D, p1.k_idx + (u * dm.C + t) * dm.W, p1.w + (u * dm.C + t) * dm.W,
-                  dm.W, dm.K, dm.D, rows.gwr + (s * dm.C + t) * dm.D);
+                  dm.W, dm.K, dm.D, rows.gwr + (s * dm.C + t) * dm.D, partial);
 }
 
 __global__ void bwd_solve_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackRows rows) {
@@ -263,18 +288,20 @@ __global__ void bwd_solve_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int6
   const int64_t s = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
   const int64_t u = unit_of(dm, s, c);
   float* sdd = sh;
+  float* sdy = sh + C * kSlice;
   const float* QK = p1.QK + u * C * C;
   const float* dy = io.dy + u * C * D;
   const float* gwr = rows.gwr + s * C * D;
   for (int idx = threadIdx.x; idx < C * kSlice; idx += blockDim.x) {
     const int64_t t = idx / kSlice, d = d0 + idx % kSlice;
-    if (d >= D) {
-      sdd[idx] = 0.f;
-      continue;
-    }
+    sdy[idx] = d < D ? dy[t * D + d] : 0.f;
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < C * kSlice; idx += blockDim.x) {
+    const int64_t t = idx / kSlice, dd = idx % kSlice;
     float r = 0.f;
-    for (int64_t i = t; i < C; ++i) r += QK[i * C + t] * dy[i * D + d];
-    sdd[idx] = gwr[t * D + d] + r;
+    for (int64_t i = t; i < C; ++i) r += QK[i * C + t] * sdy[i * kSlice + dd];
+    sdd[idx] = d0 + dd < D ? gwr[t * D + d0 + dd] + r : 0.f;
   }
   __syncthreads();
   const float* minv = p1.minv + u * C * C;
@@ -292,7 +319,7 @@ __global__ void bwd_solve_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int6
 
 template <int VEC>
 __global__ void bwd_dots_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackRows rows) {
-  __shared__ float red[kSolveThreads];
+  __shared__ float red[kDotsThreads];
   const int64_t C = dm.C, D = dm.D;
   const int64_t s = blockIdx.x, i = blockIdx.y;
   const int64_t u = unit_of(dm, s, c);
@@ -432,10 +459,17 @@ struct Device<bf16> {
   using type = __nv_bfloat16;
 };
 
-// Threads of a per-token row kernel: one per VEC columns, a whole number of warps, at most kRowThreadsMax.
-inline int row_threads(int64_t D, int vec) {
+// Block of a per-token gather: x threads, one per VEC columns (a whole number of warps, at most
+// kRowThreadsMax), times y parts of the lanes (up to 4, at most 512 threads in all); and its shared memory.
+struct RowBlock {
+  dim3 threads;
+  size_t smem;
+};
+inline RowBlock row_block(int64_t D, int vec) {
   const int64_t t = (D + vec - 1) / vec;
-  return static_cast<int>(std::min<int64_t>(kRowThreadsMax, std::max<int64_t>(32, (t + 31) / 32 * 32)));
+  const int x = static_cast<int>(std::min<int64_t>(kRowThreadsMax, std::max<int64_t>(32, (t + 31) / 32 * 32)));
+  const int y = std::max(1, std::min(4, 512 / x));
+  return RowBlock{dim3(x, y), static_cast<size_t>(x) * y * vec * sizeof(float)};
 }
 
 template <int VEC, typename T>
@@ -449,9 +483,10 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   const dim3 row_grid(dm.streams(), dm.C);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
   const dim3 group_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
-  const int threads = row_threads(dm.D, VEC);
+  const RowBlock rb = row_block(dm.D, VEC);
+  if (!rc) rc = smem_attribute(fwd_gather_kernel<VEC, T>, rb.smem);
   for (int64_t c = 0; c < dm.NC && !rc; ++c) {
-    fwd_gather_kernel<VEC, T><<<row_grid, threads, 0, stream>>>(dm, p1, bank, c, rows);
+    fwd_gather_kernel<VEC, T><<<row_grid, rb.threads, rb.smem, stream>>>(dm, p1, bank, c, rows);
     rc = launched(rc);
     fwd_solve_kernel<<<slice_grid, kSolveThreads, smem, stream>>>(dm, p1, io, c, rows);
     rc = launched(rc);
@@ -466,7 +501,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
                   cudaStream_t stream) {
   const int64_t n = dm.streams() * dm.C * dm.D;
   const BackRows rows{workspace, workspace + n, workspace + 2 * n};
-  const size_t smem = dm.C * kSlice * sizeof(float);
+  const size_t smem = 2 * dm.C * kSlice * sizeof(float);
   int rc = smem_attribute(bwd_solve_kernel, smem);
   const dim3 row_grid(dm.streams(), dm.C);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
@@ -474,13 +509,14 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const dim3 read_grid(dm.streams(), (dm.C * dm.R + kGroupWarps - 1) / kGroupWarps);
   // The gradient rows are float32: VEC float32 columns per thread read 16 bytes at VEC = 4.
   constexpr int kFVec = VEC >= 4 ? 4 : 1;
-  const int threads = row_threads(dm.D, kFVec);
+  const RowBlock rb = row_block(dm.D, kFVec);
+  if (!rc) rc = smem_attribute(bwd_gwr_kernel<kFVec>, rb.smem);
   for (int64_t c = dm.NC - 1; c >= 0 && !rc; --c) {
-    bwd_gwr_kernel<kFVec><<<row_grid, threads, 0, stream>>>(dm, p1, io, c, rows);
+    bwd_gwr_kernel<kFVec><<<row_grid, rb.threads, rb.smem, stream>>>(dm, p1, io, c, rows);
     rc = launched(rc);
     bwd_solve_kernel<<<slice_grid, kSolveThreads, smem, stream>>>(dm, p1, io, c, rows);
     rc = launched(rc);
-    bwd_dots_kernel<kFVec><<<row_grid, kSolveThreads, 0, stream>>>(dm, p1, io, c, rows);
+    bwd_dots_kernel<kFVec><<<row_grid, kDotsThreads, 0, stream>>>(dm, p1, io, c, rows);
     rc = launched(rc);
     bwd_phase_a_kernel<VEC, T><<<write_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, c, rows);
     rc = launched(rc);
