@@ -103,6 +103,55 @@ def measure(label, fn, args, repeats):
         return ERROR
 
 
+def detail_row(impl, name, shape, args, dy, dbank, repeats):
+    """The GPU table's row: no-grad forward, training forward (the VJP's forward, saving residuals), backward
+    (applying the VJP), peak device memory, the forward's bank bandwidth and the ratios to SPEC 6's anchors."""
+    chunk = shape["chunk"]
+    floats = [args[i] for i in FLOAT_ARGS]
+    rest = {i: a for i, a in enumerate(args) if i not in FLOAT_ARGS}
+
+    def op(*fl):
+        full = [rest[i] if i in rest else None for i in range(len(args))]
+        for i, a in zip(FLOAT_ARGS, fl):
+            full[i] = a
+        return sdm_write_read(*full, chunk_size=chunk, impl=impl)
+
+    nograd = jax.jit(op)
+    train_fwd = jax.jit(lambda *fl: jax.vjp(op, *fl))
+    y, final = nograd(*floats)
+    cts = (dy.astype(y.dtype), dbank.astype(final.dtype))
+    bwd = jax.jit(lambda vjp_fn: vjp_fn(cts))
+    t_nograd = measure(f"{impl} {name} no-grad fwd", nograd, floats, repeats)
+    t_train = measure(f"{impl} {name} training fwd", train_fwd, floats, repeats)
+    _, vjp_fn = train_fwd(*floats)
+    t_bwd = measure(f"{impl} {name} bwd", bwd, (vjp_fn,), repeats)
+    del vjp_fn
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    elem = 2 if shape["dtype"] == "bfloat16" else 4
+    bank_bytes = shape["B"] * shape["H"] * shape["T"] * (3 * shape["W"] + shape["R"]) * shape["D"] * elem
+    anchor = ANCHORS.get(name) if chunk == 64 else None
+    total = t_train + t_bwd if not isinstance(t_train, str) and not isinstance(t_bwd, str) else ERROR
+    return [impl, name, fmt_ms(t_nograd), fmt_ms(t_train), fmt_ms(t_bwd), fmt_ms(total),
+            "-" if peak is None else f"{peak / 2**30:.2f}",
+            t_nograd if isinstance(t_nograd, str) else f"{bank_bytes / t_nograd / 1e12:.2f}",
+            fmt_ratio(t_nograd, anchor and anchor["nograd_fwd"]), fmt_ratio(t_train, anchor and anchor["fwd"]),
+            fmt_ratio(t_bwd, anchor and anchor["bwd"]),
+            fmt_ratio(total, anchor and anchor["fwd"] + anchor["bwd"])]
+
+
+DETAIL_HEADER = ["impl", "shape", "no-grad fwd ms", "fwd ms", "bwd ms", "fwd+bwd ms", "peak GiB",
+                 "fwd bank TB/s", "no-grad / anchor", "fwd / anchor", "bwd / anchor", "fwd+bwd / anchor"]
+
+
+def print_table(header, rows):
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print()
+
+
 def fmt_ms(t):
     return t if isinstance(t, str) else f"{1e3 * t:.2f}"
 
@@ -144,6 +193,10 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (default 5)")
     parser.add_argument("--chunk", type=int, default=None, help="override the shape's chunk size")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--detail", action="store_true",
+                        help="the GPU table instead: no-grad fwd, training fwd, bwd, peak memory, bank bandwidth "
+                             "(bytes: (3W + R) * D per token and stream), ratios to the SPEC 6 anchors; run one "
+                             "shape per process for a meaningful peak")
     opts = parser.parse_args(argv)
 
     backend = jax.default_backend()
@@ -174,6 +227,10 @@ def main(argv=None):
         tokens = shape["B"] * shape["T"] * shape["H"]
         anchor = ANCHORS.get(name) if opts.chunk in (None, 64) else None
         for impl in impls:
+            if opts.detail:
+                rows.append(detail_row(impl, name, shape, args, dy, dbank, opts.repeats))
+                failed |= ERROR in rows[-1]
+                continue
             fwd, fwd_bwd = make_functions(impl, shape["chunk"], dy, dbank)
             t_fwd = measure(f"{impl} {name} fwd", fwd, args, opts.repeats)
             t_bwd = measure(f"{impl} {name} fwd+bwd", fwd_bwd, args, opts.repeats)
@@ -188,11 +245,7 @@ def main(argv=None):
 
     header = ["impl", "shape", "fwd ms", "fwd+bwd ms", "fwd tokens/s", "fwd+bwd tokens/s",
               "fwd / anchor", "fwd+bwd / anchor"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
-    print()
+    print_table(DETAIL_HEADER if opts.detail else header, rows)
     for name in shapes:
         s = SHAPES[name]
         chunk = opts.chunk or s["chunk"]

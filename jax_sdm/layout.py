@@ -3,8 +3,10 @@
 Public layout: `[B, T, H, ...]` (SPEC 2). Kernel layout: time-major units, `[NC, P, C, ...]` with `P = B*H`
 streams and `NC = ceil(T / C)` chunks (docs/DESIGN.md).
 """
+import functools
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -129,4 +131,29 @@ def lane_gates(g, dims):
     """Gates per write lane, `[B, T, H, W]` (a per-token gate is broadcast over the lanes)."""
     if dims.per_write_gates:
         return g
-    return jnp.broadcast_to(g[..., None], g.shape + (dims.W,))
+    return _broadcast_lanes(g, dims.W)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _broadcast_lanes(g, lanes):
+    """`g[..., None]` broadcast to `lanes`; its gradient sums the lanes in lane order.
+
+    The transpose JAX would use is an XLA reduction, whose summation order the GPU compiler may choose differently
+    from one compilation to the next (seen as last-bit differences of the gate gradient between processes); a
+    chain of elementwise adds has one order (SPEC 4).
+    """
+    return jnp.broadcast_to(g[..., None], g.shape + (lanes,))
+
+
+def _broadcast_lanes_fwd(g, lanes):
+    return _broadcast_lanes(g, lanes), None
+
+
+def _broadcast_lanes_bwd(lanes, _, ct):
+    total = ct[..., 0]
+    for n in range(1, lanes):
+        total = total + ct[..., n]
+    return (total,)
+
+
+_broadcast_lanes.defvjp(_broadcast_lanes_fwd, _broadcast_lanes_bwd)

@@ -50,9 +50,12 @@ if has determinism; then
   XLA_FLAGS=--xla_gpu_enable_command_buffer= run_pytest determinism_no_cmdbuf "$REPO"/tests/test_gpu_determinism.py
 fi
 if has bench; then
-  python3 "$REPO/benchmarks/bench.py" --impls ffi ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
-  summary "bench rc=$?"
-  tail -20 "$OUT/bench.log"
+  # The SPEC 6 anchors, one process each (the peak memory is per process).
+  for shape in ${BENCH_SHAPES:-small mid flagship}; do
+    timeout 300 python3 "$REPO/benchmarks/bench.py" --impls ffi --shape "$shape" --detail --repeats 20 \
+      ${BENCH_ARGS:-} >> "$OUT/bench.log" 2>&1
+    summary "bench $shape rc=$?: $(grep "^| ffi" "$OUT/bench.log" | tail -1)"
+  done
 fi
 cat "$OUT/summary.txt"
 exit $status
