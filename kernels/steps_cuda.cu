@@ -30,6 +30,7 @@ constexpr int kSolveThreads = 1024;  // the solve kernels are latency-bound: man
 constexpr int kDotsThreads = 256;
 constexpr int kRowThreadsMax = 256;  // threads per block of the per-token row kernels
 constexpr int kGroupWarps = 8;      // warps (= groups) per block of the group kernels
+constexpr int kInlineEntries = 4;   // Phase A handles groups of up to this many entries in one pass over the row
 
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -373,6 +374,52 @@ __global__ void bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T*
   const float cpe = p1.cpe[e0];
   const float* delta = io.delta + u * C * D;
   const float* dG = rows.dG + s * C * D;
+  const float* k_eff = p1.k_eff + u * C * W;
+  T* row = bank + (s * K + slot) * D;
+  if (hi - lo <= kInlineEntries) {
+    // One pass over the row: the dots (as per-lane partial sums, reduced in the fixed xor tree afterwards, the
+    // same order as warp_dot), the gradient row and the restore.
+    const int32_t n = hi - lo;
+    float p_cpe = 0.f, p_w[kInlineEntries] = {}, p_k[kInlineEntries] = {};
+    for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
+      float ds[VEC], sv[VEC], acc[VEC];
+      load_cols<VEC>(drow + d, ds);
+      load_cols<VEC>(s0 + d, sv);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        p_cpe += ds[i] * sv[i];
+        acc[i] = cpe * ds[i];
+      }
+#pragma unroll
+      for (int k = 0; k < kInlineEntries; ++k) {
+        if (k >= n) break;
+        const int32_t e = order[lo + k];
+        float dl[VEC], dg[VEC];
+        load_cols<VEC>(delta + (e / W) * D + d, dl);
+        load_cols<VEC>(dG + (e / W) * D + d, dg);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          p_w[k] += dl[i] * ds[i];
+          p_k[k] += dg[i] * sv[i];
+          acc[i] += k_eff[e] * dg[i];
+        }
+      }
+      store_cols<VEC>(drow + d, acc);
+      copy_cols<VEC>(s0 + d, row + d);
+    }
+    const float dcpe = warp_sum(p_cpe);
+    if (lane == 0) io.dcpe[e0] = dcpe;
+#pragma unroll
+    for (int k = 0; k < kInlineEntries; ++k) {
+      if (k >= n) break;
+      const float dw = warp_sum(p_w[k]), dk = warp_sum(p_k[k]);
+      if (lane == 0) {
+        io.dw[u * C * W + order[lo + k]] = dw;
+        io.dk_eff[u * C * W + order[lo + k]] = dk;
+      }
+    }
+    return;
+  }
   const float dcpe = warp_dot<VEC>(drow, s0, D, lane);
   if (lane == 0) io.dcpe[e0] = dcpe;
   for (int32_t k = lo; k < hi; ++k) {
@@ -384,8 +431,6 @@ __global__ void bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T*
       io.dk_eff[u * C * W + e] = dk;
     }
   }
-  const float* k_eff = p1.k_eff + u * C * W;
-  T* row = bank + (s * K + slot) * D;
   for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
     float acc[VEC];
     load_cols<VEC>(drow + d, acc);
