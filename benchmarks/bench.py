@@ -1,6 +1,6 @@
 """Time `sdm_write_read` forward and forward+backward for each implementation; print a Markdown table.
 
-    python benchmarks/bench.py [--impls reference,xla,ffi] [--shape cpu-small|small|mid|flagship] [--repeats N]
+    python benchmarks/bench.py [--impls reference,xla,ffi] [--shape cpu-small|cpu-large|small|mid|flagship] [--repeats N]
 
 * forward: `jax.jit` of the op, returning `(y, final_bank)`.
 * forward+backward: `jax.jit(jax.grad(loss))` with `loss = sum(y * dy) + sum(final_bank * dbank)` (fixed random
@@ -39,6 +39,8 @@ FLOAT_ARGS = (0, 2, 3, 4, 5, 7)  # positions of bank, k_val, v, beta, g, q_val
 
 SHAPES = {
     "cpu-small": dict(B=2, H=2, T=256, K=1024, D=32, W=8, R=8, chunk=32, dtype="float32"),
+    # about a second for the pure-JAX paths on the 2-core CPU machine
+    "cpu-large": dict(B=4, H=2, T=2048, K=1024, D=64, W=16, R=16, chunk=64, dtype="float32"),
     "small": dict(B=8, H=1, T=2048, K=16384, D=128, W=16, R=16, chunk=64, dtype="bfloat16"),
     "mid": dict(B=4, H=1, T=4096, K=65536, D=512, W=32, R=32, chunk=64, dtype="bfloat16"),
     "flagship": dict(B=4, H=1, T=4096, K=65536, D=1024, W=64, R=64, chunk=64, dtype="bfloat16"),

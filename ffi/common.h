@@ -13,6 +13,12 @@ namespace sdm_ffi {
 
 namespace ffi = xla::ffi;
 
+// The buffer types of the handlers' bindings: float32 and int32 arguments and results.
+using F32 = ffi::Buffer<ffi::F32>;
+using S32 = ffi::Buffer<ffi::S32>;
+using R32 = ffi::ResultBuffer<ffi::F32>;
+using RS32 = ffi::ResultBuffer<ffi::S32>;
+
 inline std::string DimsToString(ffi::Span<const int64_t> dims) {
   std::string s = "[";
   for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);

@@ -1,13 +1,14 @@
 // XLA FFI handler `sdm_solve` (platform CUDA): Minv = (I + diag(beta) A)^{-1}
 // per unit (docs/DESIGN.md "Solve"); any leading batch dims (their product is N). Runs on XLA's stream; no allocation, no
 // host synchronisation; the launch configuration depends on the shapes only, so
-// the handler is safe to capture in a CUDA graph (kCmdBufferCompatible).
+// the handler is safe to capture in a CUDA graph (kCmdBufferCompatible). The
+// checks of the CPU handler (ffi/solve_common.h), then the kernel's limit on C.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <string>
 
-#include "ffi/common.h"
+#include "ffi/solve_common.h"
 #include "kernels/solve.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -15,19 +16,11 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-ffi::Error SolveCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> A,
-                         ffi::Buffer<ffi::F32> beta,
-                         ffi::ResultBuffer<ffi::F32> Minv) {
+ffi::Error SolveCudaImpl(cudaStream_t stream, sdm_ffi::F32 A, sdm_ffi::F32 beta,
+                         sdm_ffi::R32 Minv) {
   constexpr const char* op = "sdm_solve (CUDA)";
-  auto ad = A.dimensions();
-  if (ad.size() < 2) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": A must be [..., C, C], got shape " +
-                                       sdm_ffi::DimsToString(ad));
-  }
-  const int64_t N = sdm_ffi::LeadingProduct(ad, 2), C = ad.back();
-  SDM_RETURN_IF_ERROR(sdm_ffi::CheckShape(op, "A", A, N, {C, C}));
-  SDM_RETURN_IF_ERROR(sdm_ffi::CheckShape(op, "beta", beta, N, {C}));
-  SDM_RETURN_IF_ERROR(sdm_ffi::CheckShape(op, "Minv (result)", *Minv, N, {C, C}));
+  int64_t N, C;
+  SDM_RETURN_IF_ERROR(sdm_ffi::CheckSolveArgs(op, A, beta, Minv, &N, &C));
   if (C > sdm::kSolveCudaMaxC) {
     return ffi::Error::InvalidArgument(
         std::string(op) + ": chunk size C=" + std::to_string(C) +
@@ -50,7 +43,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SdmSolveCuda, SolveCudaImpl,
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Arg<ffi::Buffer<ffi::F32>>()  // A
-        .Arg<ffi::Buffer<ffi::F32>>()  // beta
-        .Ret<ffi::Buffer<ffi::F32>>(),  // Minv
+        .Arg<sdm_ffi::F32>()  // A
+        .Arg<sdm_ffi::F32>()  // beta
+        .Ret<sdm_ffi::F32>(),  // Minv
     {xla::ffi::Traits::kCmdBufferCompatible});

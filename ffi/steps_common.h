@@ -12,10 +12,6 @@
 
 namespace sdm_ffi {
 
-using F32 = ffi::Buffer<ffi::F32>;
-using S32 = ffi::Buffer<ffi::S32>;
-using R32 = ffi::ResultBuffer<ffi::F32>;
-
 // Sizes from k_idx [V..., NC, P, C, W], q_idx [.., R], bank [V..., P, K, D].
 inline ffi::Error StepDimsOf(const char* op, const ffi::AnyBuffer& bank, const S32& k_idx, const S32& q_idx,
                              sdm::StepDims* dm) {

@@ -222,30 +222,42 @@ __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64
   }
 }
 
-// The write group g of unit u: sorted entries [lo, hi) and the slot, or -1.
-__device__ __forceinline__ int32_t group_of(const int32_t* order, const int32_t* group, const int32_t* idx,
-                                            int64_t g, int64_t K, int32_t* lo, int32_t* hi) {
-  *lo = group[g];
-  *hi = group[g + 1];
-  if (*lo >= *hi || order[*lo] < 0) return -1;
-  const int32_t s = idx[order[*lo]];
-  return (s >= 0 && s < K) ? s : -1;
+// The slot group of this warp (one warp per group; blockIdx.x the stream, blockIdx.y * kGroupWarps + warp the
+// group) in chunk c: its unit u, its sorted entries [lo, hi) and its slot. False when the warp has no group
+// (past the last one, empty, or an out-of-range slot). `order`, `group`, `idx` are a map of DESIGN.md (w_* with
+// k_idx, or r_* with q_idx) and `lanes` its W or R.
+struct Group {
+  int64_t s, u, g;
+  int lane;
+  int32_t lo, hi, slot;
+};
+
+__device__ __forceinline__ bool warp_group(const StepDims& dm, int64_t c, const int32_t* order, const int32_t* group,
+                                           const int32_t* idx, int64_t lanes, Group* out) {
+  const int64_t n = dm.C * lanes;
+  out->s = blockIdx.x;
+  out->g = static_cast<int64_t>(blockIdx.y) * kGroupWarps + threadIdx.x / 32;
+  out->lane = threadIdx.x % 32;
+  if (out->g >= n) return false;
+  out->u = unit_of(dm, out->s, c);
+  order += out->u * n;
+  out->lo = group[out->u * (n + 1) + out->g];
+  out->hi = group[out->u * (n + 1) + out->g + 1];
+  if (out->lo >= out->hi || order[out->lo] < 0) return false;
+  out->slot = idx[out->u * n + order[out->lo]];
+  return out->slot >= 0 && out->slot < dm.K;
 }
 
 template <int VEC, typename T>
 __global__ void fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, T* __restrict__ bank, int64_t c,
                                  ChunkRows rows) {
-  const int64_t C = dm.C, W = dm.W, D = dm.D, K = dm.K;
-  const int64_t s = blockIdx.x;
-  const int64_t g = static_cast<int64_t>(blockIdx.y) * kGroupWarps + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (g >= C * W) return;
-  const int64_t u = unit_of(dm, s, c);
+  Group gr;
+  if (!warp_group(dm, c, p1.w_order, p1.w_group, p1.k_idx, dm.W, &gr)) return;
+  const int64_t C = dm.C, W = dm.W, D = dm.D, s = gr.s, u = gr.u, g = gr.g;
+  const int lane = gr.lane;
+  const int32_t lo = gr.lo, hi = gr.hi;
   const int32_t* order = p1.w_order + u * C * W;
-  int32_t lo, hi;
-  const int32_t slot = group_of(order, p1.w_group + u * (C * W + 1), p1.k_idx + u * C * W, g, K, &lo, &hi);
-  if (slot < 0) return;
-  T* row = bank + (s * K + slot) * D;
+  T* row = bank + (s * dm.K + gr.slot) * D;
   T* snap = io.snapshot ? static_cast<T*>(io.snapshot) + (u * C * W + g) * D : nullptr;
   const float* w = p1.w + u * C * W;
   const float cpe = p1.cpe[u * C * W + order[lo]];
@@ -358,16 +370,12 @@ __global__ void bwd_dots_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64
 template <int VEC, typename T>
 __global__ void bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T* __restrict__ bank, int64_t c,
                                    BackRows rows) {
-  const int64_t C = dm.C, W = dm.W, D = dm.D, K = dm.K;
-  const int64_t s = blockIdx.x;
-  const int64_t g = static_cast<int64_t>(blockIdx.y) * kGroupWarps + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (g >= C * W) return;
-  const int64_t u = unit_of(dm, s, c);
+  Group gr;
+  if (!warp_group(dm, c, p1.w_order, p1.w_group, p1.k_idx, dm.W, &gr)) return;
+  const int64_t C = dm.C, W = dm.W, D = dm.D, K = dm.K, s = gr.s, u = gr.u, g = gr.g;
+  const int lane = gr.lane;
+  const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
   const int32_t* order = p1.w_order + u * C * W;
-  int32_t lo, hi;
-  const int32_t slot = group_of(order, p1.w_group + u * (C * W + 1), p1.k_idx + u * C * W, g, K, &lo, &hi);
-  if (slot < 0) return;
   float* drow = io.dbank + (s * K + slot) * D;
   const T* s0 = static_cast<const T*>(io.snapshot) + (u * C * W + g) * D;
   const int64_t e0 = u * C * W + order[lo];
@@ -451,16 +459,12 @@ __global__ void bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T*
 template <int VEC, typename T>
 __global__ void bwd_read_side_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const T* __restrict__ bank,
                                      int64_t c) {
-  const int64_t C = dm.C, R = dm.R, D = dm.D, K = dm.K;
-  const int64_t s = blockIdx.x;
-  const int64_t g = static_cast<int64_t>(blockIdx.y) * kGroupWarps + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (g >= C * R) return;
-  const int64_t u = unit_of(dm, s, c);
+  Group gr;
+  if (!warp_group(dm, c, p1.r_order, p1.r_group, p1.q_idx, dm.R, &gr)) return;
+  const int64_t C = dm.C, R = dm.R, D = dm.D, K = dm.K, s = gr.s, u = gr.u;
+  const int lane = gr.lane;
+  const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
   const int32_t* order = p1.r_order + u * C * R;
-  int32_t lo, hi;
-  const int32_t slot = group_of(order, p1.r_group + u * (C * R + 1), p1.q_idx + u * C * R, g, K, &lo, &hi);
-  if (slot < 0) return;
   float* drow = io.dbank + (s * K + slot) * D;
   const T* row = bank + (s * K + slot) * D;
   const float* dy = io.dy + u * C * D;

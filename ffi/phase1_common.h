@@ -1,0 +1,158 @@
+// Argument checks shared by the CPU and CUDA handlers `sdm_phase1` and `sdm_phase1_bwd` (docs/DESIGN.md
+// "Phase 1", "Phase-1 backward"): a handler binds its buffers, calls one of these, then calls its platform's
+// kernel. Every buffer may carry any number of leading batch dims in front of the per-unit shape; their product
+// is the unit count N (vmap with vmap_method="broadcast_all" adds them).
+#ifndef JAX_SDM_FFI_PHASE1_COMMON_H_
+#define JAX_SDM_FFI_PHASE1_COMMON_H_
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "ffi/common.h"
+
+namespace sdm_ffi {
+
+struct UnitDims {
+  int64_t N, C, W, R, K;
+};
+
+// A platform's limit on the sizes (its kernel's bound on C * (W + R)), checked last by Phase1Dims.
+using Phase1Limits = ffi::Error (*)(const char* op, const UnitDims& u);
+
+// Sizes from k_idx [..., C, W], q_idx [..., C, R] and num_slots; the limits of kernels/phase1.h.
+inline ffi::Error Phase1Dims(const char* op, const S32& k_idx, const S32& q_idx, int64_t num_slots,
+                             Phase1Limits limits, UnitDims* u) {
+  auto kd = k_idx.dimensions();
+  auto qd = q_idx.dimensions();
+  if (kd.size() < 2) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": k_idx must be [..., C, W], got shape " +
+                                       DimsToString(kd));
+  }
+  if (qd.size() < 1) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": q_idx must be [..., C, R], got shape " +
+                                       DimsToString(qd));
+  }
+  *u = UnitDims{LeadingProduct(kd, 2), kd[kd.size() - 2], kd.back(), qd.back(), num_slots};
+  SDM_RETURN_IF_ERROR(CheckShape(op, "q_idx", q_idx, u->N, {u->C, u->R}));
+  constexpr int64_t kMax32 = std::numeric_limits<int32_t>::max();
+  if (u->K < 0 || u->K > kMax32) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": num_slots must be in [0, 2^31 - 1], got " +
+                                       std::to_string(u->K));
+  }
+  return limits(op, *u);
+}
+
+// The handlers' parameters, in the order of the bindings below (docs/DESIGN.md); shared by CPU and CUDA. The
+// handlers take one more, the optional trailing workspace result (ffi::RemainingRets), which only CUDA uses.
+#define SDM_PHASE1_PARAMS                                                                                      \
+  ::sdm_ffi::S32 k_idx, ::sdm_ffi::F32 k_val, ::sdm_ffi::F32 x, ::sdm_ffi::S32 q_idx, ::sdm_ffi::F32 q_val,      \
+      int64_t num_slots, ::sdm_ffi::R32 log_k, ::sdm_ffi::R32 rex, ::sdm_ffi::R32 cpe, ::sdm_ffi::R32 k_eff,     \
+      ::sdm_ffi::R32 w, ::sdm_ffi::R32 log_q, ::sdm_ffi::R32 q_w, ::sdm_ffi::R32 A, ::sdm_ffi::R32 QK,          \
+      ::sdm_ffi::RS32 w_order, ::sdm_ffi::RS32 w_group, ::sdm_ffi::RS32 r_order, ::sdm_ffi::RS32 r_group,       \
+      ::sdm_ffi::RS32 repeats
+#define SDM_PHASE1_NAMES                                                                                        \
+  k_idx, k_val, x, q_idx, q_val, num_slots, log_k, rex, cpe, k_eff, w, log_q, q_w, A, QK, w_order, w_group,     \
+      r_order, r_group, repeats
+
+#define SDM_PHASE1_BWD_PARAMS                                                                                  \
+  ::sdm_ffi::S32 k_idx, ::sdm_ffi::F32 k_val, ::sdm_ffi::S32 q_idx, ::sdm_ffi::F32 q_val, ::sdm_ffi::F32 log_k, \
+      ::sdm_ffi::F32 rex, ::sdm_ffi::F32 cpe, ::sdm_ffi::F32 log_q, ::sdm_ffi::F32 dk_eff, ::sdm_ffi::F32 dw,    \
+      ::sdm_ffi::F32 dcpe, ::sdm_ffi::F32 dq_w, ::sdm_ffi::F32 dA, ::sdm_ffi::F32 dQK, int64_t num_slots,       \
+      ::sdm_ffi::R32 dk_val, ::sdm_ffi::R32 dx, ::sdm_ffi::R32 dq_val
+#define SDM_PHASE1_BWD_NAMES \
+  k_idx, k_val, q_idx, q_val, log_k, rex, cpe, log_q, dk_eff, dw, dcpe, dq_w, dA, dQK, num_slots, dk_val, dx, dq_val
+
+// The Phase-1 arguments and results, checked against the sizes (`limits`: the platform's, see Phase1Dims).
+inline ffi::Error CheckPhase1Args(const char* op, Phase1Limits limits, SDM_PHASE1_PARAMS, UnitDims* u) {
+  SDM_RETURN_IF_ERROR(Phase1Dims(op, k_idx, q_idx, num_slots, limits, u));
+  const int64_t N = u->N, C = u->C, W = u->W, R = u->R, CW = C * W, CR = C * R;
+  SDM_RETURN_IF_ERROR(CheckShape(op, "k_val", k_val, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "x", x, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "q_val", q_val, N, {C, R}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "log_k (result)", *log_k, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "rex (result)", *rex, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "cpe (result)", *cpe, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "k_eff (result)", *k_eff, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "w (result)", *w, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "log_q (result)", *log_q, N, {C, R}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "q_w (result)", *q_w, N, {C, R}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "A (result)", *A, N, {C, C}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "QK (result)", *QK, N, {C, C}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "w_order (result)", *w_order, N, {CW}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "w_group (result)", *w_group, N, {CW + 1}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "r_order (result)", *r_order, N, {CR}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "r_group (result)", *r_group, N, {CR + 1}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "repeats (result)", *repeats, N, {}));
+  return ffi::Error::Success();
+}
+
+// The Phase-1 backward's arguments and results, checked against the sizes.
+inline ffi::Error CheckPhase1BwdArgs(const char* op, Phase1Limits limits, SDM_PHASE1_BWD_PARAMS, UnitDims* u) {
+  SDM_RETURN_IF_ERROR(Phase1Dims(op, k_idx, q_idx, num_slots, limits, u));
+  const int64_t N = u->N, C = u->C, W = u->W, R = u->R;
+  SDM_RETURN_IF_ERROR(CheckShape(op, "k_val", k_val, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "q_val", q_val, N, {C, R}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "log_k", log_k, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "rex", rex, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "cpe", cpe, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "log_q", log_q, N, {C, R}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dk_eff", dk_eff, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dw", dw, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dcpe", dcpe, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dq_w", dq_w, N, {C, R}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dA", dA, N, {C, C}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dQK", dQK, N, {C, C}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dk_val (result)", *dk_val, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dx (result)", *dx, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dq_val (result)", *dq_val, N, {C, R}));
+  return ffi::Error::Success();
+}
+
+}  // namespace sdm_ffi
+
+// The buffers and the attribute of the two handlers, in order (docs/DESIGN.md), shared by the CPU and CUDA
+// bindings; each binding ends with .RemainingRets(), the optional trailing workspace.
+#define SDM_PHASE1_BUFFERS                                   \
+  Arg<::sdm_ffi::S32>() /* k_idx */                          \
+      .Arg<::sdm_ffi::F32>() /* k_val */                     \
+      .Arg<::sdm_ffi::F32>() /* x */                         \
+      .Arg<::sdm_ffi::S32>() /* q_idx */                     \
+      .Arg<::sdm_ffi::F32>() /* q_val */                     \
+      .Attr<int64_t>("num_slots")                            \
+      .Ret<::sdm_ffi::F32>() /* log_k */                     \
+      .Ret<::sdm_ffi::F32>() /* rex */                       \
+      .Ret<::sdm_ffi::F32>() /* cpe */                       \
+      .Ret<::sdm_ffi::F32>() /* k_eff */                     \
+      .Ret<::sdm_ffi::F32>() /* w */                         \
+      .Ret<::sdm_ffi::F32>() /* log_q */                     \
+      .Ret<::sdm_ffi::F32>() /* q_w */                       \
+      .Ret<::sdm_ffi::F32>() /* A */                         \
+      .Ret<::sdm_ffi::F32>() /* QK */                        \
+      .Ret<::sdm_ffi::S32>() /* w_order */                   \
+      .Ret<::sdm_ffi::S32>() /* w_group */                   \
+      .Ret<::sdm_ffi::S32>() /* r_order */                   \
+      .Ret<::sdm_ffi::S32>() /* r_group */                   \
+      .Ret<::sdm_ffi::S32>() /* repeats */
+
+#define SDM_PHASE1_BWD_BUFFERS                               \
+  Arg<::sdm_ffi::S32>() /* k_idx */                          \
+      .Arg<::sdm_ffi::F32>() /* k_val */                     \
+      .Arg<::sdm_ffi::S32>() /* q_idx */                     \
+      .Arg<::sdm_ffi::F32>() /* q_val */                     \
+      .Arg<::sdm_ffi::F32>() /* log_k */                     \
+      .Arg<::sdm_ffi::F32>() /* rex */                       \
+      .Arg<::sdm_ffi::F32>() /* cpe */                       \
+      .Arg<::sdm_ffi::F32>() /* log_q */                     \
+      .Arg<::sdm_ffi::F32>() /* dk_eff */                    \
+      .Arg<::sdm_ffi::F32>() /* dw */                        \
+      .Arg<::sdm_ffi::F32>() /* dcpe */                      \
+      .Arg<::sdm_ffi::F32>() /* dq_w */                      \
+      .Arg<::sdm_ffi::F32>() /* dA */                        \
+      .Arg<::sdm_ffi::F32>() /* dQK */                       \
+      .Attr<int64_t>("num_slots")                            \
+      .Ret<::sdm_ffi::F32>() /* dk_val */                    \
+      .Ret<::sdm_ffi::F32>() /* dx */                        \
+      .Ret<::sdm_ffi::F32>() /* dq_val */
+
+#endif  // JAX_SDM_FFI_PHASE1_COMMON_H_
