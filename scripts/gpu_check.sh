@@ -35,7 +35,7 @@ run_pytest() {  # name, then pytest arguments
   python3 -m pytest -q -p no:cacheprovider --import-mode=importlib --rootdir "$REPO" "$@" ${PYTEST_ARGS:-} \
     > "$OUT/$name.log" 2>&1
   local rc=$?
-  summary "$name rc=$rc: $(tail -1 "$OUT/$name.log")"
+  summary "$name rc=$rc: $(grep -E "[0-9]+ (passed|failed|error)" "$OUT/$name.log" | tail -1)"
   [ $rc -eq 0 ] || { grep -E "^(FAILED|ERROR)|Error" "$OUT/$name.log" | head -20; status=1; }
 }
 
