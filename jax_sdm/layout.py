@@ -103,7 +103,7 @@ def validate(bank, k_idx, k_val, v, beta, g, q_idx, q_val, chunk_size, allow_flo
 
 def to_stream_units(a, dims, fill=0):
     """`[B, T, H, ...]` -> `[NC, B, H, C, ...]`, padding the last chunk with `fill`."""
-    B, T, H, C, NC = dims.B, dims.T, dims.H, dims.C, dims.NC
+    B, T, C, NC = dims.B, dims.T, dims.C, dims.NC
     if NC * C > T:
         a = jnp.pad(a, [(0, 0), (0, NC * C - T)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
     a = a.reshape((B, NC, C) + a.shape[2:])  # [B, NC, C, H, ...]

@@ -1,5 +1,4 @@
 """The public op `sdm_write_read`, its `impl` dispatch, and the custom VJP of the kernel path."""
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -1,5 +1,6 @@
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 
@@ -35,3 +36,13 @@ def random_case(request):
     kw, chunk = RANDOM_CASES[request.param]
     seed = sorted(RANDOM_CASES).index(request.param) + int(np.random.SeedSequence().entropy % 10_000) * 100
     return random_problem(seed, **kw), chunk, seed
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests in `test_gpu_*.py` need a GPU backend: skip them elsewhere."""
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason="needs a GPU backend (jax.default_backend() == 'gpu')")
+    for item in items:
+        if item.path.name.startswith("test_gpu_"):
+            item.add_marker(skip)

@@ -7,15 +7,12 @@ import functools
 import os
 import pathlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jax_sdm import sdm_write_read
 from jax_sdm.testing import cotangents, outputs_and_grads, random_problem
-
-pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
 CASES = {
     "f32_collisions": dict(B=2, T=300, H=2, K=64, D=72, W=8, R=6, distinct=False, repeats=True),

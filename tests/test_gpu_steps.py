@@ -11,9 +11,6 @@ from jax_sdm import ffi_ops, layout
 from jax_sdm.ops import kernel_layout
 from jax_sdm.testing import random_problem, rel_err
 
-pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
-
-
 def poison_allocator(device, nbytes=1 << 28):
     """Fill and free a large buffer with NaN so that fresh result buffers are unlikely to start at zero."""
     jax.block_until_ready(jax.device_put(jnp.full(nbytes // 4, jnp.nan, jnp.float32), device)).delete()

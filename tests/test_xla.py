@@ -13,20 +13,6 @@ from jax_sdm.testing import (FLOAT_ARGS, check_against_reference, cotangents, ou
 xla_op = functools.partial(sdm_write_read, impl="xla")
 
 
-def test_xla_matches_golden(golden):
-    args, expected, chunk = golden
-    y, final, g = outputs_and_grads(xla_op, args, expected["dy"], chunk_size=chunk)
-    assert rel_err(y, expected["y"]) < 1e-5
-    assert rel_err(final, expected["final_bank"]) < 1e-5
-    for k in FLOAT_ARGS:
-        assert rel_err(g[k], expected[f"grad_{k}"]) < 1e-5, k
-
-
-def test_xla_matches_reference(random_case):
-    args, chunk, seed = random_case
-    check_against_reference(xla_op, args, chunk, 1e-5, seed)
-
-
 def test_xla_out_of_range_ids_touch_nothing():
     bad, twin = out_of_range_case(7)
     y_bad, f_bad = xla_op(**bad, chunk_size=4)
