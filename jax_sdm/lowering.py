@@ -6,7 +6,7 @@ Each module's ``registrations()`` returns ``{target name: PyCapsule}``; every
 capsule is registered once, on import of this module, with
 ``jax.ffi.register_ffi_target(name, capsule, platform=...)``.
 
-Targets: ``sdm_phase1`` (cpu), ``sdm_solve`` (cpu, CUDA).
+Targets (each on cpu and CUDA): ``sdm_phase1``, ``sdm_phase1_bwd``, ``sdm_solve``, ``sdm_forward``, ``sdm_backward``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The public op `sdm_write_read`, its `impl` dispatch, and the custom VJP of the kernel path."""
+"""The public op `sdm_write_read`, its `impl` dispatch, and the kernel path's forward and backward bodies
+(`sharding.py` wraps them in the custom VJP, partitioned per stream)."""
 
 import jax
 import jax.numpy as jnp
