@@ -127,6 +127,18 @@ def from_units(a, dims):
     return from_stream_units(a.reshape((dims.NC, dims.B, dims.H) + a.shape[2:]), dims)
 
 
+def stream_arguments(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
+    """The kernels' arguments with explicit streams: bank `[B, H, K, D]` (a shared bank broadcast over the batch)
+    and per-token arrays `[NC, B, H, C, ...]` (int32 ids padded with -1, float32 values, gates per lane)."""
+    f32 = jnp.float32
+    units = lambda a, fill=0: to_stream_units(a, dims, fill)
+    if dims.shared_bank:
+        bank = jnp.broadcast_to(bank[None], (dims.B,) + bank.shape)
+    return (bank, units(k_idx.astype(jnp.int32), -1), units(k_val.astype(f32)),
+            units(lane_gates(g, dims).astype(f32)), units(v.astype(f32)), units(beta.astype(f32)),
+            units(q_idx.astype(jnp.int32), -1), units(q_val.astype(f32)))
+
+
 def lane_gates(g, dims):
     """Gates per write lane, `[B, T, H, W]` (a per-token gate is broadcast over the lanes)."""
     if dims.per_write_gates:

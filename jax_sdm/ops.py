@@ -72,15 +72,11 @@ def _sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
 
 
 def kernel_layout(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
-    """The kernels' arguments: bank `[P, K, D]` and per-token float32 / int32 arrays `[NC, P, C, ...]`, in the
-    order of `_sdm_kernels_fwd` (gates per lane)."""
-    f32 = jnp.float32
-    units = lambda a, fill=0: layout.to_units(a, dims, fill)
-    if dims.shared_bank:
-        bank = jnp.broadcast_to(bank[None], (dims.B,) + bank.shape)
-    return (bank.reshape(dims.P, dims.K, dims.D), units(k_idx.astype(jnp.int32), -1), units(k_val.astype(f32)),
-            units(layout.lane_gates(g, dims).astype(f32)), units(v.astype(f32)), units(beta.astype(f32)),
-            units(q_idx.astype(jnp.int32), -1), units(q_val.astype(f32)))
+    """The kernels' arguments in kernel layout: bank `[P, K, D]` and per-token arrays `[NC, P, C, ...]`, in the
+    order of `_sdm_kernels_fwd` (`layout.stream_arguments` with `B, H` merged into `P`)."""
+    bank, *tokens = layout.stream_arguments(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
+    return (bank.reshape(dims.P, dims.K, dims.D),) + tuple(
+        a.reshape((dims.NC, dims.P) + a.shape[3:]) for a in tokens)
 
 
 def _check_inputs(num_slots, k_idx, q_idx, floats):

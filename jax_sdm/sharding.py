@@ -290,12 +290,6 @@ def _explicit_out_sharding(bank, *tokens):
 
 
 def _sdm_ffi_streams(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
-    f32 = jnp.float32
-    units = lambda a, fill=0: layout.to_stream_units(a, dims, fill)
-    if dims.shared_bank:
-        bank = jnp.broadcast_to(bank[None], (dims.B,) + bank.shape)
     y, final, repeats = stream_kernels(
-        bank, units(k_idx.astype(jnp.int32), -1), units(k_val.astype(f32)),
-        units(layout.lane_gates(g, dims).astype(f32)), units(v.astype(f32)), units(beta.astype(f32)),
-        units(q_idx.astype(jnp.int32), -1), units(q_val.astype(f32)), dims.K)
+        *layout.stream_arguments(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims), dims.K)
     return layout.from_stream_units(y, dims).astype(bank.dtype), final, jnp.sum(repeats)
