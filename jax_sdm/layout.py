@@ -132,40 +132,46 @@ def stream_arguments(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
     and per-token arrays `[NC, B, H, C, ...]` (int32 ids padded with -1, float32 values, gates per lane)."""
     f32 = jnp.float32
     units = lambda a, fill=0: to_stream_units(a, dims, fill)
-    if dims.shared_bank:
-        bank = jnp.broadcast_to(bank[None], (dims.B,) + bank.shape)
-    return (bank, units(k_idx.astype(jnp.int32), -1), units(k_val.astype(f32)),
+    return (batch_banks(bank, dims), units(k_idx.astype(jnp.int32), -1), units(k_val.astype(f32)),
             units(lane_gates(g, dims).astype(f32)), units(v.astype(f32)), units(beta.astype(f32)),
             units(q_idx.astype(jnp.int32), -1), units(q_val.astype(f32)))
+
+
+def batch_banks(bank, dims):
+    """The bank per batch element, `[B, H, K, D]` (a shared `[H, K, D]` bank is broadcast over the batch)."""
+    if dims.shared_bank:
+        return ordered_broadcast(bank, dims.B, 0)
+    return bank
 
 
 def lane_gates(g, dims):
     """Gates per write lane, `[B, T, H, W]` (a per-token gate is broadcast over the lanes)."""
     if dims.per_write_gates:
         return g
-    return _broadcast_lanes(g, dims.W)
+    return ordered_broadcast(g, dims.W, g.ndim)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _broadcast_lanes(g, lanes):
-    """`g[..., None]` broadcast to `lanes`; its gradient sums the lanes in lane order.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def ordered_broadcast(a, copies, axis):
+    """`a` repeated `copies` times along a new axis at `axis`; its gradient sums the copies in index order.
 
     The transpose JAX would use is an XLA reduction, whose summation order the GPU compiler may choose differently
     from one compilation to the next (seen as last-bit differences of the gate gradient between processes); a
-    chain of elementwise adds has one order (SPEC 4).
+    chain of elementwise adds has one order (SPEC 4). The sum is kept in at least float32.
     """
-    return jnp.broadcast_to(g[..., None], g.shape + (lanes,))
+    return jnp.broadcast_to(jnp.expand_dims(a, axis), a.shape[:axis] + (copies,) + a.shape[axis:])
 
 
-def _broadcast_lanes_fwd(g, lanes):
-    return _broadcast_lanes(g, lanes), None
+def _ordered_broadcast_fwd(a, copies, axis):
+    return ordered_broadcast(a, copies, axis), None
 
 
-def _broadcast_lanes_bwd(lanes, _, ct):
-    total = ct[..., 0]
-    for n in range(1, lanes):
-        total = total + ct[..., n]
-    return (total,)
+def _ordered_broadcast_bwd(copies, axis, _, ct):
+    acc = jnp.promote_types(ct.dtype, jnp.float32)
+    total = jnp.take(ct, 0, axis).astype(acc)
+    for n in range(1, copies):
+        total = total + jnp.take(ct, n, axis).astype(acc)
+    return (total.astype(ct.dtype),)
 
 
-_broadcast_lanes.defvjp(_broadcast_lanes_fwd, _broadcast_lanes_bwd)
+ordered_broadcast.defvjp(_ordered_broadcast_fwd, _ordered_broadcast_bwd)

@@ -21,8 +21,7 @@ def _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
                     q_idx_u, units(q_val.astype(f32)), dims.K)
     beta_u = units(beta.astype(f32))
     minv = solve_xla(p1.A, beta_u)
-    if dims.shared_bank:
-        bank = jnp.broadcast_to(bank[None], (dims.B,) + bank.shape)
+    bank = layout.batch_banks(bank, dims)
     y, final = chunk_loop_xla(bank.reshape(dims.P, dims.K, dims.D), k_idx_u, q_idx_u, units(v.astype(f32)),
                               beta_u, p1, minv)
     return (layout.from_units(y, dims).astype(bank.dtype), final.reshape(dims.B, dims.H, dims.K, dims.D),

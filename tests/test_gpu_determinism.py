@@ -17,6 +17,8 @@ from jax_sdm.testing import cotangents, outputs_and_grads, random_problem
 CASES = {
     "f32_collisions": dict(B=2, T=300, H=2, K=64, D=72, W=8, R=6, distinct=False, repeats=True),
     "bf16_distinct": dict(B=1, T=256, H=4, K=4096, D=128, W=16, R=16, dtype=jnp.bfloat16),
+    # A shared [H, K, D] bank: its gradient is the sum over the batch (layout.ordered_broadcast).
+    "bf16_shared_bank": dict(B=5, T=130, H=2, K=1024, D=64, W=8, R=8, dtype=jnp.bfloat16, shared_bank=True),
 }
 
 

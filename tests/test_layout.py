@@ -1,0 +1,36 @@
+"""`layout.ordered_broadcast`: a broadcast whose gradient sums the copies in one fixed order (SPEC 4)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_sdm.layout import ordered_broadcast
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_ordered_broadcast_forward_and_gradient(axis):
+    rng = np.random.default_rng(axis)
+    a = rng.standard_normal((3, 5)).astype(np.float32)
+    copies = 7
+    out, vjp = jax.vjp(lambda x: ordered_broadcast(x, copies, axis), jnp.asarray(a))
+    np.testing.assert_array_equal(out, np.broadcast_to(np.expand_dims(a, axis), out.shape))
+    assert out.shape[axis] == copies
+    ct = rng.standard_normal(out.shape).astype(np.float32)
+    (grad,) = vjp(jnp.asarray(ct))
+    want = np.take(ct, 0, axis)
+    for n in range(1, copies):  # copy 0 first, then 1, 2, ... in float32
+        want = want + np.take(ct, n, axis)
+    np.testing.assert_array_equal(grad, want)
+
+
+def test_ordered_broadcast_bfloat16_sums_in_float32():
+    rng = np.random.default_rng(3)
+    copies = 64
+    ct = rng.standard_normal((copies, 4, 6)).astype(np.float32)
+    ct_bf16 = jnp.asarray(ct, jnp.bfloat16)
+    _, vjp = jax.vjp(lambda x: ordered_broadcast(x, copies, 0), jnp.zeros((4, 6), jnp.bfloat16))
+    (grad,) = vjp(ct_bf16)
+    assert grad.dtype == jnp.bfloat16
+    exact = np.asarray(ct_bf16, np.float64).sum(0)
+    # One rounding to bfloat16 at the end: within half an ulp (2^-8 relative) of the exact sum.
+    np.testing.assert_allclose(np.asarray(grad, np.float64), exact, rtol=2.0 ** -8, atol=1e-6)
