@@ -41,7 +41,7 @@ run_pytest() {  # name, then pytest arguments
 
 if has tests; then
   run_pytest gpu_tests "$REPO"/tests/test_gpu_*.py "$REPO"/tests/test_ffi_op.py "$REPO"/tests/test_oracles.py \
-    "$REPO"/tests/test_reference.py
+    "$REPO"/tests/test_reference.py "$REPO"/tests/test_layout.py
 fi
 if has determinism; then
   # Three processes must agree bit for bit: command buffers (CUDA graphs) on, on again, and off.
