@@ -169,6 +169,9 @@ def fmt_ratio(t, anchor_ms):
 
 
 def git_commit():
+    """$SDM_COMMIT when set (the GPU machine's copy of the tree may carry stale git metadata), else git's HEAD."""
+    if os.environ.get("SDM_COMMIT"):
+        return os.environ["SDM_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
                              capture_output=True, text=True, timeout=10)

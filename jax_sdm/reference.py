@@ -5,6 +5,9 @@ One `lax.scan` step per token and stream. Deliberately plain: no chunking, no so
 import jax
 import jax.numpy as jnp
 
+# Full float32 products even where the backend's default for float32 dots is lower (TF32 on the GPU).
+HIGHEST = jax.lax.Precision.HIGHEST
+
 
 def _token_step(num_slots):
     def step(bank, token):
@@ -20,12 +23,12 @@ def _token_step(num_slots):
 
         decayed = bank.at[decay_rows].get(mode="fill", fill_value=0) * jnp.exp(x)[:, None]
         bank = bank.at[decay_rows].set(decayed, mode="drop")
-        pred = k_val @ bank.at[rows].get(mode="fill", fill_value=0)
+        pred = jnp.matmul(k_val, bank.at[rows].get(mode="fill", fill_value=0), precision=HIGHEST)
         d = beta * (v - pred)
         bank = bank.at[rows].add(k_val[:, None] * d[None, :], mode="drop")
 
         q_rows = jnp.where((q_idx >= 0) & (q_idx < num_slots), q_idx, num_slots)
-        y = q_val @ bank.at[q_rows].get(mode="fill", fill_value=0)
+        y = jnp.matmul(q_val, bank.at[q_rows].get(mode="fill", fill_value=0), precision=HIGHEST)
         return bank, y
 
     return step

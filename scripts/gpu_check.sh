@@ -3,6 +3,8 @@
 #
 #   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench (default: all)
 #
+# Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
+# metadata, so the commit the logs name is taken from SDM_COMMIT when set.
 # Environment: PYTEST_ARGS (extra pytest arguments, e.g. "-k golden"), BENCH_ARGS (extra bench.py arguments).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -16,7 +18,7 @@ summary() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv > "$OUT/device.txt" 2>&1
 python3 -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())" >> "$OUT/device.txt" 2>&1
-(cd "$REPO" && git rev-parse --short HEAD 2>/dev/null || echo "no git") >> "$OUT/device.txt"
+echo "commit ${SDM_COMMIT:-$(cd "$REPO" && git rev-parse --short HEAD 2>/dev/null || echo unknown)}" >> "$OUT/device.txt"
 cat "$OUT/device.txt"
 
 if has build; then
