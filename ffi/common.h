@@ -4,6 +4,7 @@
 #define JAX_SDM_FFI_COMMON_H_
 
 #include <cstdint>
+#include <exception>
 #include <initializer_list>
 #include <string>
 
@@ -55,6 +56,17 @@ ffi::Error CheckShape(const char* op, const char* name, const B& buf, int64_t le
   return ffi::Error::InvalidArgument(std::string(op) + ": " + name + " has shape " + DimsToString(dims) +
                                      ", expected " + ListToString(trailing) + " with leading dims of product " +
                                      std::to_string(lead));
+}
+
+// Runs a CPU kernel; a C++ exception (the std::bad_alloc of its scratch) becomes an Internal error of `op`.
+template <typename Kernel>
+ffi::Error RunCatching(const char* op, Kernel&& kernel) {
+  try {
+    kernel();
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string(op) + ": " + e.what());
+  }
+  return ffi::Error::Success();
 }
 
 }  // namespace sdm_ffi

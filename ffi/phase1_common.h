@@ -10,19 +10,18 @@
 #include <string>
 
 #include "ffi/common.h"
+#include "kernels/phase1.h"
 
 namespace sdm_ffi {
 
-struct UnitDims {
-  int64_t N, C, W, R, K;
-};
+using UnitDims = sdm::Phase1Dims;
 
-// A platform's limit on the sizes (its kernel's bound on C * (W + R)), checked last by Phase1Dims.
+// A platform's limit on the sizes (its kernel's bound on C * (W + R)), checked last by ReadPhase1Dims.
 using Phase1Limits = ffi::Error (*)(const char* op, const UnitDims& u);
 
 // Sizes from k_idx [..., C, W], q_idx [..., C, R] and num_slots; the limits of kernels/phase1.h.
-inline ffi::Error Phase1Dims(const char* op, const S32& k_idx, const S32& q_idx, int64_t num_slots,
-                             Phase1Limits limits, UnitDims* u) {
+inline ffi::Error ReadPhase1Dims(const char* op, const S32& k_idx, const S32& q_idx, int64_t num_slots,
+                                 Phase1Limits limits, UnitDims* u) {
   auto kd = k_idx.dimensions();
   auto qd = q_idx.dimensions();
   if (kd.size() < 2) {
@@ -63,9 +62,9 @@ inline ffi::Error Phase1Dims(const char* op, const S32& k_idx, const S32& q_idx,
 #define SDM_PHASE1_BWD_NAMES \
   k_idx, k_val, q_idx, q_val, log_k, rex, cpe, log_q, dk_eff, dw, dcpe, dq_w, dA, dQK, num_slots, dk_val, dx, dq_val
 
-// The Phase-1 arguments and results, checked against the sizes (`limits`: the platform's, see Phase1Dims).
+// The Phase-1 arguments and results, checked against the sizes (`limits`: the platform's, see ReadPhase1Dims).
 inline ffi::Error CheckPhase1Args(const char* op, Phase1Limits limits, SDM_PHASE1_PARAMS, UnitDims* u) {
-  SDM_RETURN_IF_ERROR(Phase1Dims(op, k_idx, q_idx, num_slots, limits, u));
+  SDM_RETURN_IF_ERROR(ReadPhase1Dims(op, k_idx, q_idx, num_slots, limits, u));
   const int64_t N = u->N, C = u->C, W = u->W, R = u->R, CW = C * W, CR = C * R;
   SDM_RETURN_IF_ERROR(CheckShape(op, "k_val", k_val, N, {C, W}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "x", x, N, {C, W}));
@@ -89,7 +88,7 @@ inline ffi::Error CheckPhase1Args(const char* op, Phase1Limits limits, SDM_PHASE
 
 // The Phase-1 backward's arguments and results, checked against the sizes.
 inline ffi::Error CheckPhase1BwdArgs(const char* op, Phase1Limits limits, SDM_PHASE1_BWD_PARAMS, UnitDims* u) {
-  SDM_RETURN_IF_ERROR(Phase1Dims(op, k_idx, q_idx, num_slots, limits, u));
+  SDM_RETURN_IF_ERROR(ReadPhase1Dims(op, k_idx, q_idx, num_slots, limits, u));
   const int64_t N = u->N, C = u->C, W = u->W, R = u->R;
   SDM_RETURN_IF_ERROR(CheckShape(op, "k_val", k_val, N, {C, W}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "q_val", q_val, N, {C, R}));
@@ -107,6 +106,24 @@ inline ffi::Error CheckPhase1BwdArgs(const char* op, Phase1Limits limits, SDM_PH
   SDM_RETURN_IF_ERROR(CheckShape(op, "dx (result)", *dx, N, {C, W}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "dq_val (result)", *dq_val, N, {C, R}));
   return ffi::Error::Success();
+}
+
+// The kernels' view of the buffers (kernels/phase1.h), the same for both platforms.
+inline sdm::Phase1Arrays Phase1ArraysOf(SDM_PHASE1_PARAMS) {
+  (void)num_slots;
+  return {k_idx.typed_data(),    k_val.typed_data(),    x.typed_data(),        q_idx.typed_data(),
+          q_val.typed_data(),    log_k->typed_data(),   rex->typed_data(),     cpe->typed_data(),
+          k_eff->typed_data(),   w->typed_data(),       log_q->typed_data(),   q_w->typed_data(),
+          A->typed_data(),       QK->typed_data(),      w_order->typed_data(), w_group->typed_data(),
+          r_order->typed_data(), r_group->typed_data(), repeats->typed_data()};
+}
+
+inline sdm::Phase1GradArrays Phase1GradArraysOf(SDM_PHASE1_BWD_PARAMS) {
+  (void)num_slots;
+  return {k_idx.typed_data(), k_val.typed_data(),  q_idx.typed_data(),  q_val.typed_data(), log_k.typed_data(),
+          rex.typed_data(),   cpe.typed_data(),    log_q.typed_data(),  dk_eff.typed_data(), dw.typed_data(),
+          dcpe.typed_data(),  dq_w.typed_data(),   dA.typed_data(),     dQK.typed_data(),   dk_val->typed_data(),
+          dx->typed_data(),   dq_val->typed_data()};
 }
 
 }  // namespace sdm_ffi

@@ -4,7 +4,6 @@
 // number of leading batch dims in front of the per-unit shape; their product is
 // the unit count N (vmap with vmap_method="broadcast_all" adds them).
 #include <cstdint>
-#include <exception>
 #include <limits>
 #include <string>
 
@@ -35,19 +34,7 @@ ffi::Error Phase1Impl(SDM_PHASE1_PARAMS,
   SDM_RETURN_IF_ERROR(
       sdm_ffi::CheckPhase1Args(op, CpuLimits, SDM_PHASE1_NAMES, &u));
 
-  try {
-    sdm::phase1_cpu(k_idx.typed_data(), k_val.typed_data(), x.typed_data(),
-                    q_idx.typed_data(), q_val.typed_data(), u.N, u.C, u.W, u.R,
-                    u.K, log_k->typed_data(), rex->typed_data(), cpe->typed_data(),
-                    k_eff->typed_data(), w->typed_data(), log_q->typed_data(),
-                    q_w->typed_data(), A->typed_data(), QK->typed_data(),
-                    w_order->typed_data(), w_group->typed_data(),
-                    r_order->typed_data(), r_group->typed_data(),
-                    repeats->typed_data());
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string(op) + ": " + e.what());
-  }
-  return ffi::Error::Success();
+  return sdm_ffi::RunCatching(op, [&] { sdm::phase1_cpu(sdm_ffi::Phase1ArraysOf(SDM_PHASE1_NAMES), u); });
 }
 
 ffi::Error Phase1BwdImpl(SDM_PHASE1_BWD_PARAMS,
@@ -57,18 +44,8 @@ ffi::Error Phase1BwdImpl(SDM_PHASE1_BWD_PARAMS,
   SDM_RETURN_IF_ERROR(
       sdm_ffi::CheckPhase1BwdArgs(op, CpuLimits, SDM_PHASE1_BWD_NAMES, &u));
 
-  try {
-    sdm::phase1_bwd_cpu(k_idx.typed_data(), k_val.typed_data(), q_idx.typed_data(),
-                        q_val.typed_data(), u.N, u.C, u.W, u.R, u.K,
-                        log_k.typed_data(), rex.typed_data(), cpe.typed_data(),
-                        log_q.typed_data(), dk_eff.typed_data(), dw.typed_data(),
-                        dcpe.typed_data(), dq_w.typed_data(), dA.typed_data(),
-                        dQK.typed_data(), dk_val->typed_data(), dx->typed_data(),
-                        dq_val->typed_data());
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string(op) + ": " + e.what());
-  }
-  return ffi::Error::Success();
+  return sdm_ffi::RunCatching(
+      op, [&] { sdm::phase1_bwd_cpu(sdm_ffi::Phase1GradArraysOf(SDM_PHASE1_BWD_NAMES), u); });
 }
 
 }  // namespace

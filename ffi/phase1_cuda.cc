@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "ffi/cuda_common.h"
 #include "ffi/phase1_common.h"
 #include "kernels/phase1.h"
 #include "xla/ffi/api/ffi.h"
@@ -59,13 +60,6 @@ ffi::Error GetWorkspace(const char* op, const ffi::RemainingRets& rest, const Un
   return ffi::Error::Success();
 }
 
-ffi::Error Status(const char* op, int rc) {
-  if (rc == 0) return ffi::Error::Success();
-  const cudaError_t e = static_cast<cudaError_t>(rc);
-  return ffi::Error::Internal(std::string(op) + ": launch failed: " + cudaGetErrorName(e) + ": " +
-                              cudaGetErrorString(e));
-}
-
 ffi::Error Phase1CudaImpl(cudaStream_t stream, SDM_PHASE1_PARAMS, ffi::RemainingRets rest) {
   constexpr const char* op = "sdm_phase1 (CUDA)";
   UnitDims u;
@@ -74,13 +68,8 @@ ffi::Error Phase1CudaImpl(cudaStream_t stream, SDM_PHASE1_PARAMS, ffi::Remaining
   int64_t ws_bytes;
   SDM_RETURN_IF_ERROR(GetWorkspace(op, rest, u, /*backward=*/false, &ws, &ws_bytes));
 
-  const int rc = sdm::phase1_cuda(
-      k_idx.typed_data(), k_val.typed_data(), x.typed_data(), q_idx.typed_data(), q_val.typed_data(), u.N, u.C,
-      u.W, u.R, u.K, log_k->typed_data(), rex->typed_data(), cpe->typed_data(), k_eff->typed_data(),
-      w->typed_data(), log_q->typed_data(), q_w->typed_data(), A->typed_data(), QK->typed_data(),
-      w_order->typed_data(), w_group->typed_data(), r_order->typed_data(), r_group->typed_data(),
-      repeats->typed_data(), ws, ws_bytes, stream);
-  return Status(op, rc);
+  const int rc = sdm::phase1_cuda(sdm_ffi::Phase1ArraysOf(SDM_PHASE1_NAMES), u, ws, ws_bytes, stream);
+  return sdm_ffi::CudaStatus(op, rc);
 }
 
 ffi::Error Phase1BwdCudaImpl(cudaStream_t stream, SDM_PHASE1_BWD_PARAMS, ffi::RemainingRets rest) {
@@ -91,12 +80,9 @@ ffi::Error Phase1BwdCudaImpl(cudaStream_t stream, SDM_PHASE1_BWD_PARAMS, ffi::Re
   int64_t ws_bytes;
   SDM_RETURN_IF_ERROR(GetWorkspace(op, rest, u, /*backward=*/true, &ws, &ws_bytes));
 
-  const int rc = sdm::phase1_bwd_cuda(
-      k_idx.typed_data(), k_val.typed_data(), q_idx.typed_data(), q_val.typed_data(), u.N, u.C, u.W, u.R, u.K,
-      log_k.typed_data(), rex.typed_data(), cpe.typed_data(), log_q.typed_data(), dk_eff.typed_data(),
-      dw.typed_data(), dcpe.typed_data(), dq_w.typed_data(), dA.typed_data(), dQK.typed_data(),
-      dk_val->typed_data(), dx->typed_data(), dq_val->typed_data(), ws, ws_bytes, stream);
-  return Status(op, rc);
+  const int rc = sdm::phase1_bwd_cuda(sdm_ffi::Phase1GradArraysOf(SDM_PHASE1_BWD_NAMES), u, ws, ws_bytes,
+                                       stream);
+  return sdm_ffi::CudaStatus(op, rc);
 }
 
 }  // namespace

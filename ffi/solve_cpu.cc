@@ -2,7 +2,6 @@
 // per unit (docs/DESIGN.md "Solve"); any leading batch dims (their product is N).
 // The checks are shared with the CUDA handler (ffi/solve_common.h).
 #include <cstdint>
-#include <exception>
 #include <string>
 
 #include "ffi/solve_common.h"
@@ -17,12 +16,8 @@ ffi::Error SolveCpuImpl(sdm_ffi::F32 A, sdm_ffi::F32 beta, sdm_ffi::R32 Minv) {
   constexpr const char* op = "sdm_solve";
   int64_t N, C;
   SDM_RETURN_IF_ERROR(sdm_ffi::CheckSolveArgs(op, A, beta, Minv, &N, &C));
-  try {
-    sdm::solve_cpu(A.typed_data(), beta.typed_data(), N, C, Minv->typed_data());
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string(op) + ": " + e.what());
-  }
-  return ffi::Error::Success();
+  return sdm_ffi::RunCatching(
+      op, [&] { sdm::solve_cpu(A.typed_data(), beta.typed_data(), N, C, Minv->typed_data()); });
 }
 
 }  // namespace

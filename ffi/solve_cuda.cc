@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "ffi/cuda_common.h"
 #include "ffi/solve_common.h"
 #include "kernels/solve.h"
 #include "xla/ffi/api/ffi.h"
@@ -28,13 +29,7 @@ ffi::Error SolveCudaImpl(cudaStream_t stream, sdm_ffi::F32 A, sdm_ffi::F32 beta,
   }
   const int rc = sdm::solve_cuda(A.typed_data(), beta.typed_data(), N, C,
                                  Minv->typed_data(), stream);
-  if (rc != 0) {
-    const cudaError_t e = static_cast<cudaError_t>(rc);
-    return ffi::Error::Internal(std::string(op) + ": launch failed: " +
-                                cudaGetErrorName(e) + ": " +
-                                cudaGetErrorString(e));
-  }
-  return ffi::Error::Success();
+  return sdm_ffi::CudaStatus(op, rc);
 }
 
 }  // namespace

@@ -3,7 +3,6 @@
 // arrives aliased to the first result (input_output_aliases). The workspace result is the CUDA kernels'; the
 // CPU kernels keep their scratch per thread.
 #include <cstring>
-#include <exception>
 #include <string>
 
 #include "ffi/steps_common.h"
@@ -22,15 +21,12 @@ void AliasCopy(const void* in, void* out, size_t bytes) {
 
 template <typename Call, typename Run>
 ffi::Error RunCpu(const char* op, const Call& call, Run run) {
-  try {
+  return sdm_ffi::RunCatching(op, [&] {
     if (call.type == ffi::DataType::F32)
       run(static_cast<float*>(call.bank));
     else
       run(static_cast<sdm::bf16*>(call.bank));
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string(op) + ": " + e.what());
-  }
-  return ffi::Error::Success();
+  });
 }
 
 ffi::Error ForwardCpu(SDM_FORWARD_PARAMS) {

@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "ffi/cuda_common.h"
 #include "ffi/steps_common.h"
 #include "kernels/bf16.h"
 
@@ -19,12 +20,6 @@ int AliasCopy(const void* in, void* out, size_t bytes, cudaStream_t stream) {
   return static_cast<int>(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, stream));
 }
 
-ffi::Error Status(const char* op, int rc) {
-  if (rc == 0) return ffi::Error::Success();
-  const cudaError_t e = static_cast<cudaError_t>(rc);
-  return ffi::Error::Internal(std::string(op) + " (CUDA): " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
-}
-
 ffi::Error ForwardCuda(cudaStream_t stream, SDM_FORWARD_PARAMS) {
   sdm_ffi::ForwardCall call;
   SDM_RETURN_IF_ERROR(sdm_ffi::PrepareForward(SDM_FORWARD_NAMES, &call));
@@ -35,7 +30,7 @@ ffi::Error ForwardCuda(cudaStream_t stream, SDM_FORWARD_PARAMS) {
              : sdm::forward_cuda(call.dm, call.p1, call.io, static_cast<sdm::bf16*>(call.bank), call.workspace,
                                  stream);
   }
-  return Status("sdm_forward", rc);
+  return sdm_ffi::CudaStatus("sdm_forward", rc);
 }
 
 ffi::Error BackwardCuda(cudaStream_t stream, SDM_BACKWARD_PARAMS) {
@@ -49,7 +44,7 @@ ffi::Error BackwardCuda(cudaStream_t stream, SDM_BACKWARD_PARAMS) {
              : sdm::backward_cuda(call.dm, call.p1, call.io, static_cast<sdm::bf16*>(call.bank), call.workspace,
                                   stream);
   }
-  return Status("sdm_backward", rc);
+  return sdm_ffi::CudaStatus("sdm_backward", rc);
 }
 
 }  // namespace

@@ -173,3 +173,18 @@ def assert_one_kernel_call(fn, *args):
     hlo = jax.jit(fn).lower(*args).as_text()
     assert hlo.count("stablehlo.custom_call") == 1, hlo
     assert "stablehlo.while" not in hlo, hlo
+
+
+def phase1_gates(rng, N, C, W, gate="lane"):
+    """Phase 1's gates `x [N, C, W]` float32: "lane" (-softplus of a normal per lane), "token" (one per token,
+    repeated over the lanes) or "any" (small values of either sign: Phase 1 computes any finite gate as written)."""
+    if gate == "lane":
+        x = -np.logaddexp(0.0, rng.standard_normal((N, C, W)))
+    elif gate == "token":
+        x = np.repeat(-np.logaddexp(0.0, rng.standard_normal((N, C, 1))), W, axis=2)
+    elif gate == "any":
+        x = 0.3 * rng.standard_normal((N, C, W))
+    else:
+        raise ValueError(f"unknown gate kind {gate!r}")
+    return x.astype(np.float32)
+

@@ -20,16 +20,79 @@
 
 #include <cstdint>
 
+#if defined(__CUDACC__)
+#define SDM_HOST_DEVICE __host__ __device__
+#else
+#define SDM_HOST_DEVICE
+#endif
+
 namespace sdm {
+
+struct Phase1Dims {
+  int64_t N, C, W, R, K;  // units, tokens per unit, write lanes, read lanes, slots
+};
+
+// Phase 1's arrays (shapes above); unit(u, ...) is the same set advanced to unit u.
+struct Phase1Arrays {
+  const int32_t* k_idx;
+  const float* k_val;
+  const float* x;
+  const int32_t* q_idx;
+  const float* q_val;
+  float* log_k;
+  float* rex;
+  float* cpe;
+  float* k_eff;
+  float* w;
+  float* log_q;
+  float* q_w;
+  float* A;
+  float* QK;
+  int32_t* w_order;
+  int32_t* w_group;
+  int32_t* r_order;
+  int32_t* r_group;
+  int32_t* repeats;
+
+  SDM_HOST_DEVICE Phase1Arrays unit(int64_t u, int64_t C, int64_t W, int64_t R) const {
+    const int64_t cw = u * C * W, cr = u * C * R, cc = u * C * C;
+    return {k_idx + cw, k_val + cw, x + cw, q_idx + cr, q_val + cr, log_k + cw, rex + cw, cpe + cw, k_eff + cw,
+            w + cw, log_q + cr, q_w + cr, A + cc, QK + cc, w_order + cw, w_group + u * (C * W + 1),
+            r_order + cr, r_group + u * (C * R + 1), repeats + u};
+  }
+};
+
+// The Phase-1 backward's arrays (shapes at phase1_bwd_cpu); unit(u, ...) as above.
+struct Phase1GradArrays {
+  const int32_t* k_idx;
+  const float* k_val;
+  const int32_t* q_idx;
+  const float* q_val;
+  const float* log_k;
+  const float* rex;
+  const float* cpe;
+  const float* log_q;
+  const float* dk_eff;
+  const float* dw;
+  const float* dcpe;
+  const float* dq_w;
+  const float* dA;
+  const float* dQK;
+  float* dk_val;
+  float* dx;
+  float* dq_val;
+
+  SDM_HOST_DEVICE Phase1GradArrays unit(int64_t u, int64_t C, int64_t W, int64_t R) const {
+    const int64_t cw = u * C * W, cr = u * C * R, cc = u * C * C;
+    return {k_idx + cw,  k_val + cw, q_idx + cr, q_val + cr, log_k + cw, rex + cw,
+            cpe + cw,    log_q + cr, dk_eff + cw, dw + cw,   dcpe + cw,  dq_w + cr,
+            dA + cc,     dQK + cc,   dk_val + cw, dx + cw,   dq_val + cr};
+  }
+};
 
 // Requirements (checked by the caller): N, C, W, R, K >= 0, C * (W + R) < 2^31,
 // K <= 2^31 - 1. May throw std::bad_alloc (scratch).
-void phase1_cpu(const int32_t* k_idx, const float* k_val, const float* x,
-                const int32_t* q_idx, const float* q_val, int64_t N, int64_t C,
-                int64_t W, int64_t R, int64_t K, float* log_k, float* rex,
-                float* cpe, float* k_eff, float* w, float* log_q, float* q_w,
-                float* A, float* QK, int32_t* w_order, int32_t* w_group,
-                int32_t* r_order, int32_t* r_group, int32_t* repeats);
+void phase1_cpu(const Phase1Arrays& a, const Phase1Dims& dims);
 
 // The VJP of phase1_cpu with respect to k_val, x and q_val (docs/DESIGN.md
 // "Phase-1 backward"), given Phase 1's inputs, the outputs it needs and the
@@ -50,13 +113,7 @@ void phase1_cpu(const int32_t* k_idx, const float* k_val, const float* x,
 // The gates x themselves are not needed (log_k, rex, log_q, cpe carry them).
 // Invalid entries get 0, and so do the gates of repeats. Deterministic, float32,
 // independent of the thread count. Same requirements as phase1_cpu.
-void phase1_bwd_cpu(const int32_t* k_idx, const float* k_val,
-                    const int32_t* q_idx, const float* q_val, int64_t N,
-                    int64_t C, int64_t W, int64_t R, int64_t K,
-                    const float* log_k, const float* rex, const float* cpe,
-                    const float* log_q, const float* dk_eff, const float* dw,
-                    const float* dcpe, const float* dq_w, const float* dA,
-                    const float* dQK, float* dk_val, float* dx, float* dq_val);
+void phase1_bwd_cpu(const Phase1GradArrays& a, const Phase1Dims& dims);
 
 }  // namespace sdm
 
@@ -102,17 +159,10 @@ inline int64_t phase1_cuda_workspace_bytes(int64_t N, int64_t C, int64_t W, int6
 // bytes (may be null when that is 0). Requires C * (W + R) <= kPhase1CudaMaxEntries and K <= 2^31 - 1.
 // Returns the cudaError_t of the launch (cudaErrorInvalidValue for a workspace too small or sizes out of
 // range), 0 on success; N == 0 launches nothing.
-int phase1_cuda(const int32_t* k_idx, const float* k_val, const float* x, const int32_t* q_idx,
-                const float* q_val, int64_t N, int64_t C, int64_t W, int64_t R, int64_t K, float* log_k,
-                float* rex, float* cpe, float* k_eff, float* w, float* log_q, float* q_w, float* A, float* QK,
-                int32_t* w_order, int32_t* w_group, int32_t* r_order, int32_t* r_group, int32_t* repeats,
-                void* workspace, int64_t workspace_bytes, CUstream_st* stream);
-
-int phase1_bwd_cuda(const int32_t* k_idx, const float* k_val, const int32_t* q_idx, const float* q_val,
-                    int64_t N, int64_t C, int64_t W, int64_t R, int64_t K, const float* log_k, const float* rex,
-                    const float* cpe, const float* log_q, const float* dk_eff, const float* dw,
-                    const float* dcpe, const float* dq_w, const float* dA, const float* dQK, float* dk_val,
-                    float* dx, float* dq_val, void* workspace, int64_t workspace_bytes, CUstream_st* stream);
+int phase1_cuda(const Phase1Arrays& a, const Phase1Dims& dims, void* workspace, int64_t workspace_bytes,
+                CUstream_st* stream);
+int phase1_bwd_cuda(const Phase1GradArrays& a, const Phase1Dims& dims, void* workspace, int64_t workspace_bytes,
+                    CUstream_st* stream);
 
 }  // namespace sdm
 

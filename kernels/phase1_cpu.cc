@@ -161,70 +161,27 @@ struct Scratch {
   }
 };
 
-struct Args {
-  const int32_t* k_idx;
-  const float* k_val;
-  const float* x;
-  const int32_t* q_idx;
-  const float* q_val;
-  Dims d;
-  float* log_k;
-  float* rex;
-  float* cpe;
-  float* k_eff;
-  float* w;
-  float* log_q;
-  float* q_w;
-  float* A;
-  float* QK;
-  int32_t* w_order;
-  int32_t* w_group;
-  int32_t* r_order;
-  int32_t* r_group;
-  int32_t* repeats;
-};
-
-void phase1_unit(const Args& a, int64_t u, Scratch& s) {
-  const Dims& d = a.d;
+void phase1_unit(const Phase1Arrays& all, const Dims& d, int64_t u, Scratch& s) {
   const int64_t C = d.C, W = d.W, R = d.R;
   const int64_t CW = C * W, CR = C * R;
-
-  const int32_t* ki = a.k_idx + u * CW;
-  const float* kv = a.k_val + u * CW;
-  const float* xs = a.x + u * CW;
-  const int32_t* qi = a.q_idx + u * CR;
-  const float* qv = a.q_val + u * CR;
-
-  float* log_k = a.log_k + u * CW;
-  float* rex = a.rex + u * CW;
-  float* cpe = a.cpe + u * CW;
-  float* k_eff = a.k_eff + u * CW;
-  float* wv = a.w + u * CW;
-  float* log_q = a.log_q + u * CR;
-  float* q_w = a.q_w + u * CR;
-  float* A = a.A + u * C * C;
-  float* QK = a.QK + u * C * C;
-  int32_t* w_order = a.w_order + u * CW;
-  int32_t* w_group = a.w_group + u * (CW + 1);
-  int32_t* r_order = a.r_order + u * CR;
-  int32_t* r_group = a.r_group + u * (CR + 1);
+  const Phase1Arrays a = all.unit(u, C, W, R);
 
   // Values of invalid entries (and the starting point of everything else).
-  std::fill(log_k, log_k + CW, 0.0f);
-  std::fill(rex, rex + CW, 0.0f);
-  std::fill(cpe, cpe + CW, 1.0f);
-  std::fill(k_eff, k_eff + CW, 0.0f);
-  std::fill(wv, wv + CW, 0.0f);
-  std::fill(w_order, w_order + CW, int32_t{-1});
-  std::fill(log_q, log_q + CR, 0.0f);
-  std::fill(q_w, q_w + CR, 0.0f);
-  std::fill(r_order, r_order + CR, int32_t{-1});
-  std::fill(A, A + C * C, 0.0f);
-  std::fill(QK, QK + C * C, 0.0f);
+  std::fill(a.log_k, a.log_k + CW, 0.0f);
+  std::fill(a.rex, a.rex + CW, 0.0f);
+  std::fill(a.cpe, a.cpe + CW, 1.0f);
+  std::fill(a.k_eff, a.k_eff + CW, 0.0f);
+  std::fill(a.w, a.w + CW, 0.0f);
+  std::fill(a.w_order, a.w_order + CW, int32_t{-1});
+  std::fill(a.log_q, a.log_q + CR, 0.0f);
+  std::fill(a.q_w, a.q_w + CR, 0.0f);
+  std::fill(a.r_order, a.r_order + CR, int32_t{-1});
+  std::fill(a.A, a.A + C * C, 0.0f);
+  std::fill(a.QK, a.QK + C * C, 0.0f);
 
   // 1. Keys of the valid entries, sorted.
   std::vector<uint64_t>& keys = s.keys;
-  sort_entries(ki, qi, d, keys);
+  sort_entries(a.k_idx, a.q_idx, d, keys);
 
   const int64_t E = static_cast<int64_t>(keys.size());
   float* xe = s.xe.data();
@@ -244,24 +201,24 @@ void phase1_unit(const Args& a, int64_t u, Scratch& s) {
       const Entry e = decode(keys[p], d);
       if (e.is_write) {
         const bool repeat = is_repeat(keys, begin, p, d);
-        const float g = repeat ? 0.0f : xs[e.id];
+        const float g = repeat ? 0.0f : a.x[e.id];
         n_repeats += repeat ? 1 : 0;
         xe[p] = g;
         run += g;
-        log_k[e.id] = run;
+        a.log_k[e.id] = run;
         if (!group_has_write) {
-          w_group[g_w++] = n_w;
+          a.w_group[g_w++] = n_w;
           group_has_write = true;
         }
-        w_order[n_w++] = static_cast<int32_t>(e.id);
+        a.w_order[n_w++] = static_cast<int32_t>(e.id);
       } else {
         xe[p] = 0.0f;
-        log_q[e.id] = run;
+        a.log_q[e.id] = run;
         if (!group_has_read) {
-          r_group[g_r++] = n_r;
+          a.r_group[g_r++] = n_r;
           group_has_read = true;
         }
-        r_order[n_r++] = static_cast<int32_t>(e.id);
+        a.r_order[n_r++] = static_cast<int32_t>(e.id);
       }
     }
     const float decay = std::exp(run);
@@ -271,7 +228,7 @@ void phase1_unit(const Args& a, int64_t u, Scratch& s) {
     for (int64_t p = end - 1; p >= begin; --p) {
       const Entry e = decode(keys[p], d);
       if (e.is_write) {
-        rex[e.id] = suffix;
+        a.rex[e.id] = suffix;
         suffix += xe[p];
       }
     }
@@ -282,30 +239,30 @@ void phase1_unit(const Args& a, int64_t u, Scratch& s) {
       const Entry e = decode(keys[p], d);
       float weight, lg;
       if (e.is_write) {
-        weight = kv[e.id];
-        lg = log_k[e.id];
-        cpe[e.id] = decay;
-        k_eff[e.id] = weight * std::exp(lg);
-        wv[e.id] = weight * std::exp(rex[e.id]);
+        weight = a.k_val[e.id];
+        lg = a.log_k[e.id];
+        a.cpe[e.id] = decay;
+        a.k_eff[e.id] = weight * std::exp(lg);
+        a.w[e.id] = weight * std::exp(a.rex[e.id]);
       } else {
-        weight = qv[e.id];
-        lg = log_q[e.id];
-        q_w[e.id] = weight * std::exp(lg);
+        weight = a.q_val[e.id];
+        lg = a.log_q[e.id];
+        a.q_w[e.id] = weight * std::exp(lg);
       }
       add_to_runs(runs, e.t, e.is_write, weight, lg);
     }
 
     // 3. Pair sums: each run meets the earlier write runs of its group.
     for_each_pair(runs, [&](const Run& ar, const Run& br) {
-      float* row = (ar.is_write ? A : QK) + static_cast<int64_t>(ar.token) * C;
+      float* row = (ar.is_write ? a.A : a.QK) + static_cast<int64_t>(ar.token) * C;
       row[br.token] += ar.sum * br.sum * std::exp(ar.log - br.log);
     });
   }
 
   // 4. Close the CSR offsets: w_group[G] = n_valid and every later offset too.
-  for (int64_t g = g_w; g <= CW; ++g) w_group[g] = n_w;
-  for (int64_t g = g_r; g <= CR; ++g) r_group[g] = n_r;
-  a.repeats[u] = n_repeats;
+  for (int64_t g = g_w; g <= CW; ++g) a.w_group[g] = n_w;
+  for (int64_t g = g_r; g <= CR; ++g) a.r_group[g] = n_r;
+  *a.repeats = n_repeats;
 }
 
 // ---------------------------------------------------------------------------
@@ -325,57 +282,18 @@ struct BwdScratch {
   }
 };
 
-struct BwdArgs {
-  const int32_t* k_idx;
-  const float* k_val;
-  const int32_t* q_idx;
-  const float* q_val;
-  Dims d;
-  const float* log_k;
-  const float* rex;
-  const float* cpe;
-  const float* log_q;
-  const float* dk_eff;
-  const float* dw;
-  const float* dcpe;
-  const float* dq_w;
-  const float* dA;
-  const float* dQK;
-  float* dk_val;
-  float* dx;
-  float* dq_val;
-};
-
-void phase1_bwd_unit(const BwdArgs& a, int64_t u, BwdScratch& s) {
-  const Dims& d = a.d;
+void phase1_bwd_unit(const Phase1GradArrays& all, const Dims& d, int64_t u, BwdScratch& s) {
   const int64_t C = d.C, W = d.W, R = d.R;
   const int64_t CW = C * W, CR = C * R;
-
-  const int32_t* ki = a.k_idx + u * CW;
-  const float* kv = a.k_val + u * CW;
-  const int32_t* qi = a.q_idx + u * CR;
-  const float* qv = a.q_val + u * CR;
-  const float* log_k = a.log_k + u * CW;
-  const float* rex = a.rex + u * CW;
-  const float* cpe = a.cpe + u * CW;
-  const float* log_q = a.log_q + u * CR;
-  const float* dk_eff = a.dk_eff + u * CW;
-  const float* dw = a.dw + u * CW;
-  const float* dcpe = a.dcpe + u * CW;
-  const float* dq_w = a.dq_w + u * CR;
-  const float* dA = a.dA + u * C * C;
-  const float* dQK = a.dQK + u * C * C;
-  float* dk_val = a.dk_val + u * CW;
-  float* dx = a.dx + u * CW;
-  float* dq_val = a.dq_val + u * CR;
+  const Phase1GradArrays a = all.unit(u, C, W, R);
 
   // Invalid entries and repeat gates keep these zeros.
-  std::fill(dk_val, dk_val + CW, 0.0f);
-  std::fill(dx, dx + CW, 0.0f);
-  std::fill(dq_val, dq_val + CR, 0.0f);
+  std::fill(a.dk_val, a.dk_val + CW, 0.0f);
+  std::fill(a.dx, a.dx + CW, 0.0f);
+  std::fill(a.dq_val, a.dq_val + CR, 0.0f);
 
   std::vector<uint64_t>& keys = s.keys;
-  sort_entries(ki, qi, d, keys);
+  sort_entries(a.k_idx, a.q_idx, d, keys);
   const int64_t E = static_cast<int64_t>(keys.size());
   std::vector<Run>& runs = s.runs;
   int32_t* run_of = s.run_of.data();
@@ -390,16 +308,16 @@ void phase1_bwd_unit(const BwdArgs& a, int64_t u, BwdScratch& s) {
     for (int64_t p = begin; p < end; ++p) {
       const Entry e = decode(keys[p], d);
       if (e.is_write) {
-        add_to_runs(runs, e.t, true, kv[e.id], log_k[e.id]);
+        add_to_runs(runs, e.t, true, a.k_val[e.id], a.log_k[e.id]);
       } else {
-        add_to_runs(runs, e.t, false, qv[e.id], log_q[e.id]);
+        add_to_runs(runs, e.t, false, a.q_val[e.id], a.log_q[e.id]);
       }
       run_of[p] = static_cast<int32_t>(runs.size() - 1);
     }
 
     // Pair terms: term = K_a K_b exp(L_a - L_b) with cotangent c.
     for_each_pair(runs, [&](Run& ar, Run& br) {
-      const float c = (ar.is_write ? dA : dQK)[static_cast<int64_t>(ar.token) * C + br.token];
+      const float c = (ar.is_write ? a.dA : a.dQK)[static_cast<int64_t>(ar.token) * C + br.token];
       const float ce = c * std::exp(ar.log - br.log);
       ar.dsum += ce * br.sum;
       br.dsum += ce * ar.sum;
@@ -417,16 +335,16 @@ void phase1_bwd_unit(const BwdArgs& a, int64_t u, BwdScratch& s) {
       const bool run_head = p == begin || run_of[p - 1] != run_of[p];
       float dl;
       if (e.is_write) {
-        const float el = std::exp(log_k[e.id]), er = std::exp(rex[e.id]);
-        const float k = kv[e.id];
-        dk_val[e.id] = dk_eff[e.id] * el + dw[e.id] * er + run.dsum;
-        dl = dk_eff[e.id] * (k * el);
-        drex[p] = dw[e.id] * (k * er);
-        dtotal += dcpe[e.id] * cpe[e.id];
+        const float el = std::exp(a.log_k[e.id]), er = std::exp(a.rex[e.id]);
+        const float k = a.k_val[e.id];
+        a.dk_val[e.id] = a.dk_eff[e.id] * el + a.dw[e.id] * er + run.dsum;
+        dl = a.dk_eff[e.id] * (k * el);
+        drex[p] = a.dw[e.id] * (k * er);
+        dtotal += a.dcpe[e.id] * a.cpe[e.id];
       } else {
-        const float el = std::exp(log_q[e.id]);
-        dq_val[e.id] = dq_w[e.id] * el + run.dsum;
-        dl = dq_w[e.id] * (qv[e.id] * el);
+        const float el = std::exp(a.log_q[e.id]);
+        a.dq_val[e.id] = a.dq_w[e.id] * el + run.dsum;
+        dl = a.dq_w[e.id] * (a.q_val[e.id] * el);
         drex[p] = 0.0f;
       }
       dlog[p] = run_head ? dl + run.dlog : dl;
@@ -444,7 +362,7 @@ void phase1_bwd_unit(const BwdArgs& a, int64_t u, BwdScratch& s) {
     for (int64_t p = begin; p < end; ++p) {
       const Entry e = decode(keys[p], d);
       if (!e.is_write) continue;
-      if (!is_repeat(keys, begin, p, d)) dx[e.id] = dlog[p] + prefix + dtotal;
+      if (!is_repeat(keys, begin, p, d)) a.dx[e.id] = dlog[p] + prefix + dtotal;
       prefix += drex[p];
     }
   }
@@ -452,36 +370,19 @@ void phase1_bwd_unit(const BwdArgs& a, int64_t u, BwdScratch& s) {
 
 }  // namespace
 
-void phase1_cpu(const int32_t* k_idx, const float* k_val, const float* x,
-                const int32_t* q_idx, const float* q_val, int64_t N, int64_t C,
-                int64_t W, int64_t R, int64_t K, float* log_k, float* rex,
-                float* cpe, float* k_eff, float* w, float* log_q, float* q_w,
-                float* A, float* QK, int32_t* w_order, int32_t* w_group,
-                int32_t* r_order, int32_t* r_group, int32_t* repeats) {
-  const Dims d{C, W, R, K};
-  const Args args{k_idx, k_val, x,     q_idx,   q_val,   d,       log_k,
-                  rex,   cpe,   k_eff, w,       log_q,   q_w,     A,
-                  QK,    w_order, w_group, r_order, r_group, repeats};
-  parallel_blocks(N, units_per_thread(d), [&](int64_t lo, int64_t hi) {
+void phase1_cpu(const Phase1Arrays& a, const Phase1Dims& dims) {
+  const Dims d{dims.C, dims.W, dims.R, dims.K};
+  parallel_blocks(dims.N, units_per_thread(d), [&](int64_t lo, int64_t hi) {
     Scratch scratch(static_cast<size_t>(d.entries()));
-    for (int64_t u = lo; u < hi; ++u) phase1_unit(args, u, scratch);
+    for (int64_t u = lo; u < hi; ++u) phase1_unit(a, d, u, scratch);
   });
 }
 
-void phase1_bwd_cpu(const int32_t* k_idx, const float* k_val,
-                    const int32_t* q_idx, const float* q_val, int64_t N,
-                    int64_t C, int64_t W, int64_t R, int64_t K,
-                    const float* log_k, const float* rex, const float* cpe,
-                    const float* log_q, const float* dk_eff, const float* dw,
-                    const float* dcpe, const float* dq_w, const float* dA,
-                    const float* dQK, float* dk_val, float* dx, float* dq_val) {
-  const Dims d{C, W, R, K};
-  const BwdArgs args{k_idx, k_val, q_idx, q_val, d,    log_k, rex,
-                     cpe,   log_q, dk_eff, dw,   dcpe, dq_w,  dA,
-                     dQK,   dk_val, dx,   dq_val};
-  parallel_blocks(N, units_per_thread(d), [&](int64_t lo, int64_t hi) {
+void phase1_bwd_cpu(const Phase1GradArrays& a, const Phase1Dims& dims) {
+  const Dims d{dims.C, dims.W, dims.R, dims.K};
+  parallel_blocks(dims.N, units_per_thread(d), [&](int64_t lo, int64_t hi) {
     BwdScratch scratch(static_cast<size_t>(d.entries()));
-    for (int64_t u = lo; u < hi; ++u) phase1_bwd_unit(args, u, scratch);
+    for (int64_t u = lo; u < hi; ++u) phase1_bwd_unit(a, d, u, scratch);
   });
 }
 

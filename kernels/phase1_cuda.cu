@@ -201,31 +201,9 @@ __device__ __forceinline__ int sort_unit(uint64_t* keys, const int32_t* ki, cons
 // Forward
 // ---------------------------------------------------------------------------
 
-struct FwdArgs {
-  const int32_t* k_idx;
-  const float* k_val;
-  const float* x;
-  const int32_t* q_idx;
-  const float* q_val;
-  float* log_k;
-  float* rex;
-  float* cpe;
-  float* k_eff;
-  float* w;
-  float* log_q;
-  float* q_w;
-  float* A;
-  float* QK;
-  int32_t* w_order;
-  int32_t* w_group;
-  int32_t* r_order;
-  int32_t* r_group;
-  int32_t* repeats;
-};
-
 template <bool kShared>
 __global__ void __launch_bounds__(kMaxThreads, 1)
-    phase1_fwd_kernel(FwdArgs a, Shape s, int64_t N, unsigned char* workspace, int64_t scratch_bytes) {
+    phase1_fwd_kernel(Phase1Arrays all, Shape s, int64_t N, unsigned char* workspace, int64_t scratch_bytes) {
   extern __shared__ __align__(16) unsigned char dyn_smem[];
   __shared__ int scan_sh[32 * 4];
   unsigned char* base = kShared ? dyn_smem : workspace + static_cast<int64_t>(blockIdx.x) * scratch_bytes;
@@ -238,40 +216,23 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
   const int tid = threadIdx.x, T = blockDim.x;
 
   for (int64_t u = blockIdx.x; u < N; u += gridDim.x) {
-    const int32_t* ki = a.k_idx + u * CW;
-    const float* kv = a.k_val + u * CW;
-    const float* xs = a.x + u * CW;
-    const int32_t* qi = a.q_idx + u * CR;
-    const float* qv = a.q_val + u * CR;
-    float* log_k = a.log_k + u * CW;
-    float* rex = a.rex + u * CW;
-    float* cpe = a.cpe + u * CW;
-    float* k_eff = a.k_eff + u * CW;
-    float* wv = a.w + u * CW;
-    float* log_q = a.log_q + u * CR;
-    float* q_w = a.q_w + u * CR;
-    float* A = a.A + u * C * C;
-    float* QK = a.QK + u * C * C;
-    int32_t* w_order = a.w_order + u * CW;
-    int32_t* w_group = a.w_group + u * (CW + 1);
-    int32_t* r_order = a.r_order + u * CR;
-    int32_t* r_group = a.r_group + u * (CR + 1);
+    const Phase1Arrays a = all.unit(u, C, W, R);
 
     // 1. Keys, sorted; the values of invalid entries; A and QK zeroed (their rows are accumulated in step 4).
     for (int64_t c = tid; c < static_cast<int64_t>(C) * C; c += T) {
-      A[c] = 0.0f;
-      QK[c] = 0.0f;
+      a.A[c] = 0.0f;
+      a.QK[c] = 0.0f;
     }
-    const int n_valid = sort_unit(keys, ki, qi, s, scan_sh, [&](bool write, int id) {
+    const int n_valid = sort_unit(keys, a.k_idx, a.q_idx, s, scan_sh, [&](bool write, int id) {
       if (write) {
-        log_k[id] = 0.0f;
-        rex[id] = 0.0f;
-        cpe[id] = 1.0f;
-        k_eff[id] = 0.0f;
-        wv[id] = 0.0f;
+        a.log_k[id] = 0.0f;
+        a.rex[id] = 0.0f;
+        a.cpe[id] = 1.0f;
+        a.k_eff[id] = 0.0f;
+        a.w[id] = 0.0f;
       } else {
-        log_q[id] = 0.0f;
-        q_w[id] = 0.0f;
+        a.log_q[id] = 0.0f;
+        a.q_w[id] = 0.0f;
       }
     });
 
@@ -305,19 +266,19 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
         const Ent e = decode(keys[q], s);
         const bool cont = q > 0 && same_run(prev, e);
         if (e.write) {
-          w_order[off[0]++] = e.id;
+          a.w_order[off[0]++] = e.id;
           if (!cont) hpos[off[2]++] = q;
         } else {
-          r_order[off[1]++] = e.id;
+          a.r_order[off[1]++] = e.id;
         }
         prev = e;
       }
       n_w = tot[0];
       n_r = tot[1];
       n_heads = tot[2];
-      if (tid == 0) a.repeats[u] = tot[3];
-      for (int c = n_w + tid; c < CW; c += T) w_order[c] = -1;
-      for (int c = n_r + tid; c < CR; c += T) r_order[c] = -1;
+      if (tid == 0) *a.repeats = tot[3];
+      for (int c = n_w + tid; c < CW; c += T) a.w_order[c] = -1;
+      for (int c = n_r + tid; c < CR; c += T) a.r_order[c] = -1;
     }
     __syncthreads();
 
@@ -327,18 +288,18 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
       chunk_of(n_w, wlo, whi);
       chunk_of(n_r, rlo, rhi);
       int cnt[2] = {0, 0};
-      for (int c = wlo; c < whi; ++c) cnt[0] += (c == 0 || ki[w_order[c - 1]] != ki[w_order[c]]) ? 1 : 0;
-      for (int c = rlo; c < rhi; ++c) cnt[1] += (c == 0 || qi[r_order[c - 1]] != qi[r_order[c]]) ? 1 : 0;
+      for (int c = wlo; c < whi; ++c) cnt[0] += (c == 0 || a.k_idx[a.w_order[c - 1]] != a.k_idx[a.w_order[c]]) ? 1 : 0;
+      for (int c = rlo; c < rhi; ++c) cnt[1] += (c == 0 || a.q_idx[a.r_order[c - 1]] != a.q_idx[a.r_order[c]]) ? 1 : 0;
       int off[2], tot[2];
       block_scan<2>(cnt, off, tot, scan_sh);
       for (int c = wlo; c < whi; ++c) {
-        if (c == 0 || ki[w_order[c - 1]] != ki[w_order[c]]) w_group[off[0]++] = c;
+        if (c == 0 || a.k_idx[a.w_order[c - 1]] != a.k_idx[a.w_order[c]]) a.w_group[off[0]++] = c;
       }
       for (int c = rlo; c < rhi; ++c) {
-        if (c == 0 || qi[r_order[c - 1]] != qi[r_order[c]]) r_group[off[1]++] = c;
+        if (c == 0 || a.q_idx[a.r_order[c - 1]] != a.q_idx[a.r_order[c]]) a.r_group[off[1]++] = c;
       }
-      for (int g = tot[0] + tid; g <= CW; g += T) w_group[g] = n_w;
-      for (int g = tot[1] + tid; g <= CR; g += T) r_group[g] = n_r;
+      for (int g = tot[0] + tid; g <= CW; g += T) a.w_group[g] = n_w;
+      for (int g = tot[1] + tid; g <= CR; g += T) a.r_group[g] = n_r;
     }
 
     // 3b. Group walks, one thread per group (its first sorted position p).
@@ -356,8 +317,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
         const Ent e = decode(key, s);
         if (e.write) {
           const bool repeat = end > p && same_run(prev, e);
-          const float k = kv[e.id];
-          run += repeat ? 0.0f : xs[e.id];
+          const float k = a.k_val[e.id];
+          run += repeat ? 0.0f : a.x[e.id];
           if (repeat) {
             head_sum += k;
           } else {
@@ -370,11 +331,11 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
             head_sum = k;
             head_log = run;
           }
-          log_k[e.id] = run;
-          k_eff[e.id] = k * exp_f(run);
+          a.log_k[e.id] = run;
+          a.k_eff[e.id] = k * exp_f(run);
         } else {
-          log_q[e.id] = run;
-          q_w[e.id] = qv[e.id] * exp_f(run);
+          a.log_q[e.id] = run;
+          a.q_w[e.id] = a.q_val[e.id] * exp_f(run);
         }
         prev = e;
       }
@@ -388,10 +349,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
         const Ent e = decode(keys[q], s);
         if (!e.write) continue;
         const bool repeat = q > p && same_run(decode(keys[q - 1], s), e);
-        rex[e.id] = suffix;
-        wv[e.id] = kv[e.id] * exp_f(suffix);
-        cpe[e.id] = decay;
-        suffix += repeat ? 0.0f : xs[e.id];
+        a.rex[e.id] = suffix;
+        a.w[e.id] = a.k_val[e.id] * exp_f(suffix);
+        a.cpe[e.id] = decay;
+        suffix += repeat ? 0.0f : a.x[e.id];
       }
     }
     __syncthreads();
@@ -399,10 +360,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
     // 4. Pair sums, one thread per token row: its write heads (lanes ascending) meet the earlier write heads of
     //    their group (A, j < i), then its read heads (QK, j <= i).
     for (int i = tid; i < C; i += T) {
-      float* a_row = A + static_cast<int64_t>(i) * C;
-      float* qk_row = QK + static_cast<int64_t>(i) * C;
+      float* a_row = a.A + static_cast<int64_t>(i) * C;
+      float* qk_row = a.QK + static_cast<int64_t>(i) * C;
       for (int n = 0; n < W; ++n) {
-        const int32_t slot = ki[i * W + n];
+        const int32_t slot = a.k_idx[i * W + n];
         if (!valid_slot(slot, s.K)) continue;
         const uint32_t us = static_cast<uint32_t>(slot);
         const int p = lower_bound(keys, 0, n_valid, slot_key(us) | static_cast<uint32_t>(i * S + n));
@@ -419,7 +380,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
         }
       }
       for (int m = 0; m < R; ++m) {
-        const int32_t slot = qi[i * R + m];
+        const int32_t slot = a.q_idx[i * R + m];
         if (!valid_slot(slot, s.K)) continue;
         const uint32_t us = static_cast<uint32_t>(slot);
         const int p = lower_bound(keys, 0, n_valid, slot_key(us) | static_cast<uint32_t>(i * S + W + m));
@@ -427,13 +388,13 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
           const Ent pr = decode(keys[p - 1], s);
           if (!pr.write && pr.slot == us && pr.t == i) continue;  // not the first read of its run
         }
-        float qs = qv[i * R + m];
+        float qs = a.q_val[i * R + m];
         for (int q = p + 1; q < n_valid; ++q) {
           const Ent e = decode(keys[q], s);
           if (e.write || e.slot != us || e.t != i) break;
-          qs += qv[e.id];
+          qs += a.q_val[e.id];
         }
-        const float ql = log_q[i * R + m];
+        const float ql = a.log_q[i * R + m];
         const int h_end = lower_bound(hpos, 0, n_heads, p);
         const int g0 = lower_bound(hpos, 0, h_end, lower_bound(keys, 0, p, slot_key(us)));
         for (int b = g0; b < h_end; ++b) {
@@ -450,29 +411,9 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
 // Backward
 // ---------------------------------------------------------------------------
 
-struct BwdArgs {
-  const int32_t* k_idx;
-  const float* k_val;
-  const int32_t* q_idx;
-  const float* q_val;
-  const float* log_k;
-  const float* rex;
-  const float* cpe;
-  const float* log_q;
-  const float* dk_eff;
-  const float* dw;
-  const float* dcpe;
-  const float* dq_w;
-  const float* dA;
-  const float* dQK;
-  float* dk_val;
-  float* dx;
-  float* dq_val;
-};
-
 template <bool kShared>
 __global__ void __launch_bounds__(kMaxThreads, 1)
-    phase1_bwd_kernel(BwdArgs a, Shape s, int64_t N, unsigned char* workspace, int64_t scratch_bytes) {
+    phase1_bwd_kernel(Phase1GradArrays all, Shape s, int64_t N, unsigned char* workspace, int64_t scratch_bytes) {
   extern __shared__ __align__(16) unsigned char dyn_smem[];
   __shared__ int scan_sh[32 * 4];
   unsigned char* base = kShared ? dyn_smem : workspace + static_cast<int64_t>(blockIdx.x) * scratch_bytes;
@@ -487,35 +428,19 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
   float* rhlog = rhsum + s.CR;
   float* rhdlog = rhlog + s.CR;
 
-  const int C = s.C, CW = s.CW, CR = s.CR;
+  const int C = s.C;
   const int tid = threadIdx.x, T = blockDim.x;
 
   for (int64_t u = blockIdx.x; u < N; u += gridDim.x) {
-    const int32_t* ki = a.k_idx + u * CW;
-    const float* kv = a.k_val + u * CW;
-    const int32_t* qi = a.q_idx + u * CR;
-    const float* qv = a.q_val + u * CR;
-    const float* log_k = a.log_k + u * CW;
-    const float* rex = a.rex + u * CW;
-    const float* cpe = a.cpe + u * CW;
-    const float* log_q = a.log_q + u * CR;
-    const float* dk_eff = a.dk_eff + u * CW;
-    const float* dw = a.dw + u * CW;
-    const float* dcpe = a.dcpe + u * CW;
-    const float* dq_w = a.dq_w + u * CR;
-    const float* dA = a.dA + u * C * C;
-    const float* dQK = a.dQK + u * C * C;
-    float* dk_val = a.dk_val + u * CW;
-    float* dx = a.dx + u * CW;
-    float* dq_val = a.dq_val + u * CR;
+    const Phase1GradArrays a = all.unit(u, C, s.W, s.R);
 
     // 1. Keys, sorted; invalid entries get zero gradients.
-    const int n_valid = sort_unit(keys, ki, qi, s, scan_sh, [&](bool write, int id) {
+    const int n_valid = sort_unit(keys, a.k_idx, a.q_idx, s, scan_sh, [&](bool write, int id) {
       if (write) {
-        dk_val[id] = 0.0f;
-        dx[id] = 0.0f;
+        a.dk_val[id] = 0.0f;
+        a.dx[id] = 0.0f;
       } else {
-        dq_val[id] = 0.0f;
+        a.dq_val[id] = 0.0f;
       }
     });
 
@@ -562,7 +487,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
       const bool write = hh < n_wh;
       const int p = write ? whpos[hh] : rhpos[hh - n_wh];
       const Ent e0 = decode(keys[p], s);
-      const float* val = write ? kv : qv;
+      const float* val = write ? a.k_val : a.q_val;
       float sum = val[e0.id];
       for (int q = p + 1; q < n_valid; ++q) {
         const Ent e = decode(keys[q], s);
@@ -571,10 +496,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
       }
       if (write) {
         whsum[hh] = sum;
-        whlog[hh] = log_k[e0.id];
+        whlog[hh] = a.log_k[e0.id];
       } else {
         rhsum[hh - n_wh] = sum;
-        rhlog[hh - n_wh] = log_q[e0.id];
+        rhlog[hh - n_wh] = a.log_q[e0.id];
       }
     }
     __syncthreads();
@@ -592,7 +517,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
       const int w0 = lower_bound(whpos, 0, n_wh, gs);
       const float as = write ? whsum[h] : rhsum[h];
       const float al = write ? whlog[h] : rhlog[h];
-      const float* c_row = (write ? dA : dQK) + static_cast<int64_t>(t) * C;
+      const float* c_row = (write ? a.dA : a.dQK) + static_cast<int64_t>(t) * C;
       float dsum = 0.0f, dlog = 0.0f;
       // As the later run: the earlier write heads of the group, in sorted order.
       const int w_end = write ? h : lower_bound(whpos, w0, n_wh, p);
@@ -614,7 +539,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
           const int pa = take_write ? whpos[iw] : rhpos[ir];
           const float a_sum = take_write ? whsum[iw] : rhsum[ir];
           const float a_log = take_write ? whlog[iw] : rhlog[ir];
-          const float* dm = take_write ? dA : dQK;
+          const float* dm = take_write ? a.dA : a.dQK;
           const float ce = dm[static_cast<int64_t>(token_of(keys[pa], s)) * C + t] * exp_f(a_log - al);
           dsum += ce * a_sum;
           dlog -= ce * a_sum * as;
@@ -633,9 +558,9 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
         const Ent e = decode(keys[q], s);
         if (q > p && !same_run(e0, e)) break;
         if (write) {
-          dk_val[e.id] = dk_eff[e.id] * exp_f(log_k[e.id]) + dw[e.id] * exp_f(rex[e.id]) + dsum;
+          a.dk_val[e.id] = a.dk_eff[e.id] * exp_f(a.log_k[e.id]) + a.dw[e.id] * exp_f(a.rex[e.id]) + dsum;
         } else {
-          dq_val[e.id] = dq_w[e.id] * exp_f(log_q[e.id]) + dsum;
+          a.dq_val[e.id] = a.dq_w[e.id] * exp_f(a.log_q[e.id]) + dsum;
         }
       }
     }
@@ -652,7 +577,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
         const uint64_t key = keys[end];
         if (static_cast<uint32_t>(key >> 32) != slot) break;
         const Ent e = decode(key, s);
-        if (e.write) dtotal += dcpe[e.id] * cpe[e.id];
+        if (e.write) dtotal += a.dcpe[e.id] * a.cpe[e.id];
       }
       // Suffix sums, from the group's end; parked in dx of the write heads.
       int iw = lower_bound(whpos, 0, n_wh, end) - 1;
@@ -663,16 +588,16 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
         const bool head = q == p || !same_run(decode(keys[q - 1], s), e);
         float dl;
         if (e.write) {
-          const float el = exp_f(log_k[e.id]);
-          dl = dk_eff[e.id] * (kv[e.id] * el);
+          const float el = exp_f(a.log_k[e.id]);
+          dl = a.dk_eff[e.id] * (a.k_val[e.id] * el);
           if (head) dl = dl + whdlog[iw--];
         } else {
-          const float el = exp_f(log_q[e.id]);
-          dl = dq_w[e.id] * (qv[e.id] * el);
+          const float el = exp_f(a.log_q[e.id]);
+          dl = a.dq_w[e.id] * (a.q_val[e.id] * el);
           if (head) dl = dl + rhdlog[ir--];
         }
         suffix += dl;
-        if (e.write && head) dx[e.id] = suffix;
+        if (e.write && head) a.dx[e.id] = suffix;
       }
       // Prefix sums of the rex gradients, and dx.
       float prefix = 0.0f;
@@ -681,8 +606,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
         const Ent e = decode(keys[q], s);
         if (e.write) {
           const bool head = q == p || !same_run(prev, e);
-          dx[e.id] = head ? dx[e.id] + prefix + dtotal : 0.0f;
-          prefix += dw[e.id] * (kv[e.id] * exp_f(rex[e.id]));
+          a.dx[e.id] = head ? a.dx[e.id] + prefix + dtotal : 0.0f;
+          prefix += a.dw[e.id] * (a.k_val[e.id] * exp_f(a.rex[e.id]));
         }
         prev = e;
       }
@@ -752,30 +677,22 @@ int launch(void (*shared_kernel)(Args, Shape, int64_t, unsigned char*, int64_t),
 
 }  // namespace
 
-int phase1_cuda(const int32_t* k_idx, const float* k_val, const float* x, const int32_t* q_idx,
-                const float* q_val, int64_t N, int64_t C, int64_t W, int64_t R, int64_t K, float* log_k,
-                float* rex, float* cpe, float* k_eff, float* w, float* log_q, float* q_w, float* A, float* QK,
-                int32_t* w_order, int32_t* w_group, int32_t* r_order, int32_t* r_group, int32_t* repeats,
-                void* workspace, int64_t workspace_bytes, CUstream_st* stream) {
-  if (!fits(N, C, W, R)) return static_cast<int>(cudaErrorInvalidValue);
-  if (N == 0) return static_cast<int>(cudaSuccess);
-  const FwdArgs args{k_idx, k_val,   x,       q_idx, q_val,   log_k,   rex,     cpe,     k_eff,  w,
-                     log_q, q_w,     A,       QK,    w_order, w_group, r_order, r_group, repeats};
-  return launch<FwdArgs>(phase1_fwd_kernel<true>, phase1_fwd_kernel<false>, args, make_shape(C, W, R, K), N,
-                         phase1_cuda_scratch_bytes(C, W, R, false), workspace, workspace_bytes, stream);
+int phase1_cuda(const Phase1Arrays& a, const Phase1Dims& d, void* workspace, int64_t workspace_bytes,
+                CUstream_st* stream) {
+  if (!fits(d.N, d.C, d.W, d.R)) return static_cast<int>(cudaErrorInvalidValue);
+  if (d.N == 0) return static_cast<int>(cudaSuccess);
+  return launch<Phase1Arrays>(phase1_fwd_kernel<true>, phase1_fwd_kernel<false>, a, make_shape(d.C, d.W, d.R, d.K),
+                              d.N, phase1_cuda_scratch_bytes(d.C, d.W, d.R, false), workspace, workspace_bytes,
+                              stream);
 }
 
-int phase1_bwd_cuda(const int32_t* k_idx, const float* k_val, const int32_t* q_idx, const float* q_val,
-                    int64_t N, int64_t C, int64_t W, int64_t R, int64_t K, const float* log_k, const float* rex,
-                    const float* cpe, const float* log_q, const float* dk_eff, const float* dw,
-                    const float* dcpe, const float* dq_w, const float* dA, const float* dQK, float* dk_val,
-                    float* dx, float* dq_val, void* workspace, int64_t workspace_bytes, CUstream_st* stream) {
-  if (!fits(N, C, W, R)) return static_cast<int>(cudaErrorInvalidValue);
-  if (N == 0) return static_cast<int>(cudaSuccess);
-  const BwdArgs args{k_idx, k_val, q_idx, q_val, log_k, rex, cpe,    log_q, dk_eff,
-                     dw,    dcpe,  dq_w,  dA,    dQK,   dk_val, dx, dq_val};
-  return launch<BwdArgs>(phase1_bwd_kernel<true>, phase1_bwd_kernel<false>, args, make_shape(C, W, R, K), N,
-                         phase1_cuda_scratch_bytes(C, W, R, true), workspace, workspace_bytes, stream);
+int phase1_bwd_cuda(const Phase1GradArrays& a, const Phase1Dims& d, void* workspace, int64_t workspace_bytes,
+                    CUstream_st* stream) {
+  if (!fits(d.N, d.C, d.W, d.R)) return static_cast<int>(cudaErrorInvalidValue);
+  if (d.N == 0) return static_cast<int>(cudaSuccess);
+  return launch<Phase1GradArrays>(phase1_bwd_kernel<true>, phase1_bwd_kernel<false>, a,
+                                  make_shape(d.C, d.W, d.R, d.K), d.N, phase1_cuda_scratch_bytes(d.C, d.W, d.R, true),
+                                  workspace, workspace_bytes, stream);
 }
 
 }  // namespace sdm

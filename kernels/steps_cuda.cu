@@ -248,6 +248,24 @@ __device__ __forceinline__ bool warp_group(const StepDims& dm, int64_t c, const 
   return out->slot >= 0 && out->slot < dm.K;
 }
 
+// acc = scale * row[0, VEC) + sum over the group's entries e = order[lo..hi) (sorted order) of
+// coef[e] * vecs[e / W][0, VEC) (vecs: rows of D floats, offset to the same columns as row): the written row of the
+// forward (cpe S0 + sum w delta) and Phase A's bank gradient (cpe dS1 + sum k_eff dG) are this one sum.
+template <int VEC, typename T>
+__device__ __forceinline__ void group_row(const T* row, float scale, const int32_t* order, int32_t lo, int32_t hi,
+                                          const float* coef, const float* vecs, int64_t W, int64_t D, float* acc) {
+  load_cols<VEC>(row, acc);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) acc[i] *= scale;
+  for (int32_t k = lo; k < hi; ++k) {
+    const int32_t e = order[k];
+    float x[VEC];
+    load_cols<VEC>(vecs + (e / W) * D, x);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] += coef[e] * x[i];
+  }
+}
+
 template <int VEC, typename T>
 __global__ void fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, T* __restrict__ bank, int64_t c,
                                  ChunkRows rows) {
@@ -263,18 +281,9 @@ __global__ void fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, T* __
   const float cpe = p1.cpe[u * C * W + order[lo]];
   const float* delta = rows.delta + rows.at(dm, u, s);
   for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
-    float acc[VEC];
-    load_cols<VEC>(row + d, acc);
     if (snap) copy_cols<VEC>(row + d, snap + d);
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) acc[i] *= cpe;
-    for (int32_t k = lo; k < hi; ++k) {
-      const int32_t e = order[k];
-      float x[VEC];
-      load_cols<VEC>(delta + (e / W) * D + d, x);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[i] += w[e] * x[i];
-    }
+    float acc[VEC];
+    group_row<VEC>(row + d, cpe, order, lo, hi, w, delta + d, W, D, acc);
     store_cols<VEC>(row + d, acc);
   }
 }
@@ -441,16 +450,7 @@ __global__ void bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T*
   }
   for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
     float acc[VEC];
-    load_cols<VEC>(drow + d, acc);
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) acc[i] *= cpe;
-    for (int32_t k = lo; k < hi; ++k) {
-      const int32_t e = order[k];
-      float x[VEC];
-      load_cols<VEC>(dG + (e / W) * D + d, x);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[i] += k_eff[e] * x[i];
-    }
+    group_row<VEC>(drow + d, cpe, order, lo, hi, k_eff, dG + d, W, D, acc);
     store_cols<VEC>(drow + d, acc);
     copy_cols<VEC>(s0 + d, row + d);
   }

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jax_sdm import sdm_write_read
-from jax_sdm.testing import (FLOAT_ARGS, check_against_reference, cotangents, ffi_calls, out_of_range_case,
+from jax_sdm.testing import (FLOAT_ARGS, check_against_reference, cotangents, ffi_calls,
                              outputs_and_grads, random_problem, rel_err)
 
 ffi_op = functools.partial(sdm_write_read, impl="ffi")
@@ -123,14 +123,6 @@ def test_ffi_grad_under_vmap():
         g = jax.grad(lambda f: loss(dict(rest(one), **f)))(floats(one))
         for k in FLOAT_ARGS:
             np.testing.assert_allclose(batched[k][i], g[k], rtol=1e-5, atol=1e-6)
-
-
-def test_ffi_out_of_range_ids_touch_nothing():
-    bad, twin = out_of_range_case(8)
-    y_bad, f_bad = ffi_op(**bad, chunk_size=4)
-    y_twin, f_twin = ffi_op(**twin, chunk_size=4)
-    np.testing.assert_allclose(y_bad, y_twin, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(f_bad, f_twin[..., :-1, :], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("impl", ["ffi", "xla", "reference"])

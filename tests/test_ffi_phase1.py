@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_sdm.ffi_ops import phase1_bwd_ffi, phase1_ffi
-from jax_sdm.testing import assert_one_kernel_call
+from jax_sdm.testing import assert_one_kernel_call, phase1_gates
 
 FIELDS = (
     "log_k", "rex", "cpe", "k_eff", "w", "log_q", "q_w", "A", "QK",
@@ -129,15 +129,7 @@ def make_inputs(seed, N, C, W, R, K, *, invalid=0.0, gate="lane", pad_tokens=0):
         q_idx[:, C - pad_tokens:] = -1
     k_val = rng.standard_normal((N, C, W)).astype(np.float32)
     q_val = rng.standard_normal((N, C, R)).astype(np.float32)
-    if gate == "lane":
-        x = -np.logaddexp(0.0, rng.standard_normal((N, C, W)))  # -softplus
-    elif gate == "token":
-        x = np.repeat(-np.logaddexp(0.0, rng.standard_normal((N, C, 1))), W, axis=2)
-    elif gate == "any":  # any finite value is computed as written
-        x = 0.3 * rng.standard_normal((N, C, W))
-    else:
-        raise ValueError(gate)
-    return k_idx, k_val, x.astype(np.float32), q_idx, q_val
+    return k_idx, k_val, phase1_gates(rng, N, C, W, gate), q_idx, q_val
 
 
 def check_against_brute(got, want, rtol=1e-5, atol=1e-5):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jax_sdm import lowering
 from jax_sdm.ffi_ops import _phase1_workspace, phase1_bwd_ffi, phase1_ffi
+from jax_sdm.testing import phase1_gates
 
 FIELDS = (
     "log_k", "rex", "cpe", "k_eff", "w", "log_q", "q_w", "A", "QK",
@@ -55,15 +56,7 @@ def make_inputs(seed, N, C, W, R, K, *, invalid=0.1, partial=0.2, pad_tokens=0, 
     k_idx, q_idx = ids((N, C, W)), ids((N, C, R))
     k_val = rng.standard_normal((N, C, W)).astype(np.float32)
     q_val = rng.standard_normal((N, C, R)).astype(np.float32)
-    if gate == "lane":
-        x = -np.logaddexp(0.0, rng.standard_normal((N, C, W)))  # -softplus
-    elif gate == "token":
-        x = np.repeat(-np.logaddexp(0.0, rng.standard_normal((N, C, 1))), W, axis=2)
-    elif gate == "any":
-        x = 0.3 * rng.standard_normal((N, C, W))
-    else:
-        raise ValueError(gate)
-    return k_idx, k_val, x.astype(np.float32), q_idx, q_val
+    return k_idx, k_val, phase1_gates(rng, N, C, W, gate), q_idx, q_val
 
 
 def make_cotangents(seed, N, C, W, R):

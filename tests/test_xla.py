@@ -7,18 +7,10 @@ import numpy as np
 import pytest
 
 from jax_sdm import sdm_reference, sdm_write_read
-from jax_sdm.testing import (FLOAT_ARGS, check_against_reference, cotangents, out_of_range_case, outputs_and_grads,
+from jax_sdm.testing import (FLOAT_ARGS, check_against_reference, cotangents, outputs_and_grads,
                              random_problem, rel_err)
 
 xla_op = functools.partial(sdm_write_read, impl="xla")
-
-
-def test_xla_out_of_range_ids_touch_nothing():
-    bad, twin = out_of_range_case(7)
-    y_bad, f_bad = xla_op(**bad, chunk_size=4)
-    y_twin, f_twin = xla_op(**twin, chunk_size=4)
-    np.testing.assert_allclose(y_bad, y_twin, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(f_bad, f_twin[..., :-1, :], rtol=1e-5, atol=1e-6)
 
 
 def test_xla_bfloat16_bank():
