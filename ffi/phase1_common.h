@@ -14,14 +14,12 @@
 
 namespace sdm_ffi {
 
-using UnitDims = sdm::Phase1Dims;
-
 // A platform's limit on the sizes (its kernel's bound on C * (W + R)), checked last by ReadPhase1Dims.
-using Phase1Limits = ffi::Error (*)(const char* op, const UnitDims& u);
+using Phase1Limits = ffi::Error (*)(const char* op, const sdm::Phase1Dims& u);
 
 // Sizes from k_idx [..., C, W], q_idx [..., C, R] and num_slots; the limits of kernels/phase1.h.
 inline ffi::Error ReadPhase1Dims(const char* op, const S32& k_idx, const S32& q_idx, int64_t num_slots,
-                                 Phase1Limits limits, UnitDims* u) {
+                                 Phase1Limits limits, sdm::Phase1Dims* u) {
   auto kd = k_idx.dimensions();
   auto qd = q_idx.dimensions();
   if (kd.size() < 2) {
@@ -32,7 +30,7 @@ inline ffi::Error ReadPhase1Dims(const char* op, const S32& k_idx, const S32& q_
     return ffi::Error::InvalidArgument(std::string(op) + ": q_idx must be [..., C, R], got shape " +
                                        DimsToString(qd));
   }
-  *u = UnitDims{LeadingProduct(kd, 2), kd[kd.size() - 2], kd.back(), qd.back(), num_slots};
+  *u = sdm::Phase1Dims{LeadingProduct(kd, 2), kd[kd.size() - 2], kd.back(), qd.back(), num_slots};
   SDM_RETURN_IF_ERROR(CheckShape(op, "q_idx", q_idx, u->N, {u->C, u->R}));
   constexpr int64_t kMax32 = std::numeric_limits<int32_t>::max();
   if (u->K < 0 || u->K > kMax32) {
@@ -63,7 +61,8 @@ inline ffi::Error ReadPhase1Dims(const char* op, const S32& k_idx, const S32& q_
   k_idx, k_val, q_idx, q_val, log_k, rex, cpe, log_q, dk_eff, dw, dcpe, dq_w, dA, dQK, num_slots, dk_val, dx, dq_val
 
 // The Phase-1 arguments and results, checked against the sizes (`limits`: the platform's, see ReadPhase1Dims).
-inline ffi::Error CheckPhase1Args(const char* op, Phase1Limits limits, SDM_PHASE1_PARAMS, UnitDims* u) {
+inline ffi::Error CheckPhase1Args(const char* op, Phase1Limits limits, SDM_PHASE1_PARAMS,
+                                  sdm::Phase1Dims* u) {
   SDM_RETURN_IF_ERROR(ReadPhase1Dims(op, k_idx, q_idx, num_slots, limits, u));
   const int64_t N = u->N, C = u->C, W = u->W, R = u->R, CW = C * W, CR = C * R;
   SDM_RETURN_IF_ERROR(CheckShape(op, "k_val", k_val, N, {C, W}));
@@ -87,7 +86,8 @@ inline ffi::Error CheckPhase1Args(const char* op, Phase1Limits limits, SDM_PHASE
 }
 
 // The Phase-1 backward's arguments and results, checked against the sizes.
-inline ffi::Error CheckPhase1BwdArgs(const char* op, Phase1Limits limits, SDM_PHASE1_BWD_PARAMS, UnitDims* u) {
+inline ffi::Error CheckPhase1BwdArgs(const char* op, Phase1Limits limits, SDM_PHASE1_BWD_PARAMS,
+                                     sdm::Phase1Dims* u) {
   SDM_RETURN_IF_ERROR(ReadPhase1Dims(op, k_idx, q_idx, num_slots, limits, u));
   const int64_t N = u->N, C = u->C, W = u->W, R = u->R;
   SDM_RETURN_IF_ERROR(CheckShape(op, "k_val", k_val, N, {C, W}));

@@ -16,7 +16,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 // The CPU kernels' limit: C * (W + R) below 2^31.
-ffi::Error CpuLimits(const char* op, const sdm_ffi::UnitDims& u) {
+ffi::Error CpuLimits(const char* op, const sdm::Phase1Dims& u) {
   constexpr int64_t kMax32 = std::numeric_limits<int32_t>::max();
   if (u.C > 0 && (u.W + u.R) > (kMax32 - 1) / u.C) {
     return ffi::Error::InvalidArgument(
@@ -30,7 +30,7 @@ ffi::Error CpuLimits(const char* op, const sdm_ffi::UnitDims& u) {
 ffi::Error Phase1Impl(SDM_PHASE1_PARAMS,
                       ffi::RemainingRets /*workspace of the CUDA handler, if passed: ignored*/) {
   constexpr const char* op = "sdm_phase1";
-  sdm_ffi::UnitDims u;
+  sdm::Phase1Dims u;
   SDM_RETURN_IF_ERROR(
       sdm_ffi::CheckPhase1Args(op, CpuLimits, SDM_PHASE1_NAMES, &u));
 
@@ -40,7 +40,7 @@ ffi::Error Phase1Impl(SDM_PHASE1_PARAMS,
 ffi::Error Phase1BwdImpl(SDM_PHASE1_BWD_PARAMS,
                          ffi::RemainingRets /*workspace of the CUDA handler, if passed: ignored*/) {
   constexpr const char* op = "sdm_phase1_bwd";
-  sdm_ffi::UnitDims u;
+  sdm::Phase1Dims u;
   SDM_RETURN_IF_ERROR(
       sdm_ffi::CheckPhase1BwdArgs(op, CpuLimits, SDM_PHASE1_BWD_NAMES, &u));
 

@@ -19,10 +19,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using sdm_ffi::UnitDims;
-
 // The CUDA kernels' limit: C * (W + R) at most kPhase1CudaMaxEntries.
-ffi::Error CudaLimits(const char* op, const UnitDims& u) {
+ffi::Error CudaLimits(const char* op, const sdm::Phase1Dims& u) {
   if (u.C * (u.W + u.R) > sdm::kPhase1CudaMaxEntries) {
     return ffi::Error::InvalidArgument(
         std::string(op) + ": C * (W + R) = " + std::to_string(u.C * (u.W + u.R)) +
@@ -34,8 +32,8 @@ ffi::Error CudaLimits(const char* op, const UnitDims& u) {
 
 // The optional trailing result: the workspace (any type and shape, counted in bytes). It must hold
 // phase1_cuda_workspace_bytes(...) bytes; it may be left out when that is 0.
-ffi::Error GetWorkspace(const char* op, const ffi::RemainingRets& rest, const UnitDims& u, bool backward,
-                        void** data, int64_t* bytes) {
+ffi::Error GetWorkspace(const char* op, const ffi::RemainingRets& rest, const sdm::Phase1Dims& u,
+                        bool backward, void** data, int64_t* bytes) {
   *data = nullptr;
   *bytes = 0;
   if (rest.size() > 1) {
@@ -62,7 +60,7 @@ ffi::Error GetWorkspace(const char* op, const ffi::RemainingRets& rest, const Un
 
 ffi::Error Phase1CudaImpl(cudaStream_t stream, SDM_PHASE1_PARAMS, ffi::RemainingRets rest) {
   constexpr const char* op = "sdm_phase1 (CUDA)";
-  UnitDims u;
+  sdm::Phase1Dims u;
   SDM_RETURN_IF_ERROR(sdm_ffi::CheckPhase1Args(op, CudaLimits, SDM_PHASE1_NAMES, &u));
   void* ws;
   int64_t ws_bytes;
@@ -74,7 +72,7 @@ ffi::Error Phase1CudaImpl(cudaStream_t stream, SDM_PHASE1_PARAMS, ffi::Remaining
 
 ffi::Error Phase1BwdCudaImpl(cudaStream_t stream, SDM_PHASE1_BWD_PARAMS, ffi::RemainingRets rest) {
   constexpr const char* op = "sdm_phase1_bwd (CUDA)";
-  UnitDims u;
+  sdm::Phase1Dims u;
   SDM_RETURN_IF_ERROR(sdm_ffi::CheckPhase1BwdArgs(op, CudaLimits, SDM_PHASE1_BWD_NAMES, &u));
   void* ws;
   int64_t ws_bytes;

@@ -187,4 +187,3 @@ def phase1_gates(rng, N, C, W, gate="lane"):
     else:
         raise ValueError(f"unknown gate kind {gate!r}")
     return x.astype(np.float32)
-

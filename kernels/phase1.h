@@ -30,6 +30,8 @@ namespace sdm {
 
 struct Phase1Dims {
   int64_t N, C, W, R, K;  // units, tokens per unit, write lanes, read lanes, slots
+  int64_t lanes() const { return W + R; }          // a token's write lanes, then its read lanes
+  int64_t entries() const { return C * lanes(); }  // entries of one unit
 };
 
 // Phase 1's arrays (shapes above); unit(u, ...) is the same set advanced to unit u.

@@ -56,12 +56,6 @@ struct Run {
   float dlog;
 };
 
-// Sizes of a unit and the decoding of its sort keys.
-struct Dims {
-  int64_t C, W, R, K;
-  int64_t S() const { return W + R; }
-  int64_t entries() const { return C * (W + R); }
-};
 
 struct Entry {
   int64_t t;
@@ -69,17 +63,17 @@ struct Entry {
   int64_t id;  // t * W + n for a write, t * R + m for a read
 };
 
-inline Entry decode(uint64_t key, const Dims& d) {
+inline Entry decode(uint64_t key, const Phase1Dims& d) {
   const int64_t seq = static_cast<int64_t>(key & 0xffffffffu);
-  const int64_t t = seq / d.S(), lane = seq % d.S();
+  const int64_t t = seq / d.lanes(), lane = seq % d.lanes();
   if (lane < d.W) return Entry{t, true, t * d.W + lane};
   return Entry{t, false, t * d.R + (lane - d.W)};
 }
 
 // Step 1: the sorted keys of the unit's valid entries.
-void sort_entries(const int32_t* ki, const int32_t* qi, const Dims& d,
+void sort_entries(const int32_t* ki, const int32_t* qi, const Phase1Dims& d,
                   std::vector<uint64_t>& keys) {
-  const int64_t C = d.C, W = d.W, R = d.R, K = d.K, S = d.S();
+  const int64_t C = d.C, W = d.W, R = d.R, K = d.K, S = d.lanes();
   keys.clear();
   for (int64_t t = 0; t < C; ++t) {
     for (int64_t n = 0; n < W; ++n) {
@@ -112,7 +106,7 @@ inline int64_t group_end(const std::vector<uint64_t>& keys, int64_t begin) {
 // Whether the write at sorted position p of the group starting at `begin` is a
 // repeat: its predecessor in the group is a write of the same token.
 inline bool is_repeat(const std::vector<uint64_t>& keys, int64_t begin, int64_t p,
-                      const Dims& d) {
+                      const Phase1Dims& d) {
   if (p == begin) return false;
   const Entry prev = decode(keys[p - 1], d);
   return prev.is_write && prev.t == decode(keys[p], d).t;
@@ -141,7 +135,7 @@ inline void for_each_pair(std::vector<Run>& runs, F f) {
 }
 
 // Units per thread: about 2^15 elementary steps per thread at least.
-inline int64_t units_per_thread(const Dims& d) {
+inline int64_t units_per_thread(const Phase1Dims& d) {
   return std::max<int64_t>(1, (int64_t{1} << 15) /
                                   std::max<int64_t>(1, d.C * (d.W + d.R + d.C)));
 }
@@ -161,7 +155,7 @@ struct Scratch {
   }
 };
 
-void phase1_unit(const Phase1Arrays& all, const Dims& d, int64_t u, Scratch& s) {
+void phase1_unit(const Phase1Arrays& all, const Phase1Dims& d, int64_t u, Scratch& s) {
   const int64_t C = d.C, W = d.W, R = d.R;
   const int64_t CW = C * W, CR = C * R;
   const Phase1Arrays a = all.unit(u, C, W, R);
@@ -282,7 +276,7 @@ struct BwdScratch {
   }
 };
 
-void phase1_bwd_unit(const Phase1GradArrays& all, const Dims& d, int64_t u, BwdScratch& s) {
+void phase1_bwd_unit(const Phase1GradArrays& all, const Phase1Dims& d, int64_t u, BwdScratch& s) {
   const int64_t C = d.C, W = d.W, R = d.R;
   const int64_t CW = C * W, CR = C * R;
   const Phase1GradArrays a = all.unit(u, C, W, R);
@@ -370,17 +364,15 @@ void phase1_bwd_unit(const Phase1GradArrays& all, const Dims& d, int64_t u, BwdS
 
 }  // namespace
 
-void phase1_cpu(const Phase1Arrays& a, const Phase1Dims& dims) {
-  const Dims d{dims.C, dims.W, dims.R, dims.K};
-  parallel_blocks(dims.N, units_per_thread(d), [&](int64_t lo, int64_t hi) {
+void phase1_cpu(const Phase1Arrays& a, const Phase1Dims& d) {
+  parallel_blocks(d.N, units_per_thread(d), [&](int64_t lo, int64_t hi) {
     Scratch scratch(static_cast<size_t>(d.entries()));
     for (int64_t u = lo; u < hi; ++u) phase1_unit(a, d, u, scratch);
   });
 }
 
-void phase1_bwd_cpu(const Phase1GradArrays& a, const Phase1Dims& dims) {
-  const Dims d{dims.C, dims.W, dims.R, dims.K};
-  parallel_blocks(dims.N, units_per_thread(d), [&](int64_t lo, int64_t hi) {
+void phase1_bwd_cpu(const Phase1GradArrays& a, const Phase1Dims& d) {
+  parallel_blocks(d.N, units_per_thread(d), [&](int64_t lo, int64_t hi) {
     BwdScratch scratch(static_cast<size_t>(d.entries()));
     for (int64_t u = lo; u < hi; ++u) phase1_bwd_unit(a, d, u, scratch);
   });

@@ -620,19 +620,19 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
 // Launch
 // ---------------------------------------------------------------------------
 
-Shape make_shape(int64_t C, int64_t W, int64_t R, int64_t K) {
+Shape make_shape(const Phase1Dims& d) {
   Shape s;
-  s.C = static_cast<int>(C);
-  s.W = static_cast<int>(W);
-  s.R = static_cast<int>(R);
-  s.S = static_cast<int>(W + R);
-  s.E = static_cast<int>(C * (W + R));
+  s.C = static_cast<int>(d.C);
+  s.W = static_cast<int>(d.W);
+  s.R = static_cast<int>(d.R);
+  s.S = static_cast<int>(d.lanes());
+  s.E = static_cast<int>(d.entries());
   int64_t p2 = 1;
   while (p2 < s.E) p2 <<= 1;
   s.P2 = static_cast<int>(p2);
-  s.CW = static_cast<int>(C * W);
-  s.CR = static_cast<int>(C * R);
-  s.K = K;
+  s.CW = static_cast<int>(d.C * d.W);
+  s.CR = static_cast<int>(d.C * d.R);
+  s.K = d.K;
   return s;
 }
 
@@ -681,7 +681,7 @@ int phase1_cuda(const Phase1Arrays& a, const Phase1Dims& d, void* workspace, int
                 CUstream_st* stream) {
   if (!fits(d.N, d.C, d.W, d.R)) return static_cast<int>(cudaErrorInvalidValue);
   if (d.N == 0) return static_cast<int>(cudaSuccess);
-  return launch<Phase1Arrays>(phase1_fwd_kernel<true>, phase1_fwd_kernel<false>, a, make_shape(d.C, d.W, d.R, d.K),
+  return launch<Phase1Arrays>(phase1_fwd_kernel<true>, phase1_fwd_kernel<false>, a, make_shape(d),
                               d.N, phase1_cuda_scratch_bytes(d.C, d.W, d.R, false), workspace, workspace_bytes,
                               stream);
 }
@@ -691,7 +691,7 @@ int phase1_bwd_cuda(const Phase1GradArrays& a, const Phase1Dims& d, void* worksp
   if (!fits(d.N, d.C, d.W, d.R)) return static_cast<int>(cudaErrorInvalidValue);
   if (d.N == 0) return static_cast<int>(cudaSuccess);
   return launch<Phase1GradArrays>(phase1_bwd_kernel<true>, phase1_bwd_kernel<false>, a,
-                                  make_shape(d.C, d.W, d.R, d.K), d.N, phase1_cuda_scratch_bytes(d.C, d.W, d.R, true),
+                                  make_shape(d), d.N, phase1_cuda_scratch_bytes(d.C, d.W, d.R, true),
                                   workspace, workspace_bytes, stream);
 }
 
