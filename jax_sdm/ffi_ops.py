@@ -254,7 +254,8 @@ def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, sna
     """The reverse chunk loop (docs/DESIGN.md "Backward steps").
 
     `bank` is the final bank (it comes back as the initial one, restored in place) and `dbank` the cotangent of
-    the final bank (it comes back as the gradient of the initial bank, float32).
+    the final bank (it comes back as the gradient of the initial bank, in place). `dbank`'s dtype is the working
+    gradient bank's: float32, or the bank's bfloat16 (float32 inside each step, rounded once per written row).
 
     Returns:
       `(initial_bank, dbank, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv)`.
@@ -263,12 +264,12 @@ def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, sna
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
     call = jax.ffi.ffi_call(
         "sdm_backward",
-        (like(bank), jax.ShapeDtypeStruct(dbank.shape, f32), like(p1.k_eff), like(p1.w), like(p1.cpe),
+        (like(bank), like(dbank), like(p1.k_eff), like(p1.w), like(p1.cpe),
          like(p1.q_w), like(p1.A), like(p1.QK), like(beta.astype(f32)), like(v.astype(f32)),
          _workspace(bank, k_idx.shape[-2])),
         vmap_method="broadcast_all",
         input_output_aliases={0: 0, 1: 1},
     )
-    return call(bank, dbank.astype(f32), dy.astype(f32), k_idx.astype(jnp.int32), q_idx.astype(jnp.int32),
+    return call(bank, dbank, dy.astype(f32), k_idx.astype(jnp.int32), q_idx.astype(jnp.int32),
                 v.astype(f32), beta.astype(f32), p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.A, p1.QK, p1.w_order,
                 p1.w_group, p1.r_order, p1.r_group, minv, delta, G, snapshot)[:10]

@@ -230,7 +230,7 @@ def _stream_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots)
 def _stream_kernels_bwd(num_slots, residuals, cotangents):
     final, tokens, saved = residuals
     dy, dfinal, _ = cotangents
-    args = (final, dfinal.astype(jnp.float32), dy.astype(jnp.float32)) + tokens + saved
+    args = (final, dfinal.astype(final.dtype), dy.astype(jnp.float32)) + tokens + saved
     dbank, dk_val, dx, dv, dbeta, dq_val = per_stream(
         _local_backward, num_slots, args, (BANK, BANK) + (UNITS,) * (1 + len(tokens) + len(saved)),
         (BANK,) + (UNITS,) * 5)
