@@ -1,10 +1,10 @@
-"""The public op `sdm_write_read`, its `impl` dispatch, and the kernel path's forward and backward bodies
-(`sharding.py` wraps them in the custom VJP, partitioned per stream)."""
+"""The public op `sdm_write_read` and its `impl` dispatch: the kernel path (`kernel_path.py`), the chunked form in
+pure JAX (`xla.py`) or the token loop (`reference.py`)."""
 
 import jax
 import jax.numpy as jnp
 
-from . import ffi_ops, layout, lowering, sharding
+from . import kernel_path, layout
 from .reference import sdm_reference
 from .xla import chunk_loop_xla, phase1_xla, solve_xla
 
@@ -26,56 +26,6 @@ def _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
                               beta_u, p1, minv)
     return (layout.from_units(y, dims).astype(bank.dtype), final.reshape(dims.B, dims.H, dims.K, dims.D),
             jnp.sum(p1.repeats))
-
-
-def _sdm_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots, save=True):
-    """The kernels' forward in kernel layout (bank `[P, K, D]`, tokens `[NC, P, C, ...]`, per-lane gates `x`):
-    `((y [NC, P, C, D] float32, final_bank, repeats [NC, P]), residuals)`; with `save=False` nothing is kept for
-    a backward. `sharding.py` runs it (and `_sdm_kernels_bwd`) per shard inside its custom VJP."""
-    p1 = ffi_ops.phase1_ffi(k_idx, k_val, x, q_idx, q_val, num_slots)
-    minv = ffi_ops.solve_ffi(p1.A, beta)
-    final, y, delta, G, snapshot = ffi_ops.forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save)
-    residuals = (final, k_idx, k_val, x, v, beta, q_idx, q_val, p1, minv, delta, G, snapshot)
-    return (y, final, p1.repeats), residuals
-
-
-def _sdm_kernels_bwd(num_slots, residuals, cotangents):
-    """The kernels' backward: gradients of `_sdm_kernels_fwd`'s inputs (None for the slot ids)."""
-    final, k_idx, k_val, x, v, beta, q_idx, q_val, p1, minv, delta, G, snapshot = residuals
-    dy, dfinal, _ = cotangents
-    _, dbank, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv = ffi_ops.backward_ffi(
-        final, dfinal, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snapshot)
-    dk_val, dx, dq_val = ffi_ops.phase1_bwd_ffi(k_idx, k_val, x, q_idx, q_val, num_slots, p1,
-                                                dk_eff, dw, dcpe, dq_w, dA, dQK)
-    return dbank.astype(final.dtype), None, dk_val, dx, dv, dbeta, None, dq_val
-
-
-KERNEL_TARGETS = ("sdm_phase1", "sdm_solve", "sdm_forward", "sdm_backward", "sdm_phase1_bwd")
-
-
-def _require_kernels():
-    """Raise before any work if this backend lacks one of the kernels (no silent fallback, SPEC 2)."""
-    platform = jax.default_backend()
-    missing = [t for t in KERNEL_TARGETS if not lowering.is_registered(t, platform)]
-    if missing:
-        raise NotImplementedError(
-            f"sdm_write_read: impl='ffi' has no {platform} kernels for {', '.join(missing)} in this build; "
-            "use impl='xla' (the chunked form in pure JAX) or impl='reference' (the token loop)")
-
-
-def _sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
-    """The op on the FFI kernels (C++ on CPU, CUDA on GPU): `_sdm_kernels_fwd` / `_sdm_kernels_bwd`, partitioned
-    per stream for sharded inputs (`sharding.py`)."""
-    _require_kernels()
-    return sharding.sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
-
-
-def kernel_layout(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
-    """The kernels' arguments in kernel layout: bank `[P, K, D]` and per-token arrays `[NC, P, C, ...]`, in the
-    order of `_sdm_kernels_fwd` (`layout.stream_arguments` with `B, H` merged into `P`)."""
-    bank, *tokens = layout.stream_arguments(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
-    return (bank.reshape(dims.P, dims.K, dims.D),) + tuple(
-        a.reshape((dims.NC, dims.P) + a.shape[3:]) for a in tokens)
 
 
 def _check_inputs(num_slots, k_idx, q_idx, floats):
@@ -139,6 +89,6 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
         y, final = sdm_reference(bank, k_idx, k_val, v, beta, g, q_idx, q_val)
         repeats = _count_repeats(k_idx, dims.K) if return_repeats else None
     else:
-        run = _sdm_xla if impl == "xla" else _sdm_ffi
+        run = _sdm_xla if impl == "xla" else kernel_path.sdm_ffi
         y, final, repeats = run(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
     return (y, final, repeats) if return_repeats else (y, final)
