@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from . import ffi_ops, layout, lowering
-from .sharding import BANK, UNITS, explicit_out_sharding, merge, per_stream, split
+from .sharding import BANK, UNITS, explicit_out_sharding, merge, per_stream, split, to_varying, varying_axes
 
 
 def _sdm_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots, save=True):
@@ -111,11 +111,12 @@ def stream_kernels(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots):
     (int32 ids, float32 values, per-lane gates `x`).
 
     Returns `(y [NC, B, H, C, D] float32, final_bank [B, H, K, D], repeats [NC, B, H])`. A call that is not
-    differentiated saves no residuals.
+    differentiated saves no residuals. Inside `shard_map` the inputs must vary along the same manual axes; the
+    results and the gradients are typed as varying along them (the FFI calls' results carry no such type).
     """
     args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val)
-    return per_stream(_local_primal, num_slots, args, (BANK,) + (UNITS,) * 7,
-                      (UNITS, BANK, UNITS))
+    outs = per_stream(_local_primal, num_slots, args, (BANK,) + (UNITS,) * 7, (UNITS, BANK, UNITS))
+    return tuple(to_varying(o, varying_axes(*args)) for o in outs)
 
 
 def _stream_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots):
@@ -123,6 +124,7 @@ def _stream_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots)
     n_saved = len(jax.eval_shape(functools.partial(_local_saving, num_slots), *args)) - 3
     y, final, repeats, *saved = per_stream(_local_saving, num_slots, args,
                                            (BANK,) + (UNITS,) * 7, (UNITS, BANK, UNITS) + (UNITS,) * n_saved)
+    y, final, repeats = (to_varying(o, varying_axes(*args)) for o in (y, final, repeats))
     return (y, final, repeats), (final, args[1:], tuple(saved))
 
 
@@ -133,6 +135,8 @@ def _stream_kernels_bwd(num_slots, residuals, cotangents):
     dbank, dk_val, dx, dv, dbeta, dq_val = per_stream(
         _local_backward, num_slots, args, (BANK, BANK) + (UNITS,) * (1 + len(tokens) + len(saved)),
         (BANK,) + (UNITS,) * 5)
+    dbank, dk_val, dx, dv, dbeta, dq_val = (to_varying(d, varying_axes(final))
+                                            for d in (dbank, dk_val, dx, dv, dbeta, dq_val))
     return dbank.astype(final.dtype), None, dk_val, dx, dv, dbeta, None, dq_val
 
 
@@ -157,6 +161,9 @@ def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
 
 
 def _sdm_ffi_streams(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
-    y, final, repeats = stream_kernels(
-        *layout.stream_arguments(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims), dims.K)
+    args = layout.stream_arguments(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
+    # Inside `shard_map`, every input varies along the manual axes along which any does (the results do too); for
+    # an input that does not (e.g. a bank shared by the devices) the transpose of this cast sums its gradient.
+    axes = varying_axes(*args)
+    y, final, repeats = stream_kernels(*(to_varying(a, axes) for a in args), dims.K)
     return layout.from_stream_units(y, dims).astype(bank.dtype), final, jnp.sum(repeats)

@@ -47,6 +47,31 @@ def split(a, at, H):
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# Inside `shard_map`: the manual mesh axes an array varies along
+
+
+def varying_axes(*arrays):
+    """The manual mesh axes (inside `shard_map` with `check_vma=True`) along which any of `arrays` varies."""
+    axes = set()
+    for a in arrays:
+        aval = jax.typeof(a)
+        mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.9; earlier the aval's `vma`
+        axes |= set(mat.varying if mat is not None else getattr(aval, "vma", ()))
+    return frozenset(axes)
+
+
+def to_varying(a, axes):
+    """`a` typed as varying along the manual mesh axes `axes` (a no-op at run time; differentiated, its transpose
+    sums over those axes). The FFI calls' results carry no such type, so the kernel path restores it."""
+    missing = tuple(sorted(axes - varying_axes(a)))
+    if not missing:
+        return a
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(a, missing, to="varying")
+    return jax.lax.pvary(a, missing)
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # Per-stream partitioning of a function of flat arrays
 
 
