@@ -1,10 +1,10 @@
-"""The public op `sdm_write_read`, its `impl` dispatch, and the kernel path's forward and backward bodies
-(`sharding.py` wraps them in the custom VJP, partitioned per stream)."""
+"""The public op `sdm_write_read` and its `impl` dispatch: the kernel path (`kernel_path.py`), the chunked form in
+pure JAX (`xla.py`) or the token loop (`reference.py`)."""
 
 import jax
 import jax.numpy as jnp
 
-from . import ffi_ops, layout, lowering, sharding
+from . import kernel_path, layout
 from .reference import sdm_reference
 from .xla import chunk_loop_xla, phase1_xla, solve_xla
 
@@ -26,56 +26,6 @@ def _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
                               beta_u, p1, minv)
     return (layout.from_units(y, dims).astype(bank.dtype), final.reshape(dims.B, dims.H, dims.K, dims.D),
             jnp.sum(p1.repeats))
-
-
-def _sdm_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots, save=True):
-    """The kernels' forward in kernel layout (bank `[P, K, D]`, tokens `[NC, P, C, ...]`, per-lane gates `x`):
-    `((y [NC, P, C, D] float32, final_bank, repeats [NC, P]), residuals)`; with `save=False` nothing is kept for
-    a backward. `sharding.py` runs it (and `_sdm_kernels_bwd`) per shard inside its custom VJP."""
-    p1 = ffi_ops.phase1_ffi(k_idx, k_val, x, q_idx, q_val, num_slots)
-    minv = ffi_ops.solve_ffi(p1.A, beta)
-    final, y, delta, G, snapshot = ffi_ops.forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save)
-    residuals = (final, k_idx, k_val, x, v, beta, q_idx, q_val, p1, minv, delta, G, snapshot)
-    return (y, final, p1.repeats), residuals
-
-
-def _sdm_kernels_bwd(num_slots, residuals, cotangents):
-    """The kernels' backward: gradients of `_sdm_kernels_fwd`'s inputs (None for the slot ids)."""
-    final, k_idx, k_val, x, v, beta, q_idx, q_val, p1, minv, delta, G, snapshot = residuals
-    dy, dfinal, _ = cotangents
-    _, dbank, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv = ffi_ops.backward_ffi(
-        final, dfinal, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snapshot)
-    dk_val, dx, dq_val = ffi_ops.phase1_bwd_ffi(k_idx, k_val, x, q_idx, q_val, num_slots, p1,
-                                                dk_eff, dw, dcpe, dq_w, dA, dQK)
-    return dbank.astype(final.dtype), None, dk_val, dx, dv, dbeta, None, dq_val
-
-
-KERNEL_TARGETS = ("sdm_phase1", "sdm_solve", "sdm_forward", "sdm_backward", "sdm_phase1_bwd")
-
-
-def _require_kernels():
-    """Raise before any work if this backend lacks one of the kernels (no silent fallback, SPEC 2)."""
-    platform = jax.default_backend()
-    missing = [t for t in KERNEL_TARGETS if not lowering.is_registered(t, platform)]
-    if missing:
-        raise NotImplementedError(
-            f"sdm_write_read: impl='ffi' has no {platform} kernels for {', '.join(missing)} in this build; "
-            "use impl='xla' (the chunked form in pure JAX) or impl='reference' (the token loop)")
-
-
-def _sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
-    """The op on the FFI kernels (C++ on CPU, CUDA on GPU): `_sdm_kernels_fwd` / `_sdm_kernels_bwd`, partitioned
-    per stream for sharded inputs (`sharding.py`)."""
-    _require_kernels()
-    return sharding.sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
-
-
-def kernel_layout(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
-    """The kernels' arguments in kernel layout: bank `[P, K, D]` and per-token arrays `[NC, P, C, ...]`, in the
-    order of `_sdm_kernels_fwd` (`layout.stream_arguments` with `B, H` merged into `P`)."""
-    bank, *tokens = layout.stream_arguments(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
-    return (bank.reshape(dims.P, dims.K, dims.D),) + tuple(
-        a.reshape((dims.NC, dims.P) + a.shape[3:]) for a in tokens)
 
 
 def _check_inputs(num_slots, k_idx, q_idx, floats):
@@ -105,7 +55,7 @@ def _count_repeats(k_idx, num_slots):
 
 
 def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=64, impl="auto", check=False,
-                   return_repeats=False):
+                   return_repeats=False, bank_grad_dtype=None):
     """Sparse Delta Memory: write then read a sparse per-head memory bank at every token (SPEC 1.1).
 
     Args:
@@ -123,6 +73,11 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
         out-of-range id is ignored: it reads zeros and touches no row.
       return_repeats: also return the number of write lanes that repeated a slot of an earlier lane of the same
         token (such a slot decays once; SPEC 1.1).
+      bank_grad_dtype: the dtype in which the kernels' backward (`impl="ffi"`) keeps the gradient of the bank
+        between chunks: None (the default) for the bank's dtype, or `jnp.float32`. Inside each chunk step the
+        arithmetic is float32 either way; a bfloat16 working gradient is rounded once per row a step writes. For
+        a bfloat16 bank, bfloat16 halves the backward's largest memory traffic and the gradient bank's memory;
+        float32 gives gradients about ten times closer to exact. The pure-JAX paths ignore it.
 
     Returns:
       `(y, final_bank)`: readings `[B, T, H, D]` and the bank after the last token `[B, H, K, D]`, in the bank's
@@ -133,12 +88,18 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
     bank, k_idx, k_val, v, beta, g, q_idx, q_val = map(jnp.asarray, (bank, k_idx, k_val, v, beta, g, q_idx, q_val))
     dims = layout.validate(bank, k_idx, k_val, v, beta, g, q_idx, q_val, chunk_size,
                            allow_float64=impl in ("xla", "reference"))
+    if bank_grad_dtype is not None and jnp.dtype(bank_grad_dtype) not in (jnp.dtype(jnp.float32), bank.dtype):
+        raise ValueError(f"sdm_write_read: `bank_grad_dtype` must be None, float32 or the bank's dtype "
+                         f"({bank.dtype}), got {jnp.dtype(bank_grad_dtype)}")
     if check:
         _check_inputs(dims.K, k_idx, q_idx, (bank, k_val, v, beta, g, q_val))
     if impl == "reference":
         y, final = sdm_reference(bank, k_idx, k_val, v, beta, g, q_idx, q_val)
         repeats = _count_repeats(k_idx, dims.K) if return_repeats else None
     else:
-        run = _sdm_xla if impl == "xla" else _sdm_ffi
-        y, final, repeats = run(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
+        if impl == "xla":
+            y, final, repeats = _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
+        else:
+            y, final, repeats = kernel_path.sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims,
+                                                    bank_grad_dtype)
     return (y, final, repeats) if return_repeats else (y, final)
