@@ -77,7 +77,9 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
         between chunks: None (the default) for the bank's dtype, or `jnp.float32`. Inside each chunk step the
         arithmetic is float32 either way; a bfloat16 working gradient is rounded once per row a step writes. For
         a bfloat16 bank, bfloat16 halves the backward's largest memory traffic and the gradient bank's memory;
-        float32 gives gradients about ten times closer to exact. The pure-JAX paths ignore it.
+        float32 gives slightly more accurate gradients (measured at T=4096, chunk 64, 256 slots each rewritten
+        about 64 times: relative L2 error of the gradients 2.3e-3 to 3.2e-3 against 1.8e-3 to 2.9e-3, with
+        bfloat16's own rounding of the inputs and outputs the larger part). The pure-JAX paths ignore it.
 
     Returns:
       `(y, final_bank)`: readings `[B, T, H, D]` and the bank after the last token `[B, H, K, D]`, in the bank's
