@@ -8,6 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.interpreters import ad
 
 from . import ffi_ops, layout, lowering
 from .sharding import BANK, UNITS, explicit_out_sharding, merge, per_stream, split, to_varying, varying_axes
@@ -46,6 +47,49 @@ def _require_kernels():
         raise NotImplementedError(
             f"sdm_write_read: impl='ffi' has no {platform} kernels for {', '.join(missing)} in this build; "
             "use impl='xla' (the chunked form in pure JAX) or impl='reference' (the token loop)")
+
+
+FORWARD_MODE_ERROR = (
+    "sdm_write_read: impl='ffi' (the kernels; also impl='auto') does not support forward-mode differentiation "
+    "(jax.jvp, jax.jacfwd, jax.linearize): the kernels have a reverse-mode rule only (jax.grad, jax.vjp, "
+    "jax.jacrev). Use impl='xla' (the chunked form in pure JAX) or impl='reference' (the token loop), which "
+    "support every JAX transformation.")
+HIGHER_ORDER_ERROR = (
+    "sdm_write_read: impl='ffi' (the kernels; also impl='auto') does not support higher-order differentiation "
+    "(a derivative of its gradient: grad of grad, jax.hessian, jax.jacfwd of jax.grad): the kernels' forward and "
+    "backward have no derivatives of their own. Use impl='xla' (the chunked form in pure JAX) or "
+    "impl='reference' (the token loop), which support every JAX transformation.")
+
+
+def _refuse_forward_mode(arrays):
+    """Raise FORWARD_MODE_ERROR when `arrays` carry forward-mode tangents (`jax.jvp`, `jax.jacfwd`).
+
+    JAX would refuse too, but with a message that names neither the op nor an alternative. Reverse mode traces
+    with its own tracers (`jax.grad` linearizes directly), so only forward mode shows JVP tracers here. A `jax.jvp`
+    of an already traced function (e.g. of a `jax.jit`) reaches the custom VJP without this check; JAX's own
+    error ("can't apply forward-mode autodiff (jvp) to a custom_vjp function") stands there.
+    """
+    if not getattr(jax.config, "jax_use_direct_linearize", False):  # grad itself runs on JVP tracers
+        return
+    if any(isinstance(a, ad.JVPTracer) for a in arrays):
+        raise NotImplementedError(FORWARD_MODE_ERROR)
+
+
+def _kernels_per_stream(local_fn, num_slots, args, in_axes, out_axes):
+    """`per_stream(local_fn, ...)` with a JVP rule that raises HIGHER_ORDER_ERROR.
+
+    The kernels have no derivatives: a derivative of the custom VJP's forward or backward is a second-order one,
+    refused here with a clear message (JAX would say that `custom_partitioning` has no differentiation rule).
+    """
+    @jax.custom_jvp
+    def call(*args):
+        return per_stream(local_fn, num_slots, args, in_axes, out_axes)
+
+    @call.defjvp
+    def _no_derivative(primals, tangents):
+        raise NotImplementedError(HIGHER_ORDER_ERROR)
+
+    return call(*args)
 
 
 def kernel_layout(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
@@ -116,15 +160,15 @@ def stream_kernels(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots, grad
     results and the gradients are typed as varying along them (the FFI calls' results carry no such type).
     """
     args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val)
-    outs = per_stream(_local_primal, num_slots, args, (BANK,) + (UNITS,) * 7, (UNITS, BANK, UNITS))
+    outs = _kernels_per_stream(_local_primal, num_slots, args, (BANK,) + (UNITS,) * 7, (UNITS, BANK, UNITS))
     return tuple(to_varying(o, varying_axes(*args)) for o in outs)
 
 
 def _stream_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots, grad_dtype):
     args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val)
     n_saved = len(jax.eval_shape(functools.partial(_local_saving, num_slots), *args)) - 3
-    y, final, repeats, *saved = per_stream(_local_saving, num_slots, args,
-                                           (BANK,) + (UNITS,) * 7, (UNITS, BANK, UNITS) + (UNITS,) * n_saved)
+    y, final, repeats, *saved = _kernels_per_stream(
+        _local_saving, num_slots, args, (BANK,) + (UNITS,) * 7, (UNITS, BANK, UNITS) + (UNITS,) * n_saved)
     y, final, repeats = (to_varying(o, varying_axes(*args)) for o in (y, final, repeats))
     return (y, final, repeats), (final, args[1:], tuple(saved))
 
@@ -133,7 +177,7 @@ def _stream_kernels_bwd(num_slots, grad_dtype, residuals, cotangents):
     final, tokens, saved = residuals
     dy, dfinal, _ = cotangents
     args = (final, dfinal.astype(grad_dtype), dy.astype(jnp.float32)) + tokens + saved
-    dbank, dk_val, dx, dv, dbeta, dq_val = per_stream(
+    dbank, dk_val, dx, dv, dbeta, dq_val = _kernels_per_stream(
         _local_backward, num_slots, args, (BANK, BANK) + (UNITS,) * (1 + len(tokens) + len(saved)),
         (BANK,) + (UNITS,) * 5)
     dbank, dk_val, dx, dv, dbeta, dq_val = (to_varying(d, varying_axes(final))
@@ -154,6 +198,7 @@ def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, grad_dtype=None)
     """
     _require_kernels()
     args = (bank, k_idx, k_val, v, beta, g, q_idx, q_val)
+    _refuse_forward_mode(args)
     grad_dtype = jnp.dtype(bank.dtype if grad_dtype is None else grad_dtype).name
     run = functools.partial(_sdm_ffi_streams, dims=dims, grad_dtype=grad_dtype)
     explicit = explicit_out_sharding(*args)

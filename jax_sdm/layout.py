@@ -151,27 +151,21 @@ def lane_gates(g, dims):
     return ordered_broadcast(g, dims.W, g.ndim)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def ordered_broadcast(a, copies, axis):
     """`a` repeated `copies` times along a new axis at `axis`; its gradient sums the copies in index order.
 
     The transpose JAX would use is an XLA reduction, whose summation order the GPU compiler may choose differently
     from one compilation to the next (seen as last-bit differences of the gate gradient between processes); a
-    chain of elementwise adds has one order (SPEC 4). The sum is kept in at least float32.
+    chain of elementwise adds has one order (docs/MATH.md, "Determinism"). The sum is kept in at least float32.
     """
     return jnp.broadcast_to(jnp.expand_dims(a, axis), a.shape[:axis] + (copies,) + a.shape[axis:])
 
 
-def _ordered_broadcast_fwd(a, copies, axis):
-    return ordered_broadcast(a, copies, axis), None
-
-
-def _ordered_broadcast_bwd(copies, axis, _, ct):
-    acc = jnp.promote_types(ct.dtype, jnp.float32)
-    total = jnp.take(ct, 0, axis).astype(acc)
-    for n in range(1, copies):
-        total = total + jnp.take(ct, n, axis).astype(acc)
-    return (total.astype(ct.dtype),)
-
-
-ordered_broadcast.defvjp(_ordered_broadcast_fwd, _ordered_broadcast_bwd)
+@ordered_broadcast.defjvp
+def _ordered_broadcast_jvp(copies, axis, primals, tangents):
+    """The tangent is `copies` stacked copies rather than a broadcast: its transpose (the gradient) is then a chain
+    of adds, one per copy, in a fixed order. A JVP rule (not a VJP) keeps forward mode and higher orders working."""
+    (a,), (t,) = primals, tangents
+    wide = t.astype(jnp.promote_types(t.dtype, jnp.float32))
+    return ordered_broadcast(a, copies, axis), jnp.stack([wide] * copies, axis).astype(t.dtype)
