@@ -141,8 +141,7 @@ def phase1_bwd_ffi(k_idx, k_val, x, q_idx, q_val, num_slots, p1, dk_eff, dw, dcp
     """The VJP of Phase 1 w.r.t. ``k_val``, ``x``, ``q_val`` (docs/DESIGN.md "Phase-1 backward").
 
     Args:
-      k_idx, k_val, x, q_idx, q_val, num_slots: Phase 1's inputs, as for ``phase1_ffi``
-        (``x`` is only shape-checked: the kernel reads the gates through ``p1``).
+      k_idx, k_val, x, q_idx, q_val, num_slots: Phase 1's inputs, as for ``phase1_ffi``.
       p1: Phase 1's outputs for these inputs (the ``Phase1`` of ``phase1_ffi``); its
         ``log_k``, ``rex``, ``cpe`` and ``log_q`` are read.
       dk_eff, dw, dcpe: ``[..., C, W]`` cotangents of ``k_eff``, ``w``, ``cpe``.
@@ -181,7 +180,7 @@ def phase1_bwd_ffi(k_idx, k_val, x, q_idx, q_val, num_slots, p1, dk_eff, dw, dcp
         vmap_method="broadcast_all",
     )
     dk_val, dx, dq_val, _ = call(jnp.asarray(k_idx).astype(jnp.int32), jnp.asarray(k_val).astype(f32),
-                jnp.asarray(q_idx).astype(jnp.int32), jnp.asarray(q_val).astype(f32),
+                jnp.asarray(x).astype(f32), jnp.asarray(q_idx).astype(jnp.int32), jnp.asarray(q_val).astype(f32),
                 *(jnp.asarray(getattr(p1, n)).astype(f32) for n in ("log_k", "rex", "cpe", "log_q")),
                 *cots, num_slots=np.int64(K))
     return dk_val, dx, dq_val

@@ -67,17 +67,13 @@ def validate(bank, k_idx, k_val, v, beta, g, q_idx, q_val, chunk_size, allow_flo
     else:
         raise _shape_error("bank", bank, "[B, H, K, D] or [H, K, D] (rank 4 or 3)")
     K, D = bank.shape[-2:]
-    if K < 1 or D < 1:
-        raise _shape_error("bank", bank, "at least one slot (K >= 1) of width D >= 1")
-    if T < 1:
-        raise _shape_error("k_idx", k_idx, "at least one token (T >= 1)")
     if q_idx.ndim != 4 or q_idx.shape[:3] != (B, T, H):
         raise _shape_error("q_idx", q_idx, f"[B, T, H, R] = [{B}, {T}, {H}, R]")
     R = q_idx.shape[3]
     for name, n in (("k_idx", W), ("q_idx", R)):
-        if not 1 <= n <= MAX_LANES:
+        if not 0 <= n <= MAX_LANES:
             lanes = "W" if name == "k_idx" else "R"
-            raise ValueError(f"sdm_write_read: `{name}` has {lanes} = {n} lanes, expected 1..{MAX_LANES}")
+            raise ValueError(f"sdm_write_read: `{name}` has {lanes} = {n} lanes, expected 0..{MAX_LANES}")
     for name, a in (("k_idx", k_idx), ("q_idx", q_idx)):
         if not jnp.issubdtype(a.dtype, jnp.integer):
             raise _dtype_error(name, a, "an integer type (int32 preferred)")
@@ -99,6 +95,56 @@ def validate(bank, k_idx, k_val, v, beta, g, q_idx, q_val, chunk_size, allow_flo
         if jnp.dtype(a.dtype) not in gate_dtypes:
             raise _dtype_error(name, a, " or ".join(d.name for d in gate_dtypes))
     return Dims(B, T, H, K, D, W, R, int(chunk_size), per_write, bank.ndim == 3)
+
+
+def is_empty(dims):
+    """Whether the problem has no work: no stream, token, slot or column (the readings are all zeros or empty and
+    the bank comes back unchanged)."""
+    return 0 in (dims.B, dims.T, dims.H, dims.K, dims.D)
+
+
+def empty_result(bank, dims):
+    """`(y, final_bank)` of an empty problem: zero readings `[B, T, H, D]` and the bank unchanged (per batch
+    element), so that no kernel ever sees an empty dimension and gradients are zeros of the right shapes."""
+    return jnp.zeros((dims.B, dims.T, dims.H, dims.D), bank.dtype), batch_banks(bank, dims)
+
+
+def one_lane_if_none(k_idx, k_val, g, q_idx, q_val, dims):
+    """A token with no write lanes (`W = 0`) or no read lanes (`R = 0`) gets one lane with an out-of-range id and
+    weight 0 (and gate 0): it writes and reads nothing, and no kernel sees an empty dimension. Returns the
+    arguments and their `Dims`."""
+    def one_lane(idx, val):
+        return (jnp.full(idx.shape[:3] + (1,), -1, jnp.int32), jnp.zeros(val.shape[:3] + (1,), val.dtype))
+
+    if dims.W == 0:
+        k_idx, k_val = one_lane(k_idx, k_val)
+        if dims.per_write_gates:
+            g = jnp.zeros(g.shape[:3] + (1,), g.dtype)
+        dims = dims._replace(W=1)
+    if dims.R == 0:
+        q_idx, q_val = one_lane(q_idx, q_val)
+        dims = dims._replace(R=1)
+    return k_idx, k_val, g, q_idx, q_val, dims
+
+
+def in_range(idx, num_slots, xp):
+    """Mask of the ids in `[0, num_slots)`, compared in the ids' own integer type (never cast first)."""
+    info = np.iinfo(idx.dtype)
+    ok = idx >= 0 if info.min < 0 else xp.ones(idx.shape, bool)
+    if num_slots <= info.max:
+        ok = ok & (idx < num_slots)
+    return ok
+
+
+def slot_ids(idx, num_slots):
+    """Slot ids as int32, every id outside `[0, num_slots)` replaced by -1 (ignored), whatever its integer type:
+    an id of 2^32 + 3 must not wrap to slot 3 in the cast."""
+    if isinstance(idx, jax.Array):
+        return jnp.where(in_range(idx, num_slots, jnp), idx, -1).astype(jnp.int32)
+    idx = np.asarray(idx)  # NumPy ids: mapped before JAX would truncate 64-bit ids to 32 bits (x64 off)
+    if not np.issubdtype(idx.dtype, np.integer):
+        return idx  # validate names the bad dtype
+    return np.where(in_range(idx, num_slots, np), idx, -1).astype(np.int32)
 
 
 def to_stream_units(a, dims, fill=0):
@@ -167,5 +213,8 @@ def _ordered_broadcast_jvp(copies, axis, primals, tangents):
     """The tangent is `copies` stacked copies rather than a broadcast: its transpose (the gradient) is then a chain
     of adds, one per copy, in a fixed order. A JVP rule (not a VJP) keeps forward mode and higher orders working."""
     (a,), (t,) = primals, tangents
+    out = ordered_broadcast(a, copies, axis)
+    if copies == 0:
+        return out, jnp.zeros(out.shape, t.dtype)
     wide = t.astype(jnp.promote_types(t.dtype, jnp.float32))
-    return ordered_broadcast(a, copies, axis), jnp.stack([wide] * copies, axis).astype(t.dtype)
+    return out, jnp.stack([wide] * copies, axis).astype(t.dtype)

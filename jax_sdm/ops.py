@@ -29,17 +29,20 @@ def _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
 
 
 def _check_inputs(num_slots, k_idx, q_idx, floats):
-    """Runtime check (`check=True`): raise for slot ids outside `[0, K)` and non-finite inputs."""
-    def raise_if_bad(k_out, q_out, nonfinite):
+    """Runtime check (`check=True`): raise for slot ids outside `[0, K)`, non-finite inputs and gates `g > 0`."""
+    def raise_if_bad(k_out, q_out, nonfinite, positive_gates):
         problems = [f"{int(n)} {name} outside [0, K={num_slots})"
                     for n, name in ((k_out, "write slot ids (k_idx)"), (q_out, "read slot ids (q_idx)")) if n]
         problems += [f"non-finite values in `{name}`" for name, bad in zip(CHECKED_FLOATS, nonfinite) if bad]
+        if positive_gates:
+            problems.append(f"{int(positive_gates)} gates `g` > 0 (the domain is g <= 0, a decay)")
         if problems:
             raise ValueError("sdm_write_read(check=True): " + "; ".join(problems))
 
-    out_of_range = lambda idx: jnp.sum((idx < 0) | (idx >= num_slots))
+    out_of_range = lambda idx: jnp.sum(~layout.in_range(idx, num_slots, jnp))
     nonfinite = jnp.stack([~jnp.all(jnp.isfinite(a)) for a in floats])
-    jax.debug.callback(raise_if_bad, out_of_range(k_idx), out_of_range(q_idx), nonfinite)
+    positive_gates = jnp.sum(floats[CHECKED_FLOATS.index("g")] > 0)
+    jax.debug.callback(raise_if_bad, out_of_range(k_idx), out_of_range(q_idx), nonfinite, positive_gates)
 
 
 CHECKED_FLOATS = ("bank", "k_val", "v", "beta", "g", "q_val")
@@ -63,14 +66,19 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
       k_idx, k_val: `[B, T, H, W]` write slot ids (int) and weights (the bank's dtype).
       v: `[B, T, H, D]` values (the bank's dtype).
       beta: `[B, T, H]` write strengths, float32.
-      g: `[B, T, H]` per-token or `[B, T, H, W]` per-write log-gates, float32.
+      g: `[B, T, H]` per-token or `[B, T, H, W]` per-write log-gates, float32. The domain is `g <= 0` (a decay):
+        every finite gate and `-inf` (a hard reset: the written row forgets everything before the write) give
+        finite results equal to the token loop's. `g > 0` is outside it: the chunked forms' exponents overflow
+        (no positive range is served exactly), and `check=True` reports it.
       q_idx, q_val: `[B, T, H, R]` read slot ids and weights.
       chunk_size: tokens per chunk of the chunked form (changes results only by rounding).
       impl: "auto" | "ffi" | "xla" | "reference". "auto" and "ffi" run the FFI kernels (C++ on CPU, CUDA on
         GPU), "xla" the chunked form in pure JAX, "reference" the token loop.
-      check: also check the data at run time: slot ids outside `[0, K)` or non-finite inputs raise an error
-        (a `ValueError` raised from a host callback, surfacing as a runtime error under `jit`). Without it an
-        out-of-range id is ignored: it reads zeros and touches no row.
+      check: also check the data at run time: slot ids outside `[0, K)`, non-finite inputs or gates `g > 0`
+        raise an error (a `ValueError` raised from a host callback, surfacing as a runtime error under `jit`).
+        Without it an out-of-range id, of any integer type, is ignored: it reads zeros and touches no row; and
+        a non-finite input gives unspecified values in the streams (batch element x head) it enters, and only
+        there.
       return_repeats: also return the number of write lanes that repeated a slot of an earlier lane of the same
         token (such a slot decays once; SPEC 1.1).
       bank_grad_dtype: the dtype in which the kernels' backward (`impl="ffi"`) keeps the gradient of the bank
@@ -83,11 +91,16 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
 
     Returns:
       `(y, final_bank)`: readings `[B, T, H, D]` and the bank after the last token `[B, H, K, D]`, in the bank's
-      dtype; `(y, final_bank, repeats)` with `return_repeats=True`.
+      dtype; `(y, final_bank, repeats)` with `return_repeats=True`. Any dimension may be 0: an empty problem
+      (`B`, `T`, `H`, `K` or `D` zero) gives zero (or empty) readings and the bank unchanged; `W = 0` (`R = 0`)
+      means tokens that write (read) nothing.
     """
     if impl not in IMPLS:
         raise ValueError(f"sdm_write_read: `impl` must be one of {IMPLS}, got {impl!r}")
-    bank, k_idx, k_val, v, beta, g, q_idx, q_val = map(jnp.asarray, (bank, k_idx, k_val, v, beta, g, q_idx, q_val))
+    bank = jnp.asarray(bank)
+    num_slots = bank.shape[-2] if bank.ndim >= 2 else 0
+    k_idx, q_idx = (i if isinstance(i, jax.Array) else layout.slot_ids(i, num_slots) for i in (k_idx, q_idx))
+    k_idx, k_val, v, beta, g, q_idx, q_val = map(jnp.asarray, (k_idx, k_val, v, beta, g, q_idx, q_val))
     dims = layout.validate(bank, k_idx, k_val, v, beta, g, q_idx, q_val, chunk_size,
                            allow_float64=impl in ("xla", "reference"))
     if bank_grad_dtype is not None and jnp.dtype(bank_grad_dtype) not in (jnp.dtype(jnp.float32), bank.dtype):
@@ -95,6 +108,11 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
                          f"({bank.dtype}), got {jnp.dtype(bank_grad_dtype)}")
     if check:
         _check_inputs(dims.K, k_idx, q_idx, (bank, k_val, v, beta, g, q_val))
+    if layout.is_empty(dims):
+        y, final = layout.empty_result(bank, dims)
+        return (y, final, jnp.int32(0)) if return_repeats else (y, final)
+    k_idx, q_idx = layout.slot_ids(k_idx, dims.K), layout.slot_ids(q_idx, dims.K)
+    k_idx, k_val, g, q_idx, q_val, dims = layout.one_lane_if_none(k_idx, k_val, g, q_idx, q_val, dims)
     if impl == "reference":
         y, final = sdm_reference(bank, k_idx, k_val, v, beta, g, q_idx, q_val)
         repeats = _count_repeats(k_idx, dims.K) if return_repeats else None
