@@ -78,14 +78,15 @@ def kernel_layout(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
         a.reshape((dims.NC, dims.P) + a.shape[3:]) for a in tokens)
 
 
-def _check_inputs(num_slots, k_idx, q_idx, floats):
-    """Runtime check (`check=True`): raise for slot ids outside `[0, K)` and non-finite inputs."""
+def _check_inputs(num_slots, k_idx, q_idx, floats, op="sdm_write_read"):
+    """Runtime check (`check=True`): raise for slot ids outside `[0, K)` and non-finite inputs (`floats`, in the
+    order of `CHECKED_FLOATS`); `op` names the function in the message."""
     def raise_if_bad(k_out, q_out, nonfinite):
         problems = [f"{int(n)} {name} outside [0, K={num_slots})"
                     for n, name in ((k_out, "write slot ids (k_idx)"), (q_out, "read slot ids (q_idx)")) if n]
         problems += [f"non-finite values in `{name}`" for name, bad in zip(CHECKED_FLOATS, nonfinite) if bad]
         if problems:
-            raise ValueError("sdm_write_read(check=True): " + "; ".join(problems))
+            raise ValueError(f"{op}(check=True): " + "; ".join(problems))
 
     out_of_range = lambda idx: jnp.sum((idx < 0) | (idx >= num_slots))
     nonfinite = jnp.stack([~jnp.all(jnp.isfinite(a)) for a in floats])
