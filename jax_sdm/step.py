@@ -23,6 +23,8 @@ def _stream_step_xla(bank, k_idx, k_val, x, v, beta, q_idx, q_val):
 
     Rows are worked on in float32 (at least) and each written row is stored once; repeated slots share the row of
     their first lane (decayed once, with its gate), and a read of a written slot takes the row after the write.
+    (XLA's CPU compiler has no bfloat16 scatter: it converts a bfloat16 bank to float32 and back around it, a
+    whole-bank cost that the kernels, `impl="ffi"`, do not have.)
     """
     K = bank.shape[0]
     acc = jnp.promote_types(bank.dtype, jnp.float32)

@@ -26,6 +26,15 @@ void decode_step_cpu(const DecodeDims& dm, const DecodeToken<BankT>& tok, BankT*
       const BankT* q_val = tok.q_val + s * R;
       const float* x = tok.x + (dm.per_write_gates ? s * W : s);
       BankT* rows = bank + s * K * D;
+      // The rows are scattered over a bank far larger than the caches: ask for all of them at once, so that their
+      // cache misses overlap instead of following one another.
+      for (const int32_t* ids : {k_idx, q_idx}) {
+        for (int64_t n = 0; n < (ids == k_idx ? W : R); ++n) {
+          if (ids[n] < 0 || ids[n] >= K) continue;
+          const char* row = reinterpret_cast<const char*>(rows + static_cast<int64_t>(ids[n]) * D);
+          for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(BankT)); b += 64) __builtin_prefetch(row + b);
+        }
+      }
       for (int64_t n = 0; n < W; ++n) first[n] = first_write_lane(k_idx, W, K, k_idx[n]);
       for (int64_t m = 0; m < R; ++m) read_lane[m] = first_write_lane(k_idx, W, K, q_idx[m]);
 
