@@ -4,26 +4,32 @@
 import jax
 import jax.numpy as jnp
 
-from . import ffi_ops, layout, lowering, sharding
+from . import ffi_ops, layout, lowering, segments, sharding
 from .reference import sdm_reference
 from .xla import chunk_loop_xla, phase1_xla, solve_xla
 
 IMPLS = ("auto", "ffi", "xla", "reference")
 
 
-def _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
-    """The chunked form in pure JAX (SPEC 1.2), in kernel layout."""
+def _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, seg=None):
+    """The chunked form in pure JAX (SPEC 1.2), in kernel layout; `seg`: the tokens' segment counters of packed
+    sequences (`segments.segment_numbers`, padding already dropped), or None."""
     f32 = jnp.promote_types(bank.dtype, jnp.float32)
     units = lambda a, fill=0: layout.to_units(a, dims, fill)
     k_idx_u = units(k_idx.astype(jnp.int32), -1)
     q_idx_u = units(q_idx.astype(jnp.int32), -1)
-    p1 = phase1_xla(k_idx_u, units(k_val.astype(f32)), units(layout.lane_gates(g, dims).astype(f32)),
-                    q_idx_u, units(q_val.astype(f32)), dims.K)
+    packed, p1_k_idx, p1_q_idx, p1_slots = None, k_idx_u, q_idx_u, dims.K
+    if seg is not None:  # Phase 1 sees each segment of a chunk on its own slots
+        packed = segments.chunk_segments(seg, dims, layout.to_units)
+        p1_slots = segments.checked_virtual_slot_count(dims)
+        p1_k_idx, p1_q_idx = (segments.virtual_slots(a, packed[1], dims.K) for a in (k_idx_u, q_idx_u))
+    p1 = phase1_xla(p1_k_idx, units(k_val.astype(f32)), units(layout.lane_gates(g, dims).astype(f32)),
+                    p1_q_idx, units(q_val.astype(f32)), p1_slots)
     beta_u = units(beta.astype(f32))
     minv = solve_xla(p1.A, beta_u)
     bank = layout.batch_banks(bank, dims)
     y, final = chunk_loop_xla(bank.reshape(dims.P, dims.K, dims.D), k_idx_u, q_idx_u, units(v.astype(f32)),
-                              beta_u, p1, minv)
+                              beta_u, p1, minv, packed)
     return (layout.from_units(y, dims).astype(bank.dtype), final.reshape(dims.B, dims.H, dims.K, dims.D),
             jnp.sum(p1.repeats))
 
@@ -106,7 +112,7 @@ def _count_repeats(k_idx, num_slots):
 
 
 def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=64, impl="auto", check=False,
-                   return_repeats=False):
+                   return_repeats=False, segment_ids=None):
     """Sparse Delta Memory: write then read a sparse per-head memory bank at every token (SPEC 1.1).
 
     Args:
@@ -124,6 +130,9 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
         out-of-range id is ignored: it reads zeros and touches no row.
       return_repeats: also return the number of write lanes that repeated a slot of an earlier lane of the same
         token (such a slot decays once; SPEC 1.1).
+      segment_ids: `[B, T]` ints for packed sequences: a token whose id differs from the previous token's starts
+        a new sequence from `bank`; a negative id marks padding (the token does nothing and reads zeros). The
+        final bank is the bank after each row's last non-padding token. `impl="xla"` and `"reference"` only.
 
     Returns:
       `(y, final_bank)`: readings `[B, T, H, D]` and the bank after the last token `[B, H, K, D]`, in the bank's
@@ -134,12 +143,23 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
     bank, k_idx, k_val, v, beta, g, q_idx, q_val = map(jnp.asarray, (bank, k_idx, k_val, v, beta, g, q_idx, q_val))
     dims = layout.validate(bank, k_idx, k_val, v, beta, g, q_idx, q_val, chunk_size,
                            allow_float64=impl in ("xla", "reference"))
+    seg = None
+    if segment_ids is not None:
+        segment_ids = jnp.asarray(segment_ids)
+        segments.validate(segment_ids, dims.B, dims.T)
+        if impl in ("auto", "ffi"):
+            raise NotImplementedError(f"sdm_write_read: `segment_ids` (packed sequences) has no kernels yet "
+                                      f"(impl={impl!r}); use impl='xla' (the chunked form in pure JAX) or "
+                                      "impl='reference' (the token loop)")
+        seg, pad = segments.segment_numbers(segment_ids)
+        k_idx, q_idx = segments.drop_padding(k_idx, pad), segments.drop_padding(q_idx, pad)
     if check:
         _check_inputs(dims.K, k_idx, q_idx, (bank, k_val, v, beta, g, q_val))
     if impl == "reference":
-        y, final = sdm_reference(bank, k_idx, k_val, v, beta, g, q_idx, q_val)
+        y, final = sdm_reference(bank, k_idx, k_val, v, beta, g, q_idx, q_val, segment_ids=segment_ids)
         repeats = _count_repeats(k_idx, dims.K) if return_repeats else None
+    elif impl == "xla":
+        y, final, repeats = _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, seg)
     else:
-        run = _sdm_xla if impl == "xla" else _sdm_ffi
-        y, final, repeats = run(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
+        y, final, repeats = _sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
     return (y, final, repeats) if return_repeats else (y, final)
