@@ -272,3 +272,26 @@ def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, sna
     return call(bank, dbank, dy.astype(f32), k_idx.astype(jnp.int32), q_idx.astype(jnp.int32),
                 v.astype(f32), beta.astype(f32), p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.A, p1.QK, p1.w_order,
                 p1.w_group, p1.r_order, p1.r_group, minv, delta, G, snapshot)[:10]
+
+
+def decode_step_ffi(bank, k_idx, k_val, x, v, beta, q_idx, q_val):
+    """One token of every stream on the kernels, the bank updated in place (docs/DESIGN.md "Decode step").
+
+    Args:
+      bank: `[..., K, D]` float32 or bfloat16 (aliased to the returned bank: donate it to avoid a copy).
+      k_idx, k_val: `[..., W]` write slot ids (cast to int32) and weights (the bank's dtype).
+      x: `[...]` per-token or `[..., W]` per-write log-gates (cast to float32).
+      v: `[..., D]` values; beta: `[...]` write strengths (cast to float32).
+      q_idx, q_val: `[..., R]` read slot ids and weights.
+
+    Returns:
+      `(new_bank, y)`: the bank after the token and the readings `[..., D]`, in the bank's dtype.
+    """
+    f32, i32 = jnp.float32, jnp.int32
+    call = jax.ffi.ffi_call(
+        "sdm_decode_step",
+        (jax.ShapeDtypeStruct(bank.shape, bank.dtype), jax.ShapeDtypeStruct(v.shape, bank.dtype)),
+        vmap_method="broadcast_all",
+        input_output_aliases={0: 0},
+    )
+    return call(bank, k_idx.astype(i32), k_val, x.astype(f32), v, beta.astype(f32), q_idx.astype(i32), q_val)

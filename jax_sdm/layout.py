@@ -36,64 +36,80 @@ class Dims(NamedTuple):
         return -(-self.T // self.C)
 
 
-def _shape_error(name, a, want):
-    return ValueError(f"sdm_write_read: `{name}` has shape {tuple(a.shape)}, expected {want}")
+def _shape_error(op, name, a, want):
+    return ValueError(f"{op}: `{name}` has shape {tuple(a.shape)}, expected {want}")
 
 
-def _dtype_error(name, a, want):
-    return TypeError(f"sdm_write_read: `{name}` has dtype {jnp.dtype(a.dtype).name}, expected {want}")
+def _dtype_error(op, name, a, want):
+    return TypeError(f"{op}: `{name}` has dtype {jnp.dtype(a.dtype).name}, expected {want}")
 
 
-def validate(bank, k_idx, k_val, v, beta, g, q_idx, q_val, chunk_size, allow_float64=False):
-    """Check every argument's rank, shape and dtype; return the problem's `Dims`."""
+def validate(bank, k_idx, k_val, v, beta, g, q_idx, q_val, chunk_size, allow_float64=False, op="sdm_write_read",
+             step=False):
+    """Check every argument's rank, shape and dtype; return the problem's `Dims`.
+
+    With `step=True` (one token: `sdm_step`) the per-token arrays have no time axis (`[B, H, ...]`); the `Dims`
+    then have `T = C = 1`. `op` names the function in the error messages.
+    """
     if not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool):
-        raise TypeError(f"sdm_write_read: `chunk_size` must be a Python int, got {type(chunk_size).__name__}")
+        raise TypeError(f"{op}: `chunk_size` must be a Python int, got {type(chunk_size).__name__}")
     if not 1 <= chunk_size <= MAX_CHUNK:
-        raise ValueError(f"sdm_write_read: `chunk_size` must be in 1..{MAX_CHUNK}, got {chunk_size}")
+        raise ValueError(f"{op}: `chunk_size` must be in 1..{MAX_CHUNK}, got {chunk_size}")
+    shape_error = functools.partial(_shape_error, op)
+    dtype_error = functools.partial(_dtype_error, op)
 
     bank_dtypes = BANK_DTYPES + ((jnp.float64,) if allow_float64 else ())
     if jnp.dtype(bank.dtype) not in [jnp.dtype(d) for d in bank_dtypes]:
         names = " or ".join(jnp.dtype(d).name for d in bank_dtypes)
-        raise _dtype_error("bank", bank, names)
-    if k_idx.ndim != 4:
-        raise _shape_error("k_idx", k_idx, "[B, T, H, W] (rank 4)")
-    B, T, H, W = k_idx.shape
+        raise dtype_error("bank", bank, names)
+    # The per-token shapes: `[B, T, H, ...]`, or `[B, H, ...]` for one token.
+    lead_names = ("B", "H") if step else ("B", "T", "H")
+    if k_idx.ndim != len(lead_names) + 1:
+        raise shape_error("k_idx", k_idx, f"[{', '.join(lead_names)}, W] (rank {len(lead_names) + 1})")
+    lead, W = tuple(k_idx.shape[:-1]), k_idx.shape[-1]
+    (B, H), T = (lead, 1) if step else ((lead[0], lead[2]), lead[1])
+
+    def expected(*rest):  # a per-token shape as text; `rest`: trailing (name, size) pairs, size None if free
+        names = ", ".join(lead_names + tuple(n for n, _ in rest))
+        sizes = ", ".join(str(x) for x in lead + tuple(n if x is None else x for n, x in rest))
+        return f"[{names}] = [{sizes}]"
+
     if bank.ndim == 4:
         if bank.shape[:2] != (B, H):
-            raise _shape_error("bank", bank, f"[B, H, K, D] = [{B}, {H}, K, D] or a shared [H, K, D] bank")
+            raise shape_error("bank", bank, f"[B, H, K, D] = [{B}, {H}, K, D] or a shared [H, K, D] bank")
     elif bank.ndim == 3:
         if bank.shape[0] != H:
-            raise _shape_error("bank", bank, f"[H, K, D] = [{H}, K, D] or [B, H, K, D]")
+            raise shape_error("bank", bank, f"[H, K, D] = [{H}, K, D] or [B, H, K, D]")
     else:
-        raise _shape_error("bank", bank, "[B, H, K, D] or [H, K, D] (rank 4 or 3)")
+        raise shape_error("bank", bank, "[B, H, K, D] or [H, K, D] (rank 4 or 3)")
     K, D = bank.shape[-2:]
-    if q_idx.ndim != 4 or q_idx.shape[:3] != (B, T, H):
-        raise _shape_error("q_idx", q_idx, f"[B, T, H, R] = [{B}, {T}, {H}, R]")
-    R = q_idx.shape[3]
+    if q_idx.ndim != len(lead) + 1 or tuple(q_idx.shape[:-1]) != lead:
+        raise shape_error("q_idx", q_idx, expected(("R", None)))
+    R = q_idx.shape[-1]
     for name, n in (("k_idx", W), ("q_idx", R)):
         if not 0 <= n <= MAX_LANES:
             lanes = "W" if name == "k_idx" else "R"
-            raise ValueError(f"sdm_write_read: `{name}` has {lanes} = {n} lanes, expected 0..{MAX_LANES}")
+            raise ValueError(f"{op}: `{name}` has {lanes} = {n} lanes, expected 0..{MAX_LANES}")
     for name, a in (("k_idx", k_idx), ("q_idx", q_idx)):
         if not jnp.issubdtype(a.dtype, jnp.integer):
-            raise _dtype_error(name, a, "an integer type (int32 preferred)")
-    for name, a, want in (("k_val", k_val, (B, T, H, W)), ("q_val", q_val, (B, T, H, R)), ("v", v, (B, T, H, D))):
+            raise dtype_error(name, a, "an integer type (int32 preferred)")
+    for name, a, want in (("k_val", k_val, lead + (W,)), ("q_val", q_val, lead + (R,)), ("v", v, lead + (D,))):
         if tuple(a.shape) != want:
-            raise _shape_error(name, a, list(want))
+            raise shape_error(name, a, list(want))
         if a.dtype != bank.dtype:
-            raise _dtype_error(name, a, f"the bank's dtype {jnp.dtype(bank.dtype).name}")
+            raise dtype_error(name, a, f"the bank's dtype {jnp.dtype(bank.dtype).name}")
     gate_dtypes = [jnp.dtype(jnp.float32)] + ([jnp.dtype(jnp.float64)] if bank.dtype == jnp.float64 else [])
-    if tuple(beta.shape) != (B, T, H):
-        raise _shape_error("beta", beta, [B, T, H])
-    if tuple(g.shape) == (B, T, H):
+    if tuple(beta.shape) != lead:
+        raise shape_error("beta", beta, list(lead))
+    if tuple(g.shape) == lead:
         per_write = False
-    elif tuple(g.shape) == (B, T, H, W):
+    elif tuple(g.shape) == lead + (W,):
         per_write = True
     else:
-        raise _shape_error("g", g, f"[B, T, H] = [{B}, {T}, {H}] (per token) or [B, T, H, W] = [{B}, {T}, {H}, {W}] (per write)")
+        raise shape_error("g", g, f"{expected()} (per token) or {expected(('W', W))} (per write)")
     for name, a in (("beta", beta), ("g", g)):
         if jnp.dtype(a.dtype) not in gate_dtypes:
-            raise _dtype_error(name, a, " or ".join(d.name for d in gate_dtypes))
+            raise dtype_error(name, a, " or ".join(d.name for d in gate_dtypes))
     return Dims(B, T, H, K, D, W, R, int(chunk_size), per_write, bank.ndim == 3)
 
 

@@ -4,32 +4,39 @@ pure JAX (`xla.py`) or the token loop (`reference.py`)."""
 import jax
 import jax.numpy as jnp
 
-from . import kernel_path, layout
+from . import kernel_path, layout, segments
 from .reference import sdm_reference
 from .xla import chunk_loop_xla, phase1_xla, solve_xla
 
 IMPLS = ("auto", "ffi", "xla", "reference")
 
 
-def _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
-    """The chunked form in pure JAX (SPEC 1.2), in kernel layout."""
+def _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, seg=None):
+    """The chunked form in pure JAX (SPEC 1.2), in kernel layout; `seg`: the tokens' segment counters of packed
+    sequences (`segments.segment_numbers`, padding already dropped), or None."""
     f32 = jnp.promote_types(bank.dtype, jnp.float32)
     units = lambda a, fill=0: layout.to_units(a, dims, fill)
     k_idx_u = units(k_idx.astype(jnp.int32), -1)
     q_idx_u = units(q_idx.astype(jnp.int32), -1)
-    p1 = phase1_xla(k_idx_u, units(k_val.astype(f32)), units(layout.lane_gates(g, dims).astype(f32)),
-                    q_idx_u, units(q_val.astype(f32)), dims.K)
+    packed, p1_k_idx, p1_q_idx, p1_slots = None, k_idx_u, q_idx_u, dims.K
+    if seg is not None:  # Phase 1 sees each segment of a chunk on its own slots
+        packed = segments.chunk_segments(seg, dims, layout.to_units)
+        p1_slots = segments.checked_virtual_slot_count(dims)
+        p1_k_idx, p1_q_idx = (segments.virtual_slots(a, packed[1], dims.K) for a in (k_idx_u, q_idx_u))
+    p1 = phase1_xla(p1_k_idx, units(k_val.astype(f32)), units(layout.lane_gates(g, dims).astype(f32)),
+                    p1_q_idx, units(q_val.astype(f32)), p1_slots)
     beta_u = units(beta.astype(f32))
     minv = solve_xla(p1.A, beta_u)
     bank = layout.batch_banks(bank, dims)
     y, final = chunk_loop_xla(bank.reshape(dims.P, dims.K, dims.D), k_idx_u, q_idx_u, units(v.astype(f32)),
-                              beta_u, p1, minv)
+                              beta_u, p1, minv, packed)
     return (layout.from_units(y, dims).astype(bank.dtype), final.reshape(dims.B, dims.H, dims.K, dims.D),
             jnp.sum(p1.repeats))
 
 
-def _check_inputs(num_slots, k_idx, q_idx, floats):
-    """Runtime check (`check=True`): raise for slot ids outside `[0, K)`, non-finite inputs and gates `g > 0`."""
+def _check_inputs(num_slots, k_idx, q_idx, floats, op="sdm_write_read"):
+    """Runtime check (`check=True`): raise for slot ids outside `[0, K)`, non-finite inputs (`floats`, in the
+    order of `CHECKED_FLOATS`) and gates `g > 0`; `op` names the function in the message."""
     def raise_if_bad(k_out, q_out, nonfinite, positive_gates):
         problems = [f"{int(n)} {name} outside [0, K={num_slots})"
                     for n, name in ((k_out, "write slot ids (k_idx)"), (q_out, "read slot ids (q_idx)")) if n]
@@ -37,7 +44,7 @@ def _check_inputs(num_slots, k_idx, q_idx, floats):
         if positive_gates:
             problems.append(f"{int(positive_gates)} gates `g` > 0 (the domain is g <= 0, a decay)")
         if problems:
-            raise ValueError("sdm_write_read(check=True): " + "; ".join(problems))
+            raise ValueError(f"{op}(check=True): " + "; ".join(problems))
 
     out_of_range = lambda idx: jnp.sum(~layout.in_range(idx, num_slots, jnp))
     nonfinite = jnp.stack([~jnp.all(jnp.isfinite(a)) for a in floats])
@@ -58,7 +65,7 @@ def _count_repeats(k_idx, num_slots):
 
 
 def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=64, impl="auto", check=False,
-                   return_repeats=False, bank_grad_dtype=None):
+                   return_repeats=False, segment_ids=None, bank_grad_dtype=None):
     """Sparse Delta Memory: write then read a sparse per-head memory bank at every token (SPEC 1.1).
 
     Args:
@@ -81,6 +88,9 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
         there.
       return_repeats: also return the number of write lanes that repeated a slot of an earlier lane of the same
         token (such a slot decays once; SPEC 1.1).
+      segment_ids: `[B, T]` ints for packed sequences: a token whose id differs from the previous token's starts
+        a new sequence from `bank`; a negative id marks padding (the token does nothing and reads zeros). The
+        final bank is the bank after each row's last non-padding token. `impl="xla"` and `"reference"` only.
       bank_grad_dtype: the dtype in which the kernels' backward (`impl="ffi"`) keeps the gradient of the bank
         between chunks: None (the default) for the bank's dtype, or `jnp.float32`. Inside each chunk step the
         arithmetic is float32 either way; a bfloat16 working gradient is rounded once per row a step writes. For
@@ -106,6 +116,16 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
     if bank_grad_dtype is not None and jnp.dtype(bank_grad_dtype) not in (jnp.dtype(jnp.float32), bank.dtype):
         raise ValueError(f"sdm_write_read: `bank_grad_dtype` must be None, float32 or the bank's dtype "
                          f"({bank.dtype}), got {jnp.dtype(bank_grad_dtype)}")
+    seg = None
+    if segment_ids is not None:
+        segment_ids = jnp.asarray(segment_ids)
+        segments.validate(segment_ids, dims.B, dims.T)
+        if impl in ("auto", "ffi"):
+            raise NotImplementedError(f"sdm_write_read: `segment_ids` (packed sequences) has no kernels yet "
+                                      f"(impl={impl!r}); use impl='xla' (the chunked form in pure JAX) or "
+                                      "impl='reference' (the token loop)")
+        seg, pad = segments.segment_numbers(segment_ids)
+        k_idx, q_idx = segments.drop_padding(k_idx, pad), segments.drop_padding(q_idx, pad)
     if check:
         _check_inputs(dims.K, k_idx, q_idx, (bank, k_val, v, beta, g, q_val))
     if layout.is_empty(dims):
@@ -114,12 +134,10 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
     k_idx, q_idx = layout.slot_ids(k_idx, dims.K), layout.slot_ids(q_idx, dims.K)
     k_idx, k_val, g, q_idx, q_val, dims = layout.one_lane_if_none(k_idx, k_val, g, q_idx, q_val, dims)
     if impl == "reference":
-        y, final = sdm_reference(bank, k_idx, k_val, v, beta, g, q_idx, q_val)
+        y, final = sdm_reference(bank, k_idx, k_val, v, beta, g, q_idx, q_val, segment_ids=segment_ids)
         repeats = _count_repeats(k_idx, dims.K) if return_repeats else None
+    elif impl == "xla":
+        y, final, repeats = _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, seg)
     else:
-        if impl == "xla":
-            y, final, repeats = _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
-        else:
-            y, final, repeats = kernel_path.sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims,
-                                                    bank_grad_dtype)
+        y, final, repeats = kernel_path.sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, bank_grad_dtype)
     return (y, final, repeats) if return_repeats else (y, final)

@@ -202,3 +202,16 @@ def phase1_gates(rng, N, C, W, gate="lane"):
     else:
         raise ValueError(f"unknown gate kind {gate!r}")
     return x.astype(np.float32)
+
+
+def entry_ops_of_shape(hlo, shape):
+    """The ops (`copy`, `custom-call`, ...) of a compiled module's entry computation (`.compile().as_text()`) whose
+    result has `shape`, whatever its dtype: the buffers of that shape it materialises. Ops inside fusions are not
+    listed (an elementwise op over a whole array that feeds a gather in a fusion runs for the gathered elements
+    only)."""
+    import re
+
+    entry = hlo[hlo.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    dims = re.escape("[" + ",".join(map(str, shape)) + "]")
+    return re.findall(rf"= [a-z0-9]+{dims}\S* ([\w-]+)\(", entry)

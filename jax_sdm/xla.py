@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import segments
+
 _NO_SLOT = jnp.iinfo(jnp.int32).max  # sort key of invalid entries: after every real slot
 # Cap on the [C*(W+R), C] arrays of Phase 1's pair sums held at once (elements).
 _PAIR_BUDGET = 1 << 23
@@ -168,13 +170,18 @@ def _gather_rows(bank, idx, dtype):
     return jax.vmap(lambda b, i: b.at[i].get(mode="fill", fill_value=0))(bank, idx).astype(dtype)
 
 
-def _write_groups(bank, k_idx, p1, delta):
-    """Decay-and-write of one chunk: each written row once, `cpe * S0[s] + sum_e w[e] delta[t_e]` (SPEC 1.2)."""
+def _write_groups(bank, k_idx, p1, delta, packed=None):
+    """Decay-and-write of one chunk: each written row once, `cpe * S0[s] + sum_e w[e] delta[t_e]` (SPEC 1.2).
+
+    With `packed = (initial, stamp, seg0, local)` (packed sequences, jax_sdm/segments.py) a group's `S0[s]` is the
+    row at the start of its token's segment, and only the groups of the chunk's last segment are stored (the
+    chunk's earlier segments are over), stamping their rows; it returns `(bank, stamp)` then.
+    """
     P, C, W = k_idx.shape
     E = C * W
     K = bank.shape[1]
 
-    def one_stream(bank_p, k_idx_p, w_p, cpe_p, order, group, delta_p):
+    def one_stream(bank_p, k_idx_p, w_p, cpe_p, order, group, delta_p, packed_p):
         contrib = (w_p[:, :, None] * delta_p[:, None, :]).reshape(E, -1)
         entry = jnp.maximum(order, 0)
         sorted_contrib = jnp.where((order >= 0)[:, None], contrib[entry], 0)
@@ -186,11 +193,20 @@ def _write_groups(bank, k_idx, p1, delta):
         head = jnp.minimum(first, E - 1)
         head_entry = entry[head]
         slot = jnp.where(sizes > 0, k_idx_p.ravel()[head_entry], K)
-        old = bank_p.at[slot].get(mode="fill", fill_value=0).astype(sums.dtype)
-        new = cpe_p.ravel()[head_entry][:, None] * old + sums
-        return bank_p.at[slot].set(new.astype(bank_p.dtype), mode="drop")
+        if packed_p is None:
+            old = bank_p.at[slot].get(mode="fill", fill_value=0)
+        else:
+            initial_p, stamp_p, seg0_p, local_p = packed_p
+            group_local = local_p[head_entry // W]
+            old = segments.current_rows(bank_p, initial_p, stamp_p, slot, jnp.where(group_local == 0, seg0_p, -2))
+            slot = jnp.where(group_local == jnp.max(local_p), slot, K)
+        new = cpe_p.ravel()[head_entry][:, None] * old.astype(sums.dtype) + sums
+        bank_p = bank_p.at[slot].set(new.astype(bank_p.dtype), mode="drop")
+        if packed_p is None:
+            return bank_p
+        return bank_p, stamp_p.at[slot].set(seg0_p + jnp.max(local_p), mode="drop")
 
-    return jax.vmap(one_stream)(bank, k_idx, p1.w, p1.cpe, p1.w_order, p1.w_group, delta)
+    return jax.vmap(one_stream)(bank, k_idx, p1.w, p1.cpe, p1.w_order, p1.w_group, delta, packed)
 
 
 def _dot(subscripts, a, b):
@@ -199,19 +215,44 @@ def _dot(subscripts, a, b):
     return jnp.einsum(subscripts, a, b, precision=lax.Precision.HIGHEST)
 
 
-def chunk_loop_xla(bank, k_idx, q_idx, v, beta, p1, minv):
+def chunk_loop_xla(bank, k_idx, q_idx, v, beta, p1, minv, packed=None):
     """Phase 2: the chunk steps. Arrays are in kernel layout, `[NC, P, C, ...]`; bank `[P, K, D]`.
 
     Arithmetic in `v`'s dtype (float32, or float64 under x64). Returns `y [NC, P, C, D]` and the final bank.
+    For packed sequences, `packed = (seg0, local, last)` of `segments.chunk_segments` (`p1` then comes from the
+    virtual slot ids of `segments.virtual_slots`): the bank's rows carry stamps, rows are read as of the start of
+    each token's segment, and the final bank is that of each stream's last segment (jax_sdm/segments.py).
     """
-    def step(bank, chunk):
-        k_idx_c, q_idx_c, v_c, beta_c, p1_c, minv_c = chunk
-        G = _dot("pcw,pcwd->pcd", p1_c.k_eff, _gather_rows(bank, k_idx_c, v_c.dtype))
-        Q0 = _dot("pcr,pcrd->pcd", p1_c.q_w, _gather_rows(bank, q_idx_c, v_c.dtype))
+    K = bank.shape[1]
+
+    def gather(bank, idx, dtype, rows_of_segment):
+        if rows_of_segment is None:
+            return _gather_rows(bank, idx, dtype)
+        return rows_of_segment(jnp.where((idx >= 0) & (idx < K), idx, K)).astype(dtype)
+
+    def step(carry, chunk):
+        k_idx_c, q_idx_c, v_c, beta_c, p1_c, minv_c, packed_c = chunk
+        if packed_c is None:
+            bank, rows_of_segment = carry, None
+        else:
+            bank, initial, stamp = carry
+            seg0_c, local_c = packed_c
+            current = jnp.where(local_c == 0, seg0_c[:, None], -2)[..., None]  # [P, C, 1]
+            rows_of_segment = lambda rows: jax.vmap(segments.current_rows)(bank, initial, stamp, rows, current)
+        G = _dot("pcw,pcwd->pcd", p1_c.k_eff, gather(bank, k_idx_c, v_c.dtype, rows_of_segment))
+        Q0 = _dot("pcr,pcrd->pcd", p1_c.q_w, gather(bank, q_idx_c, v_c.dtype, rows_of_segment))
         u = beta_c[..., None] * (v_c - G)
         delta = _dot("pij,pjd->pid", minv_c, u)
         y = Q0 + _dot("pij,pjd->pid", p1_c.QK, delta)
-        return _write_groups(bank, k_idx_c, p1_c, delta), y
+        if packed_c is None:
+            return _write_groups(bank, k_idx_c, p1_c, delta), y
+        bank, stamp = _write_groups(bank, k_idx_c, p1_c, delta, (initial, stamp, seg0_c, local_c))
+        return (bank, initial, stamp), y
 
-    bank, y = lax.scan(step, bank, (k_idx, q_idx, v, beta, p1, minv))
-    return y, bank
+    if packed is None:
+        bank, y = lax.scan(step, bank, (k_idx, q_idx, v, beta, p1, minv, None))
+        return y, bank
+    seg0, local, last = packed
+    carry = (bank, bank, jnp.zeros(bank.shape[:2], jnp.int32))
+    (final, initial, stamp), y = lax.scan(step, carry, (k_idx, q_idx, v, beta, p1, minv, (seg0, local)))
+    return y, segments.final_bank(final, initial, stamp, last)
