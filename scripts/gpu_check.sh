@@ -44,7 +44,7 @@ run_pytest() {  # name, then pytest arguments
 
 if has tests; then
   run_pytest gpu_tests "$REPO"/tests/test_gpu_*.py "$REPO"/tests/test_ffi_op.py "$REPO"/tests/test_oracles.py \
-    "$REPO"/tests/test_reference.py "$REPO"/tests/test_layout.py
+    "$REPO"/tests/test_grad_bank.py "$REPO"/tests/test_step.py "$REPO"/tests/test_numerics.py ${GPU_TEST_EXTRA:-}
 fi
 if has determinism; then
   # Three processes must agree bit for bit: command buffers (CUDA graphs) on, on again, and off.
@@ -58,16 +58,22 @@ if has bench; then
   for shape in ${BENCH_SHAPES:-small mid flagship}; do
     for chunk in ${BENCH_CHUNKS:-64 128}; do
       timeout 300 python3 "$REPO/benchmarks/bench.py" --impls ffi --shape "$shape" --chunk "$chunk" --detail \
-        --repeats 20 ${BENCH_ARGS:-} >> "$OUT/bench.log" 2>&1
+        --repeats ${BENCH_REPEATS:-20} ${BENCH_ARGS:-} >> "$OUT/bench.log" 2>&1
       summary "bench $shape rc=$?: $(grep "^| ffi" "$OUT/bench.log" | tail -1)"
     done
   done
+  # The decode step: wall time per donated step against K.
+  timeout 300 python3 "$REPO/benchmarks/bench_decode.py" --impls ffi > "$OUT/bench_decode.log" 2>&1
+  summary "bench_decode rc=$?"
+  grep "^|" "$OUT/bench_decode.log" | tee -a "$OUT/summary.txt"
 fi
 if has profile; then
   # Per-kernel times of one jitted forward + backward (every kernel, ours and XLA's), then the wall times of the
   # same step at each chunk size. PROFILE_SHAPES: the shapes (default flagship).
   for shape in ${PROFILE_SHAPES:-flagship}; do
     for chunk in ${PROFILE_CHUNKS:-64}; do
+      # XLA must not preallocate (the profiler needs device memory) nor autotune (its kernels would be profiled too).
+      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 \
       timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes.sum --csv \
         python3 "$REPO/scripts/profile_steps.py" "$shape" "$chunk" > "$OUT/ncu_${shape}_$chunk.csv" 2> "$OUT/ncu_err.log"
       summary "profile $shape C$chunk rc=$?"

@@ -14,7 +14,8 @@ for r in rows[1:]:
     except ValueError:
         continue
     launch = per_launch[r[col["ID"]]]
-    launch["name"] = r[col["Kernel Name"]].split("(")[0].split("<")[0]
+    name = r[col["Kernel Name"]].replace("(anonymous namespace)::", "").replace("void ", "")
+    launch["name"] = name.split("(")[0].split("<")[0]
     launch[r[col["Metric Name"]]] = value
 time_ns = collections.defaultdict(float)
 dram = collections.defaultdict(float)
