@@ -3,6 +3,7 @@ pure JAX (`xla.py`) or the token loop (`reference.py`)."""
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 
 from . import kernel_path, layout
 from .reference import sdm_reference
@@ -11,17 +12,20 @@ from .xla import chunk_loop_xla, phase1_xla, solve_xla
 IMPLS = ("auto", "ffi", "xla", "reference")
 
 
+DIFFERENTIABLE = layout.differentiable_ordered_broadcast  # the pure-JAX path serves every transformation
+
+
 def _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
     """The chunked form in pure JAX (SPEC 1.2), in kernel layout."""
     f32 = jnp.promote_types(bank.dtype, jnp.float32)
     units = lambda a, fill=0: layout.to_units(a, dims, fill)
     k_idx_u = units(k_idx.astype(jnp.int32), -1)
     q_idx_u = units(q_idx.astype(jnp.int32), -1)
-    p1 = phase1_xla(k_idx_u, units(k_val.astype(f32)), units(layout.lane_gates(g, dims).astype(f32)),
+    p1 = phase1_xla(k_idx_u, units(k_val.astype(f32)), units(layout.lane_gates(g, dims, DIFFERENTIABLE).astype(f32)),
                     q_idx_u, units(q_val.astype(f32)), dims.K)
     beta_u = units(beta.astype(f32))
     minv = solve_xla(p1.A, beta_u)
-    bank = layout.batch_banks(bank, dims)
+    bank = layout.batch_banks(bank, dims, DIFFERENTIABLE)
     y, final = chunk_loop_xla(bank.reshape(dims.P, dims.K, dims.D), k_idx_u, q_idx_u, units(v.astype(f32)),
                               beta_u, p1, minv)
     return (layout.from_units(y, dims).astype(bank.dtype), final.reshape(dims.B, dims.H, dims.K, dims.D),
@@ -29,17 +33,19 @@ def _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
 
 
 def _check_inputs(num_slots, k_idx, q_idx, floats):
-    """Runtime check (`check=True`): raise for slot ids outside `[0, K)` and non-finite inputs."""
-    def raise_if_bad(k_out, q_out, nonfinite):
-        problems = [f"{int(n)} {name} outside [0, K={num_slots})"
-                    for n, name in ((k_out, "write slot ids (k_idx)"), (q_out, "read slot ids (q_idx)")) if n]
-        problems += [f"non-finite values in `{name}`" for name, bad in zip(CHECKED_FLOATS, nonfinite) if bad]
-        if problems:
-            raise ValueError("sdm_write_read(check=True): " + "; ".join(problems))
+    """The run-time checks of `check=True`: slot ids outside `[0, K)` and non-finite inputs.
 
+    Each is a `jax.experimental.checkify.check`: run eagerly it raises `checkify.JaxRuntimeError` (a `ValueError`);
+    under `checkify.checkify(f)` the first failing one is the returned error (`err.get()` is its message,
+    `err.throw()` raises it). Staged (`jit`, `scan`, ...) without `checkify`, JAX refuses to compile it.
+    """
     out_of_range = lambda idx: jnp.sum((idx < 0) | (idx >= num_slots))
-    nonfinite = jnp.stack([~jnp.all(jnp.isfinite(a)) for a in floats])
-    jax.debug.callback(raise_if_bad, out_of_range(k_idx), out_of_range(q_idx), nonfinite)
+    problems = [(out_of_range(k_idx), f"write slot ids (k_idx) outside [0, K={num_slots})"),
+                (out_of_range(q_idx), f"read slot ids (q_idx) outside [0, K={num_slots})")]
+    problems += [(jnp.sum(~jnp.isfinite(a)), f"non-finite values in `{name}`")
+                 for name, a in zip(CHECKED_FLOATS, floats)]
+    for count, what in problems:
+        checkify.check(count == 0, "sdm_write_read(check=True): {count} " + what, count=count)
 
 
 CHECKED_FLOATS = ("bank", "k_val", "v", "beta", "g", "q_val")
@@ -68,8 +74,10 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
       chunk_size: tokens per chunk of the chunked form (changes results only by rounding).
       impl: "auto" | "ffi" | "xla" | "reference". "auto" and "ffi" run the FFI kernels (C++ on CPU, CUDA on
         GPU), "xla" the chunked form in pure JAX, "reference" the token loop.
-      check: also check the data at run time: slot ids outside `[0, K)` or non-finite inputs raise an error
-        (a `ValueError` raised from a host callback, surfacing as a runtime error under `jit`). Without it an
+      check: also check the data at run time: slot ids outside `[0, K)` and non-finite inputs are errors,
+        reported through `jax.experimental.checkify`: wrap the (jitted) function in `checkify.checkify` to get
+        them as an error value (`err.throw()` raises `checkify.JaxRuntimeError`, a `ValueError`); run eagerly they
+        raise that directly. Under `jit` without `checkify` JAX refuses to compile the checks. Without `check` an
         out-of-range id is ignored: it reads zeros and touches no row.
       return_repeats: also return the number of write lanes that repeated a slot of an earlier lane of the same
         token (such a slot decays once; SPEC 1.1).
