@@ -11,10 +11,10 @@
   runs out of memory as "OOM" (the token loop's gradient keeps a bank per token). Any other error is printed to
   stderr, shown as "error" in the table, and makes the exit status 1.
 
-Inputs come from `jax_sdm.testing.random_problem` (the input recipe of SPEC 6). Shapes `small`, `mid` and
-`flagship` are the SPEC 6 anchors (one stream per batch element, H=1 and B=P; bfloat16 bank; chunk 64): for them
-the table adds our time divided by the reference PyTorch package's time on one H200 (no-grad forward for "fwd",
-forward + backward for "fwd+bwd"); below 1 is faster than the package.
+Inputs come from `jax_sdm.testing.random_problem` (distinct write slots per token, l2-normalised weights).
+Shapes `small`, `mid` and `flagship` are the GPU anchor shapes (one stream per batch element, H=1 and B=P; bfloat16
+bank; chunk 64): for them the table adds our time divided by the reference PyTorch package's time on one H200 (no-grad
+forward for "fwd", forward + backward for "fwd+bwd"); below 1 is faster than the package.
 """
 import argparse
 import datetime
@@ -46,7 +46,8 @@ SHAPES = {
     "flagship": dict(B=4, H=1, T=4096, K=65536, D=1024, W=64, R=64, chunk=64, dtype="bfloat16"),
 }
 
-# SPEC 6: the reference PyTorch package on one H200, bfloat16 bank, chunk 64 (ms).
+# The anchors: the reference PyTorch package (sparse-delta-memory 2.0.0) on one H200, bfloat16 bank, chunk 64
+# (ms).
 ANCHORS = {
     "small": dict(nograd_fwd=2.79, fwd=2.59, bwd=4.06),
     "mid": dict(nograd_fwd=2.64, fwd=3.08, bwd=5.13),
@@ -107,7 +108,7 @@ def measure(label, fn, args, repeats):
 
 def detail_row(impl, name, shape, args, dy, dbank, repeats):
     """The GPU table's row: no-grad forward, training forward (the VJP's forward, saving residuals), backward
-    (applying the VJP), peak device memory, the forward's bank bandwidth and the ratios to SPEC 6's anchors."""
+    (applying the VJP), peak device memory, the forward's bank bandwidth and the ratios to the anchors."""
     chunk = shape["chunk"]
     floats = [args[i] for i in FLOAT_ARGS]
     rest = {i: a for i, a in enumerate(args) if i not in FLOAT_ARGS}
@@ -200,7 +201,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--detail", action="store_true",
                         help="the GPU table instead: no-grad fwd, training fwd, bwd, peak memory, bank bandwidth "
-                             "(bytes: (3W + R) * D per token and stream), ratios to the SPEC 6 anchors; run one "
+                             "(bytes: (3W + R) * D per token and stream), ratios to the anchors; run one "
                              "shape per process for a meaningful peak")
     opts = parser.parse_args(argv)
 
@@ -259,7 +260,7 @@ def main(argv=None):
     for name in shapes:
         if name in ANCHORS:
             a = ANCHORS[name]
-            print(f"- anchor {name} (SPEC 6, reference PyTorch package, one H200): no-grad fwd {a['nograd_fwd']} ms, "
+            print(f"- anchor {name} (reference PyTorch package, one H200): no-grad fwd {a['nograd_fwd']} ms, "
                   f"fwd+bwd {a['fwd'] + a['bwd']:.2f} ms")
     return 1 if failed else 0
 

@@ -1,6 +1,6 @@
 """Argument checking (at trace time) and the public <-> kernel layout transforms.
 
-Public layout: `[B, T, H, ...]` (SPEC 2). Kernel layout: time-major units, `[NC, P, C, ...]` with `P = B*H`
+Public layout: `[B, T, H, ...]` (README "API"). Kernel layout: time-major units, `[NC, P, C, ...]` with `P = B*H`
 streams and `NC = ceil(T / C)` chunks (docs/DESIGN.md).
 """
 import functools

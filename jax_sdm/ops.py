@@ -16,7 +16,7 @@ DIFFERENTIABLE = layout.differentiable_ordered_broadcast  # the pure-JAX path se
 
 
 def _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
-    """The chunked form in pure JAX (SPEC 1.2), in kernel layout."""
+    """The chunked form in pure JAX (docs/MATH.md "Chunked form"), in kernel layout."""
     f32 = jnp.promote_types(bank.dtype, jnp.float32)
     units = lambda a, fill=0: layout.to_units(a, dims, fill)
     k_idx_u = units(k_idx.astype(jnp.int32), -1)
@@ -62,7 +62,7 @@ def _count_repeats(k_idx, num_slots):
 
 def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=64, impl="auto", check=False,
                    return_repeats=False):
-    """Sparse Delta Memory: write then read a sparse per-head memory bank at every token (SPEC 1.1).
+    """Sparse Delta Memory: write then read a sparse per-head memory bank at every token (docs/MATH.md).
 
     Args:
       bank: `[B, H, K, D]` (or `[H, K, D]` shared by the batch), float32 or bfloat16.
@@ -80,7 +80,7 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
         raise that directly. Under `jit` without `checkify` JAX refuses to compile the checks. Without `check` an
         out-of-range id is ignored: it reads zeros and touches no row.
       return_repeats: also return the number of write lanes that repeated a slot of an earlier lane of the same
-        token (such a slot decays once; SPEC 1.1).
+        token (such a slot decays once; docs/MATH.md).
 
     Returns:
       `(y, final_bank)`: readings `[B, T, H, D]` and the bank after the last token `[B, H, K, D]`, in the bank's

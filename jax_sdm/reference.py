@@ -1,4 +1,4 @@
-"""The token recurrence of SPEC 1.1: the oracle every other path is tested against.
+"""The token recurrence (docs/MATH.md "Token recurrence"): the oracle every other path is tested against.
 
 One `lax.scan` step per token and stream. Deliberately plain: no chunking, no sorting, no kernels.
 """
@@ -35,7 +35,7 @@ def _token_step(num_slots):
 
 
 def sdm_reference(bank, k_idx, k_val, v, beta, g, q_idx, q_val):
-    """Token-loop SDM in the public layout (SPEC 2); returns `(y, final_bank)`.
+    """Token-loop SDM in the public layout (`[B, T, H, ...]`, README "API"); returns `(y, final_bank)`.
 
     Arithmetic runs in the bank's dtype promoted to at least float32 (float64 under `jax_enable_x64` with a
     float64 bank); `y` and `final_bank` come back in the bank's dtype.

@@ -53,7 +53,7 @@ if has determinism; then
   XLA_FLAGS=--xla_gpu_enable_command_buffer= run_pytest determinism_no_cmdbuf "$REPO"/tests/test_gpu_determinism.py
 fi
 if has bench; then
-  # The SPEC 6 anchors, one process each (the peak memory is per process).
+  # The GPU anchor shapes (benchmarks/bench.py SHAPES), one process each (the peak memory is per process).
   for shape in ${BENCH_SHAPES:-small mid flagship}; do
     timeout 300 python3 "$REPO/benchmarks/bench.py" --impls ffi --shape "$shape" --detail --repeats 20 \
       ${BENCH_ARGS:-} >> "$OUT/bench.log" 2>&1

@@ -177,7 +177,7 @@ def test_ffi_rejects_float64_bank():
 
 
 def test_ffi_large_bank():
-    """2^20 + 3 slots per stream (SPEC 5 / the GPU issue's large-K case): row offsets past 2^22 elements, ids at
+    """2^20 + 3 slots per stream (docs/MATH.md "Limits"): row offsets past 2^22 elements, ids at
     the top of the range."""
     K = 2**20 + 3
     args = random_problem(17, B=1, T=40, H=2, K=K, D=4, W=3, R=2, distinct=False)
