@@ -190,8 +190,9 @@ def differentiable_ordered_broadcast(a, copies, axis):
     """`ordered_broadcast` for the pure-JAX paths: also forward mode and higher orders (a JVP rule, not a VJP).
 
     The tangent is `copies` stacked copies rather than a broadcast, so its transpose (the gradient) is a chain of
-    adds, one per copy, in index order and in at least float32, as `ordered_broadcast`'s. (Under a sharded `jit`
-    XLA may move the copies between devices with collective-permutes, which `ordered_broadcast` avoids.)
+    adds, one per copy, in at least float32, like `ordered_broadcast`'s: in an order fixed by JAX's transpose (index
+    order with current jax), never an XLA reduction. (Under a sharded `jit` XLA may move the copies between devices
+    with collective-permutes, which `ordered_broadcast` avoids.)
     """
     return _broadcast(a, copies, axis)
 
