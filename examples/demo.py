@@ -1,10 +1,10 @@
-"""Quickstart demo: one SDM recurrence on the best available device, timed and checked against the token loop.
+"""The README's demo: one SDM recurrence on the best available device, timed and checked against the token loop.
 
     python examples/demo.py
 
 Runs `sdm_write_read` with `impl="auto"` (the compiled kernels). When this build has no kernels for the op yet,
 `auto` raises `NotImplementedError`; the demo then says so and uses `impl="xla"` (the pure-JAX chunked form).
-The same inputs also go through `impl="reference"` (the token loop of SPEC 1.1), and the demo prints how closely
+The same inputs also go through `impl="reference"` (the token loop of docs/MATH.md), and the demo prints how closely
 the two agree. Takes well under a minute on a small CPU.
 """
 import statistics

@@ -1,12 +1,17 @@
-"""jax_sdm: Sparse Delta Memory for JAX (SPEC 1): a gated delta-rule memory with sparse keys."""
+"""jax_sdm: Sparse Delta Memory for JAX: a gated delta-rule memory with sparse keys (docs/MATH.md)."""
 import importlib
+from importlib import metadata as _metadata
 
 from .ops import sdm_write_read
 from .reference import sdm_reference
 from .step import sdm_step
 
 __all__ = ["sdm_write_read", "sdm_step", "sdm_reference"]
-__version__ = "0.1.0"
+
+try:  # one version number: pyproject.toml's, read from the installed package's metadata
+    __version__ = _metadata.version("jax_sdm")
+except _metadata.PackageNotFoundError:  # a source tree that is not installed
+    __version__ = "0+unknown"
 
 # Submodules with optional dependencies, imported on first access (`jax_sdm.nn` needs flax).
 _LAZY_SUBMODULES = ("nn",)

@@ -40,7 +40,7 @@ KERNEL_TARGETS = ("sdm_phase1", "sdm_solve", "sdm_forward", "sdm_backward", "sdm
 
 
 def _require_kernels():
-    """Raise before any work if this backend lacks one of the kernels (no silent fallback, SPEC 2)."""
+    """Raise before any work if this backend lacks one of the kernels (no silent fallback)."""
     platform = jax.default_backend()
     missing = [t for t in KERNEL_TARGETS if not lowering.is_registered(t, platform)]
     if missing:

@@ -1,6 +1,6 @@
 """Argument checking (at trace time) and the public <-> kernel layout transforms.
 
-Public layout: `[B, T, H, ...]` (SPEC 2). Kernel layout: time-major units, `[NC, P, C, ...]` with `P = B*H`
+Public layout: `[B, T, H, ...]` (README "API"). Kernel layout: time-major units, `[NC, P, C, ...]` with `P = B*H`
 streams and `NC = ceil(T / C)` chunks (docs/DESIGN.md).
 """
 import functools
@@ -199,37 +199,72 @@ def stream_arguments(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
             units(q_idx.astype(jnp.int32), -1), units(q_val.astype(f32)))
 
 
-def batch_banks(bank, dims):
-    """The bank per batch element, `[B, H, K, D]` (a shared `[H, K, D]` bank is broadcast over the batch)."""
+def batch_banks(bank, dims, broadcast=None):
+    """The bank per batch element, `[B, H, K, D]` (a shared `[H, K, D]` bank is broadcast over the batch).
+
+    `broadcast`: `ordered_broadcast` (the default) or `differentiable_ordered_broadcast`."""
     if dims.shared_bank:
-        return ordered_broadcast(bank, dims.B, 0)
+        return (broadcast or ordered_broadcast)(bank, dims.B, 0)
     return bank
 
 
-def lane_gates(g, dims):
-    """Gates per write lane, `[B, T, H, W]` (a per-token gate is broadcast over the lanes)."""
+def lane_gates(g, dims, broadcast=None):
+    """Gates per write lane, `[B, T, H, W]` (a per-token gate is broadcast over the lanes; `broadcast` as for
+    `batch_banks`)."""
     if dims.per_write_gates:
         return g
-    return ordered_broadcast(g, dims.W, g.ndim)
+    return (broadcast or ordered_broadcast)(g, dims.W, g.ndim)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _broadcast(a, copies, axis):
+    return jnp.broadcast_to(jnp.expand_dims(a, axis), a.shape[:axis] + (copies,) + a.shape[axis:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def ordered_broadcast(a, copies, axis):
     """`a` repeated `copies` times along a new axis at `axis`; its gradient sums the copies in index order.
 
     The transpose JAX would use is an XLA reduction, whose summation order the GPU compiler may choose differently
     from one compilation to the next (seen as last-bit differences of the gate gradient between processes); a
     chain of elementwise adds has one order (docs/MATH.md, "Determinism"). The sum is kept in at least float32.
+    Reverse mode only (the kernel path); `differentiable_ordered_broadcast` serves every transformation.
     """
-    return jnp.broadcast_to(jnp.expand_dims(a, axis), a.shape[:axis] + (copies,) + a.shape[axis:])
+    return _broadcast(a, copies, axis)
 
 
-@ordered_broadcast.defjvp
-def _ordered_broadcast_jvp(copies, axis, primals, tangents):
-    """The tangent is `copies` stacked copies rather than a broadcast: its transpose (the gradient) is then a chain
-    of adds, one per copy, in a fixed order. A JVP rule (not a VJP) keeps forward mode and higher orders working."""
+def _ordered_broadcast_fwd(a, copies, axis):
+    return ordered_broadcast(a, copies, axis), None
+
+
+def _ordered_broadcast_bwd(copies, axis, _, ct):
+    if copies == 0:
+        return (jnp.zeros(ct.shape[:axis] + ct.shape[axis + 1:], ct.dtype),)
+    acc = jnp.promote_types(ct.dtype, jnp.float32)
+    total = jnp.take(ct, 0, axis).astype(acc)
+    for n in range(1, copies):
+        total = total + jnp.take(ct, n, axis).astype(acc)
+    return (total.astype(ct.dtype),)
+
+
+ordered_broadcast.defvjp(_ordered_broadcast_fwd, _ordered_broadcast_bwd)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def differentiable_ordered_broadcast(a, copies, axis):
+    """`ordered_broadcast` for the pure-JAX paths: also forward mode and higher orders (a JVP rule, not a VJP).
+
+    The tangent is `copies` stacked copies rather than a broadcast, so its transpose (the gradient) is a chain of
+    adds, one per copy, in at least float32, like `ordered_broadcast`'s: in an order fixed by JAX's transpose (index
+    order with current jax), never an XLA reduction. (Under a sharded `jit` XLA may move the copies between devices
+    with collective-permutes, which `ordered_broadcast` avoids.)
+    """
+    return _broadcast(a, copies, axis)
+
+
+@differentiable_ordered_broadcast.defjvp
+def _differentiable_ordered_broadcast_jvp(copies, axis, primals, tangents):
     (a,), (t,) = primals, tangents
-    out = ordered_broadcast(a, copies, axis)
+    out = differentiable_ordered_broadcast(a, copies, axis)
     if copies == 0:
         return out, jnp.zeros(out.shape, t.dtype)
     wide = t.astype(jnp.promote_types(t.dtype, jnp.float32))

@@ -3,6 +3,7 @@ pure JAX (`xla.py`) or the token loop (`reference.py`)."""
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 
 from . import kernel_path, layout, segments
 from .reference import sdm_reference
@@ -11,9 +12,12 @@ from .xla import chunk_loop_xla, phase1_xla, solve_xla
 IMPLS = ("auto", "ffi", "xla", "reference")
 
 
+DIFFERENTIABLE = layout.differentiable_ordered_broadcast  # the pure-JAX path serves every transformation
+
+
 def _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, seg=None):
-    """The chunked form in pure JAX (SPEC 1.2), in kernel layout; `seg`: the tokens' segment counters of packed
-    sequences (`segments.segment_numbers`, padding already dropped), or None."""
+    """The chunked form in pure JAX (docs/MATH.md "Chunked form"), in kernel layout; `seg`: the tokens' segment
+    counters of packed sequences (`segments.segment_numbers`, padding already dropped), or None."""
     f32 = jnp.promote_types(bank.dtype, jnp.float32)
     units = lambda a, fill=0: layout.to_units(a, dims, fill)
     k_idx_u = units(k_idx.astype(jnp.int32), -1)
@@ -23,11 +27,11 @@ def _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, seg=None):
         packed = segments.chunk_segments(seg, dims, layout.to_units)
         p1_slots = segments.checked_virtual_slot_count(dims)
         p1_k_idx, p1_q_idx = (segments.virtual_slots(a, packed[1], dims.K) for a in (k_idx_u, q_idx_u))
-    p1 = phase1_xla(p1_k_idx, units(k_val.astype(f32)), units(layout.lane_gates(g, dims).astype(f32)),
+    p1 = phase1_xla(p1_k_idx, units(k_val.astype(f32)), units(layout.lane_gates(g, dims, DIFFERENTIABLE).astype(f32)),
                     p1_q_idx, units(q_val.astype(f32)), p1_slots)
     beta_u = units(beta.astype(f32))
     minv = solve_xla(p1.A, beta_u)
-    bank = layout.batch_banks(bank, dims)
+    bank = layout.batch_banks(bank, dims, DIFFERENTIABLE)
     y, final = chunk_loop_xla(bank.reshape(dims.P, dims.K, dims.D), k_idx_u, q_idx_u, units(v.astype(f32)),
                               beta_u, p1, minv, packed)
     return (layout.from_units(y, dims).astype(bank.dtype), final.reshape(dims.B, dims.H, dims.K, dims.D),
@@ -35,21 +39,21 @@ def _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, seg=None):
 
 
 def _check_inputs(num_slots, k_idx, q_idx, floats, op="sdm_write_read"):
-    """Runtime check (`check=True`): raise for slot ids outside `[0, K)`, non-finite inputs (`floats`, in the
-    order of `CHECKED_FLOATS`) and gates `g > 0`; `op` names the function in the message."""
-    def raise_if_bad(k_out, q_out, nonfinite, positive_gates):
-        problems = [f"{int(n)} {name} outside [0, K={num_slots})"
-                    for n, name in ((k_out, "write slot ids (k_idx)"), (q_out, "read slot ids (q_idx)")) if n]
-        problems += [f"non-finite values in `{name}`" for name, bad in zip(CHECKED_FLOATS, nonfinite) if bad]
-        if positive_gates:
-            problems.append(f"{int(positive_gates)} gates `g` > 0 (the domain is g <= 0, a decay)")
-        if problems:
-            raise ValueError(f"{op}(check=True): " + "; ".join(problems))
+    """The run-time checks of `check=True`: slot ids outside `[0, K)`, non-finite inputs (`floats`, in the order of
+    `CHECKED_FLOATS`) and gates `g > 0`; `op` names the function in the messages.
 
+    Each is a `jax.experimental.checkify.check`: run eagerly it raises `checkify.JaxRuntimeError` (a `ValueError`);
+    under `checkify.checkify(f)` the first failing one is the returned error (`err.get()` is its message,
+    `err.throw()` raises it). Staged (`jit`, `scan`, ...) without `checkify`, JAX refuses to compile it.
+    """
     out_of_range = lambda idx: jnp.sum(~layout.in_range(idx, num_slots, jnp))
-    nonfinite = jnp.stack([~jnp.all(jnp.isfinite(a)) for a in floats])
-    positive_gates = jnp.sum(floats[CHECKED_FLOATS.index("g")] > 0)
-    jax.debug.callback(raise_if_bad, out_of_range(k_idx), out_of_range(q_idx), nonfinite, positive_gates)
+    problems = [(out_of_range(k_idx), f"write slot ids (k_idx) outside [0, K={num_slots})"),
+                (out_of_range(q_idx), f"read slot ids (q_idx) outside [0, K={num_slots})")]
+    problems += [(jnp.sum(~jnp.isfinite(a)), f"non-finite values in `{name}`")
+                 for name, a in zip(CHECKED_FLOATS, floats)]
+    problems.append((jnp.sum(floats[CHECKED_FLOATS.index("g")] > 0), "gates `g` > 0 (the domain is g <= 0, a decay)"))
+    for count, what in problems:
+        checkify.check(count == 0, f"{op}(check=True): {{count}} " + what, count=count)
 
 
 CHECKED_FLOATS = ("bank", "k_val", "v", "beta", "g", "q_val")
@@ -66,7 +70,7 @@ def _count_repeats(k_idx, num_slots):
 
 def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=64, impl="auto", check=False,
                    return_repeats=False, segment_ids=None, bank_grad_dtype=None):
-    """Sparse Delta Memory: write then read a sparse per-head memory bank at every token (SPEC 1.1).
+    """Sparse Delta Memory: write then read a sparse per-head memory bank at every token (docs/MATH.md).
 
     Args:
       bank: `[B, H, K, D]` (or `[H, K, D]` shared by the batch), float32 or bfloat16.
@@ -81,13 +85,14 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
       chunk_size: tokens per chunk of the chunked form (changes results only by rounding).
       impl: "auto" | "ffi" | "xla" | "reference". "auto" and "ffi" run the FFI kernels (C++ on CPU, CUDA on
         GPU), "xla" the chunked form in pure JAX, "reference" the token loop.
-      check: also check the data at run time: slot ids outside `[0, K)`, non-finite inputs or gates `g > 0`
-        raise an error (a `ValueError` raised from a host callback, surfacing as a runtime error under `jit`).
-        Without it an out-of-range id, of any integer type, is ignored: it reads zeros and touches no row; and
-        a non-finite input gives unspecified values in the streams (batch element x head) it enters, and only
-        there.
+      check: also check the data at run time: slot ids outside `[0, K)`, non-finite inputs and gates `g > 0` are
+        errors, reported through `jax.experimental.checkify`: wrap the (jitted) function in `checkify.checkify` to
+        get them as an error value (`err.throw()` raises `checkify.JaxRuntimeError`, a `ValueError`); run eagerly
+        they raise that directly. Under `jit` without `checkify` JAX refuses to compile the checks. Without `check`
+        an out-of-range id, of any integer type, is ignored: it reads zeros and touches no row; and a non-finite
+        input gives unspecified values in the streams (batch element x head) it enters, and only there.
       return_repeats: also return the number of write lanes that repeated a slot of an earlier lane of the same
-        token (such a slot decays once; SPEC 1.1).
+        token (such a slot decays once; docs/MATH.md).
       segment_ids: `[B, T]` ints for packed sequences: a token whose id differs from the previous token's starts
         a new sequence from `bank`; a negative id marks padding (the token does nothing and reads zeros). The
         final bank is the bank after each row's last non-padding token. `impl="xla"` and `"reference"` only.

@@ -1,4 +1,4 @@
-"""The token recurrence of SPEC 1.1: the oracle every other path is tested against.
+"""The token recurrence (docs/MATH.md "Token recurrence"): the oracle every other path is tested against.
 
 One `lax.scan` step per token and stream. Deliberately plain: no chunking, no sorting, no kernels.
 """

@@ -1,4 +1,4 @@
-"""Random problems for tests, benchmarks and demos (the input recipe of SPEC 6, plus harder variants)."""
+"""Random problems for tests, benchmarks and demos (the benchmarks' input recipe, plus harder variants)."""
 import numpy as np
 
 
@@ -6,7 +6,7 @@ def random_problem(seed, B=2, T=50, H=2, K=64, D=16, W=4, R=3, *, dtype=np.float
                    shared_bank=False, distinct=True, repeats=False):
     """A dict of `sdm_write_read` arguments as NumPy arrays.
 
-    `distinct=True` follows SPEC 6: the slots of a token are `a + n*b mod K` with random `a` and odd `b`
+    `distinct=True` is the benchmarks' recipe: the slots of a token are `a + n*b mod K` with random `a` and odd `b`
     (distinct within the token when `K` is a power of two and the lanes are at most `K`). Otherwise slots are
     drawn uniformly (collisions across tokens; with `repeats=True` also repeats within a token).
     Weights are l2-normalised random, `v` standard normal, `beta = sigmoid(randn)`,
@@ -54,7 +54,7 @@ def random_problem(seed, B=2, T=50, H=2, K=64, D=16, W=4, R=3, *, dtype=np.float
 
 
 def golden_problem(npz):
-    """Convert a golden file of the reference package (`shared/golden/README.md`) to `sdm_write_read` layout.
+    """Convert a golden file of the reference package (`tests/data/golden_*.npz`) to `sdm_write_read` layout.
 
     Returns `(args, expected)`: the op's arguments (`B = P` streams, `H = 1`) and a dict with `y`, `final_bank`,
     `dy` (the cotangent applied to `y`) and the gradients `grad_<argument>` in the same layout.

@@ -1,4 +1,4 @@
-"""The chunked form of SPEC 1.2/1.3 in pure JAX (`impl="xla"`).
+"""The chunked form of docs/MATH.md ("Chunked form", "Phase 1") in pure JAX (`impl="xla"`).
 
 `phase1_xla` and `solve_xla` compute, for every (chunk, stream) unit at once, the same arrays as the `phase1` and
 `solve` kernels (docs/DESIGN.md); `chunk_loop_xla` runs the bank-dependent chunk steps with `lax.scan`.
@@ -211,7 +211,7 @@ def _write_groups(bank, k_idx, p1, delta, packed=None):
 
 def _dot(subscripts, a, b):
     """A float32 contraction at full precision: the GPU's default for float32 dots is TF32 (about 1e-3 relative),
-    far outside SPEC 4's 1e-5."""
+    far outside the 1e-5 accuracy bar (docs/MATH.md "Determinism and numerics")."""
     return jnp.einsum(subscripts, a, b, precision=lax.Precision.HIGHEST)
 
 

@@ -1,5 +1,5 @@
 // bfloat16 storage for the CPU kernels: bank rows are read into float32 and rounded back once per
-// written row (SPEC 4), round-to-nearest-even like XLA's convert.
+// written row (docs/MATH.md "Determinism and numerics"), round-to-nearest-even like XLA's convert.
 #ifndef JAX_SDM_KERNELS_BF16_H_
 #define JAX_SDM_KERNELS_BF16_H_
 

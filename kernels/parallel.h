@@ -1,7 +1,7 @@
 // Split independent work items over a few CPU threads in contiguous blocks.
 //
 // Each item is computed by exactly one thread in a fixed order, so results never depend on the
-// split (determinism, SPEC 4); threads only shorten the wall time.
+// split (determinism, docs/MATH.md "Determinism and numerics"); threads only shorten the wall time.
 #ifndef JAX_SDM_KERNELS_PARALLEL_H_
 #define JAX_SDM_KERNELS_PARALLEL_H_
 

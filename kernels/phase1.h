@@ -1,4 +1,4 @@
-// Phase 1 of the chunked SDM forward (docs/DESIGN.md "Phase 1", SPEC 1.2 / 1.3).
+// Phase 1 of the chunked SDM forward (docs/DESIGN.md "Phase 1"; docs/MATH.md "Chunked form", "Phase 1").
 //
 // Plain C++ on raw, contiguous (row-major) arrays: no XLA types. One *unit* is one
 // chunk of one stream; units are independent. Shapes (all row-major):

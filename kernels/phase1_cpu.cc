@@ -5,7 +5,7 @@
 //  1. Every valid write entry (t, n) and read entry (t, m) gets the 64-bit key
 //     (slot << 32) | seq with seq = t * (W + R) + lane, where write lanes are 0..W-1
 //     and read lanes W..W+R-1. The keys are unique, so std::sort orders the entries
-//     exactly by (slot, token, write-before-read, lane): the stable order of SPEC 1.3.
+//     exactly by (slot, token, write-before-read, lane): the stable order of docs/MATH.md "Phase 1".
 //  2. A *group* is the run of sorted entries of one slot. In the group:
 //     - a write entry whose predecessor is a write of the same token is a repeat
 //       (same slot, same token, later lane): its gate is 0;

@@ -1,4 +1,5 @@
-// Phase 1 and its backward on the GPU (docs/DESIGN.md "Phase 1", "Phase-1 backward"; SPEC 1.3, 1.4). The same
+// Phase 1 and its backward on the GPU (docs/DESIGN.md "Phase 1", "Phase-1 backward"; docs/MATH.md "Phase 1",
+// "Backward of a chunk"). The same
 // arrays as kernels/phase1_cpu.cc, the same sums in the same order where it matters (segmented scans, run sums,
 // the per-run pair gradients), so the two agree to float32 rounding (exp may differ in the last bit, and the
 // cells of A / QK add their per-slot terms in another order).
@@ -7,7 +8,7 @@
 //  1. Every entry e in [0, E), E = C * (W + R), with e = t * (W + R) + lane (write lanes 0..W-1, read lanes
 //     W..W+R-1), gets the key (slot << 32) | e, slot 0x7fffffff for an invalid entry (it sorts after every valid
 //     one); the keys are padded to the next power of two with ~0 and sorted by a bitonic sort. The keys are
-//     unique, so the order is (slot, token, write-before-read, lane): the stable order of SPEC 1.3, and the
+//     unique, so the order is (slot, token, write-before-read, lane): the stable order of MATH.md "Phase 1", and the
 //     sorted position of an entry is found again by a binary search for its key.
 //  2. A *run* is a maximal block of sorted entries of one (slot, token, kind). A write run is a first occurrence
 //     (its head) followed by the repeats of that slot in that token; log_k is constant over it, and so is log_q

@@ -1,10 +1,11 @@
-// The bank-dependent chunk steps (SPEC 1.2 "Phase 2" and SPEC 1.4), plain C++ / CUDA on raw pointers.
+// The bank-dependent chunk steps (docs/MATH.md "Chunked form" and "Backward of a chunk"), plain C++ / CUDA on
+// raw pointers.
 //
 // Layout (docs/DESIGN.md): per-token arrays are [V, NC, P, C, ...] (V independent problems, e.g. from vmap,
 // NC chunks, P streams), the unit (v, c, p) at index (v*NC + c)*P + p; the bank is [V, P, K, D], the rows of
 // stream (v, p) at (v*P + p)*K. A chunk step depends on the previous chunk through the bank only, so chunks run
 // in order and the V*P streams of one chunk in parallel. Every bank row, gradient row and output cell has one
-// writer, and each sum runs in a fixed order: results are bitwise reproducible (SPEC 4).
+// writer, and each sum runs in a fixed order: results are bitwise reproducible (docs/MATH.md "Determinism").
 #ifndef JAX_SDM_KERNELS_STEPS_H_
 #define JAX_SDM_KERNELS_STEPS_H_
 

@@ -1,5 +1,6 @@
 // CPU chunk steps: the forward (gather, dense products, decay-and-write with snapshot) and the backward
-// (GWR gather, dense adjoint, Phase A, read side) of SPEC 1.2 and 1.4. See steps.h for the layout.
+// (GWR gather, dense adjoint, Phase A, read side) of docs/MATH.md ("Chunked form", "Backward of a
+// chunk"). See steps.h for the layout.
 //
 // Streams are independent through every chunk, so each thread takes whole streams and runs their chunks in
 // order; every value is computed by one thread in a fixed order, whatever the split.

@@ -1,6 +1,6 @@
-// CUDA chunk steps (SPEC 1.2 "Phase 2", SPEC 1.4): the math of steps_cpu.cc laid out for the GPU. The host
-// loops over the chunks and enqueues, per chunk, a few maximally parallel kernels on the caller's stream
-// (SPEC 7: one program per token, slot group or column slice):
+// CUDA chunk steps (docs/MATH.md "Chunked form", "Backward of a chunk"): the math of steps_cpu.cc laid out for
+// the GPU. The host loops over the chunks and enqueues, per chunk, a few maximally parallel kernels on the
+// caller's stream (one program per token, slot group or column slice):
 //
 //   forward   gather (stream, token): G and Q0 rows, 16-byte loads     -> workspace / G residual
 //             solve  (stream, 32-column slice): u, delta = Minv u, y = Q0 + QK delta

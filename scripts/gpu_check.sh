@@ -54,7 +54,7 @@ if has determinism; then
   XLA_FLAGS=--xla_gpu_enable_command_buffer= run_pytest determinism_no_cmdbuf "$REPO"/tests/test_gpu_determinism.py
 fi
 if has bench; then
-  # The SPEC 6 anchors, one process each (the peak memory is per process).
+  # The GPU anchor shapes (benchmarks/bench.py SHAPES), one process each (the peak memory is per process).
   for shape in ${BENCH_SHAPES:-small mid flagship}; do
     for chunk in ${BENCH_CHUNKS:-64 128}; do
       timeout 300 python3 "$REPO/benchmarks/bench.py" --impls ffi --shape "$shape" --chunk "$chunk" --detail \

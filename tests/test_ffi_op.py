@@ -2,6 +2,7 @@
 import functools
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -135,20 +136,37 @@ def test_repeats_are_counted(impl):
     assert int(repeats) == expected
 
 
-@pytest.mark.parametrize("impl", ["ffi", "xla"])
-def test_check_mode_raises_on_bad_data(impl):
+@pytest.mark.parametrize("impl", ["ffi", "xla", "reference"])
+def test_check_mode_reports_bad_data_through_checkify(impl):
+    """`check=True`: under `checkify.checkify` of a jitted function an error value with the message (and
+    `err.throw()` a `ValueError`); eagerly a `ValueError` at once; jitted without `checkify`, no compiled program."""
+    from jax.experimental import checkify
+
     args = random_problem(10, T=12, K=8, W=3, R=2, distinct=False)
-    op = jax.jit(lambda a: sdm_write_read(**a, chunk_size=4, impl=impl, check=True))
-    jax.block_until_ready(op(args))  # good data passes
-    bad_ids = dict(args, k_idx=np.where(np.arange(3) == 1, 8, args["k_idx"]).astype(np.int32))
-    with pytest.raises(Exception, match=r"write slot ids \(k_idx\) outside \[0, K=8\)"):
-        jax.block_until_ready(op(bad_ids))
-    bad_q = dict(args, q_idx=np.full_like(args["q_idx"], -1))
-    with pytest.raises(Exception, match=r"read slot ids \(q_idx\) outside"):
-        jax.block_until_ready(op(bad_q))
-    nan_v = dict(args, v=np.where(np.arange(16) == 3, np.nan, args["v"]).astype(np.float32))
-    with pytest.raises(Exception, match="non-finite values in `v`"):
-        jax.block_until_ready(op(nan_v))
+    f = lambda a: sdm_write_read(**a, chunk_size=4, impl=impl, check=True)
+    checked = jax.jit(checkify.checkify(f))
+    err, (y, _) = checked(args)
+    assert err.get() is None  # good data passes
+    np.testing.assert_array_equal(y, jax.jit(lambda a: sdm_write_read(**a, chunk_size=4, impl=impl))(args)[0])
+    lanes = np.arange(3) == 1
+    cases = {
+        r"sdm_write_read\(check=True\): 48 write slot ids \(k_idx\) outside \[0, K=8\)":
+            dict(args, k_idx=np.where(lanes, 8, args["k_idx"]).astype(np.int32)),
+        r"sdm_write_read\(check=True\): 96 read slot ids \(q_idx\) outside \[0, K=8\)":
+            dict(args, q_idx=np.full_like(args["q_idx"], -1)),
+        r"sdm_write_read\(check=True\): 48 non-finite values in `v`":
+            dict(args, v=np.where(np.arange(16) == 3, np.nan, args["v"]).astype(np.float32)),
+    }
+    for message, bad in cases.items():
+        err, _ = checked(bad)
+        assert err.get() is not None and re.search(message, err.get()), err.get()
+        with pytest.raises(ValueError, match=message):
+            err.throw()
+    message, bad = next(iter(cases.items()))
+    with pytest.raises(ValueError, match=message):  # eagerly
+        f(bad)
+    with pytest.raises(ValueError, match="checkify"):  # jitted without checkify: refused before it runs
+        jax.jit(f)(args)
 
 
 def test_ffi_rejects_float64_bank():
@@ -159,7 +177,7 @@ def test_ffi_rejects_float64_bank():
 
 
 def test_ffi_large_bank():
-    """2^20 + 3 slots per stream (SPEC 5 / the GPU issue's large-K case): row offsets past 2^22 elements, ids at
+    """2^20 + 3 slots per stream (docs/MATH.md "Limits"): row offsets past 2^22 elements, ids at
     the top of the range."""
     K = 2**20 + 3
     args = random_problem(17, B=1, T=40, H=2, K=K, D=4, W=3, R=2, distinct=False)

@@ -1,4 +1,4 @@
-"""`layout.ordered_broadcast`: a broadcast whose gradient sums the copies in one fixed order (SPEC 4)."""
+"""`layout.ordered_broadcast`: a broadcast whose gradient sums the copies in one fixed order (docs/MATH.md, "Determinism")."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,3 +34,22 @@ def test_ordered_broadcast_bfloat16_sums_in_float32():
     exact = np.asarray(ct_bf16, np.float64).sum(0)
     # One rounding to bfloat16 at the end: within half an ulp (2^-8 relative) of the exact sum.
     np.testing.assert_allclose(np.asarray(grad, np.float64), exact, rtol=2.0 ** -8, atol=1e-6)
+
+
+@pytest.mark.parametrize("axis", [0, 2])
+def test_differentiable_ordered_broadcast_same_gradient_and_forward_mode(axis):
+    """The pure-JAX paths' variant: the gradient of `ordered_broadcast` (a chain of adds too, in the order of JAX's
+    transpose, which may differ between jax versions: equal up to rounding), and a JVP (forward mode)."""
+    from jax_sdm.layout import differentiable_ordered_broadcast
+
+    rng = np.random.default_rng(10 + axis)
+    a = jnp.asarray(rng.standard_normal((3, 5)).astype(np.float32))
+    copies = 9
+    out, vjp = jax.vjp(lambda x: differentiable_ordered_broadcast(x, copies, axis), a)
+    want_out, want_vjp = jax.vjp(lambda x: ordered_broadcast(x, copies, axis), a)
+    np.testing.assert_array_equal(out, want_out)
+    ct = jnp.asarray(rng.standard_normal(out.shape).astype(np.float32))
+    np.testing.assert_allclose(jax.jit(vjp)(ct)[0], jax.jit(want_vjp)(ct)[0], rtol=1e-6, atol=1e-6)
+    t = jnp.asarray(rng.standard_normal(a.shape).astype(np.float32))
+    _, tangent = jax.jvp(lambda x: differentiable_ordered_broadcast(x, copies, axis), (a,), (t,))
+    np.testing.assert_array_equal(tangent, np.broadcast_to(np.expand_dims(t, axis), out.shape))

@@ -16,7 +16,7 @@ xla_op = functools.partial(sdm_write_read, impl="xla")
 def test_xla_bfloat16_bank():
     args = random_problem(11, T=48, K=32, D=16, W=4, R=4, distinct=False, dtype=jnp.bfloat16)
     # The reference computes in float32 with a float32 bank; the chunked form rounds each written row to
-    # bfloat16 once per chunk, which is the error the reference package itself shows (SPEC 4: about 4e-3).
+    # bfloat16 once per chunk, which is the error the reference package itself shows (docs/MATH.md: about 4e-3).
     check_against_reference(xla_op, args, 16, 2e-2, 11)
 
 
