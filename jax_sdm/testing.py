@@ -104,6 +104,19 @@ def outputs_and_grads(op, args, dy, dbank=None, **kw):
     return y, final, grads
 
 
+def token_loop64(args, dy, dbank):
+    """`(y, final_bank, grads)` of the token loop in float64 (`outputs_and_grads` of `sdm_write_read` with
+    `impl="reference"` under x64), as NumPy arrays: the oracle for float32 results."""
+    import jax
+
+    from .ops import sdm_write_read
+
+    with jax.enable_x64(True):
+        a64 = {k: (np.asarray(v, np.float64) if np.asarray(v).dtype.kind == "f" else v) for k, v in args.items()}
+        y, final, grads = outputs_and_grads(sdm_write_read, a64, dy, dbank, impl="reference")
+        return np.asarray(y), np.asarray(final), {k: np.asarray(v) for k, v in grads.items()}
+
+
 def out_of_range_case(seed, K=16):
     """A problem with out-of-range slot ids, and its twin where those lanes point at an extra zero row with zero
     weights instead: the twin's row K stays zero, so both must agree on `y` and on the first K rows."""

@@ -153,7 +153,9 @@ def phase1_xla(k_idx, k_val, x, q_idx, q_val, num_slots):
             flat[4].astype(dt)]
     per_unit = C * (W + R) * C
     batch_size = max(1, min(flat[0].shape[0], _PAIR_BUDGET // per_unit))
-    out = lax.map(lambda a: _phase1_unit(*a, num_slots), tuple(flat), batch_size=batch_size)
+    # Rematerialised in the backward: autodiff keeps only each unit's inputs, not its [C*(W+R), C] pair arrays.
+    unit = jax.checkpoint(lambda a: _phase1_unit(*a, num_slots))
+    out = lax.map(unit, tuple(flat), batch_size=batch_size)
     return Phase1(*[o.reshape(batch + o.shape[1:]) for o in out])
 
 

@@ -165,6 +165,11 @@ SHARED_CASES = [
     (2, 256, 1, 1, 2, 0.0, 0, "lane"),       # two slots over 256 tokens: long groups
     (1, 16, 256, 256, 64, 0.05, 2, "lane"),
     (2, 7, 3, 3, 1000, 0.0, 0, "lane"),      # sparse: few collisions
+    # gates of -inf, -3e38, -1e30, -1e10 among ordinary ones: exact resets, no NaN (direct range sums)
+    (3, 16, 7, 7, 5, 0.1, 2, "extreme"),
+    (2, 64, 7, 7, 16, 0.1, 5, "extreme"),
+    (2, 256, 1, 1, 2, 0.0, 0, "extreme"),    # long groups
+    (2, 64, 64, 64, 1000, 0.05, 0, "extreme"),
 ]
 
 # Units too large for shared memory: the scratch lives in the workspace result.
@@ -173,6 +178,7 @@ GLOBAL_CASES = [
     (1, 64, 256, 64, 8, 0.05, 0, "lane"),       # collision-heavy, E = 20480
     (1, 256, 256, 256, 4096, 0.02, 3, "lane"),  # C, W, R at the GPU limits: E = 131072
     (130, 64, 256, 7, 1000, 0.05, 0, "lane"),   # more units than workspace slices (128)
+    (2, 256, 64, 64, 4096, 0.02, 3, "extreme"),
 ]
 
 
@@ -247,11 +253,12 @@ def test_gpu_phase1_batch_dims_and_vmap(case):
             assert np.asarray(g).reshape(f.shape).tobytes() == np.asarray(f).tobytes(), name
 
 
-def test_gpu_phase1_bwd_matches_xla_vjp():
-    """The CUDA backward against jax.vjp of the pure-JAX Phase 1 (on the GPU too)."""
+@pytest.mark.parametrize("gate", ["lane", "extreme"])
+def test_gpu_phase1_bwd_matches_xla_vjp(gate):
+    """The CUDA backward against jax.vjp of the pure-JAX Phase 1 (on the GPU too); finite for extreme gates."""
     from jax_sdm.xla import phase1_xla
     N, C, W, R, K = 3, 16, 6, 5, 6
-    args = make_inputs(seed_of("xla-vjp"), N, C, W, R, K, pad_tokens=2)
+    args = make_inputs(seed_of("xla-vjp", gate), N, C, W, R, K, pad_tokens=2, gate=gate)
     k_idx, k_val, x, q_idx, q_val = [jax.device_put(a, gpu()) for a in args]
     cots = [jax.device_put(c, gpu()) for c in make_cotangents(3, N, C, W, R)]
     dk_eff, dw, dcpe, dq_w, dA, dQK = cots
@@ -266,6 +273,7 @@ def test_gpu_phase1_bwd_matches_xla_vjp():
     got = bwd_fn(k_idx, k_val, x, q_idx, q_val, p1[0], p1[1], p1[2], p1[5], *cots, K)
     for name, g, w in zip(BWD_FIELDS, got, want):
         assert list(g.devices())[0].platform == "gpu"
+        assert np.isfinite(np.asarray(g)).all(), name
         err = rel_l2(g, w)
         assert err < RTOL, f"{name}: relative L2 error {err:.3g}"
 

@@ -7,25 +7,27 @@ import numpy as np
 import pytest
 
 from jax_sdm import sdm_write_read
-from jax_sdm.reference import sdm_reference
-from jax_sdm.testing import FLOAT_ARGS, EXTREME_GATES, cotangents, extreme_gates, outputs_and_grads, \
-    random_problem, rel_err
+from jax_sdm.testing import FLOAT_ARGS, cotangents, extreme_gates, outputs_and_grads, random_problem, \
+    rel_err, token_loop64
 
 CHUNKED = ("ffi", "xla")
 TOL = 1e-5
 
 
-def reference64(args, dy, dbank):
-    """Outputs and gradients of the float64 token loop."""
-    with jax.enable_x64(True):
-        a64 = {k: (np.asarray(v, np.float64) if np.asarray(v).dtype.kind == "f" else v) for k, v in args.items()}
-        y, final, grads = outputs_and_grads(sdm_reference, a64, dy, dbank)
-        return np.asarray(y), np.asarray(final), {k: np.asarray(v) for k, v in grads.items()}
+SEED = int(np.random.SeedSequence().entropy % 10_000)  # fresh every session, printed by the failures
+_ORACLE = {}
 
 
-def assert_matches_reference(args, impl, chunk_size, label, seed=0):
-    dy, dbank = cotangents(seed, args)
-    y_ref, final_ref, g_ref = reference64(args, dy, dbank)
+def token_loop64_cached(label, args, seed):
+    """`token_loop64` of a problem, computed once per session for every impl that compares with it."""
+    if label not in _ORACLE:
+        dy, dbank = cotangents(seed, args)
+        _ORACLE[label] = (dy, dbank) + token_loop64(args, dy, dbank)
+    return _ORACLE[label]
+
+
+def assert_matches_reference(args, impl, chunk_size, label, seed=SEED):
+    dy, dbank, y_ref, final_ref, g_ref = token_loop64_cached(label, args, seed)
     y, final, grads = outputs_and_grads(sdm_write_read, args, dy, dbank, impl=impl, chunk_size=chunk_size)
     got = dict(y=y, final_bank=final, **{f"grad_{k}": grads[k] for k in FLOAT_ARGS})
     want = dict(y=y_ref, final_bank=final_ref, **{f"grad_{k}": g_ref[k] for k in FLOAT_ARGS})
@@ -34,7 +36,6 @@ def assert_matches_reference(args, impl, chunk_size, label, seed=0):
         assert np.isfinite(g).all(), f"{label} {impl} C={chunk_size}: non-finite {name}"
         err = rel_err(g, want[name])
         assert err < TOL, f"{label} {impl} C={chunk_size}: {name} relative error {err:.3g}"
-    return got, want
 
 
 def gate_problem(seed, kind, per_write_gates=True):
@@ -50,24 +51,22 @@ def gate_problem(seed, kind, per_write_gates=True):
     return dict(p, g=g.astype(np.float32))
 
 
-GATE_KINDS = [-np.inf, -3e38, -1e30, -1e10, "mixed"]
+# (gate kind, chunk size): extreme gates at chunk starts, inside chunks and across chunks (T = 70).
+GATE_CASES = [(-np.inf, 5), (-np.inf, 64), (-3e38, 16), (-1e30, 16), (-1e10, 64), ("mixed", 7)]
 
 
 @pytest.mark.parametrize("impl", CHUNKED)
-@pytest.mark.parametrize("kind", GATE_KINDS, ids=str)
-def test_extreme_gates_match_token_loop(impl, kind):
+@pytest.mark.parametrize("kind,chunk_size", GATE_CASES, ids=[f"{k}-C{c}" for k, c in GATE_CASES])
+def test_extreme_gates_match_token_loop(impl, kind, chunk_size):
     """Every finite or infinite gate <= 0 gives finite outputs, final bank and gradients equal to the token
-    loop's, at chunk sizes that put the extreme gates at chunk starts, inside chunks and across chunks."""
-    seed = int(np.random.SeedSequence().entropy % 10_000)
-    args = gate_problem(seed, kind)
-    for chunk_size in (5, 16, 64):
-        assert_matches_reference(args, impl, chunk_size, f"g={kind} seed={seed}", seed)
+    loop's."""
+    assert_matches_reference(gate_problem(SEED, kind), impl, chunk_size, f"g={kind} seed={SEED}")
 
 
 @pytest.mark.parametrize("impl", CHUNKED)
 def test_minus_inf_per_token_gate(impl):
-    seed = int(np.random.SeedSequence().entropy % 10_000)
-    assert_matches_reference(gate_problem(seed, -np.inf, per_write_gates=False), impl, 16, f"seed={seed}", seed)
+    args = gate_problem(SEED, -np.inf, per_write_gates=False)
+    assert_matches_reference(args, impl, 16, f"per-token g=-inf seed={SEED}")
 
 
 @pytest.mark.parametrize("impl", ("reference",) + CHUNKED)
@@ -195,10 +194,12 @@ def empty_problem(seed, shared_bank=False, per_write_gates=False, **zero):
                 q_idx=sl(full["q_idx"], B, T, H, R), q_val=sl(full["q_val"], B, T, H, R))
 
 
+EMPTY_CASES = [(dim, False) for dim in sorted(EMPTY)] + [("B", True), ("T", True)]
+
+
 @pytest.mark.parametrize("impl", ("reference",) + CHUNKED)
-@pytest.mark.parametrize("shared_bank", [False, True])
-@pytest.mark.parametrize("dim", sorted(EMPTY))
-def test_empty_dimension(impl, shared_bank, dim):
+@pytest.mark.parametrize("dim,shared_bank", EMPTY_CASES, ids=[f"{d}{'-shared' * s}" for d, s in EMPTY_CASES])
+def test_empty_dimension(impl, dim, shared_bank):
     """No stream, token, slot or column: zero (or empty) readings, the bank unchanged, gradients of the right
     shapes (the bank's is the final bank's cotangent, summed over the batch for a shared bank)."""
     p = empty_problem(1, shared_bank=shared_bank, **EMPTY[dim])
@@ -239,3 +240,33 @@ def test_no_write_or_no_read_lanes(impl, lanes):
         assert grads[k].shape == np.shape(p[k]), k
         if grads[k].shape == grads_f[k].shape:
             np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(grads_f[k]), rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------
+# Non-finite inputs with check=False: contained in their streams
+# ---------------------------------------------------------------------------
+
+NON_FINITE = {
+    "bank": lambda p: p["bank"].__setitem__((0, 1, 2, 0), np.nan),
+    "v": lambda p: p["v"].__setitem__((0, 3, 1, 1), np.inf),
+    "beta": lambda p: p["beta"].__setitem__((1, 4, 1), -np.inf),
+    "g": lambda p: p["g"].__setitem__((0, 5, 0), np.nan),
+}
+
+
+@pytest.mark.parametrize("impl", ("reference",) + CHUNKED)
+@pytest.mark.parametrize("name", sorted(NON_FINITE))
+def test_non_finite_input_stays_in_its_stream(impl, name):
+    """The documented contract: a non-finite input (check=False) leaves the values of its stream (batch element
+    x head) unspecified, and every other stream's readings and bank exactly as without it."""
+    p = random_problem(7, B=2, T=9, H=2, K=6, D=3, W=2, R=2, distinct=False)
+    bad = {k: np.array(v) for k, v in p.items()}
+    NON_FINITE[name](bad)
+    where = np.argwhere(~np.isfinite(bad[name]))[0]
+    b, h = (where[0], where[1]) if name == "bank" else (where[0], where[2])
+    y0, f0 = (np.asarray(a) for a in sdm_write_read(**p, impl=impl, chunk_size=4))
+    y1, f1 = (np.asarray(a) for a in sdm_write_read(**bad, impl=impl, chunk_size=4))
+    other = np.ones((2, 2), bool)
+    other[b, h] = False
+    np.testing.assert_array_equal(y1.transpose(0, 2, 1, 3)[other], y0.transpose(0, 2, 1, 3)[other])
+    np.testing.assert_array_equal(f1[other], f0[other])

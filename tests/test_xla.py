@@ -50,3 +50,17 @@ def test_xla_under_vmap():
     for i in range(2):
         y, final = sdm_reference(**{k: v[i] for k, v in stacked.items()})
         assert rel_err(ys[i], y) < 1e-5 and rel_err(finals[i], final) < 1e-5
+
+
+def test_xla_phase1_memory_grows_with_entries_times_chunk():
+    """Phase 1's pair sums hold O(C * (W + R) * C) elements per unit, not O((C * W)^2): XLA's temporary buffers for
+    a unit of C = 64 tokens, W = 64, R = 32 (6,144 entries) stay under 32 MB (pairwise masks over the 4,096 write
+    entries would take more than 64 MB each)."""
+    from jax_sdm.xla import phase1_xla
+
+    C, W, R, K = 64, 64, 32, 1024
+    i32, f32 = jax.ShapeDtypeStruct((1, C, W), jnp.int32), jax.ShapeDtypeStruct((1, C, W), jnp.float32)
+    r32, rf = jax.ShapeDtypeStruct((1, C, R), jnp.int32), jax.ShapeDtypeStruct((1, C, R), jnp.float32)
+    compiled = jax.jit(phase1_xla, static_argnums=5).lower(i32, f32, f32, r32, rf, K).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < 32 * 2**20, f"{temp / 2**20:.1f} MB"
