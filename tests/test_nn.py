@@ -73,7 +73,7 @@ def _factorisations(n, k):
                 yield (d,) + rest
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(sizes=st.lists(st.integers(1, 7), min_size=2, max_size=3), data=st.data())
 def test_product_key_matches_brute_force(sizes, data):
     """The pruned search returns exactly the top-k of all combined scores, best first."""
@@ -84,9 +84,10 @@ def test_product_key_matches_brute_force(sizes, data):
     factor_scores = [jax.random.normal(key, (3, n)) for key, n in zip(keys, sizes)]
     scores, ids = product_key_slots(factor_scores, k)
 
-    full = sum(s.reshape((3,) + tuple(n if i == f else 1 for i, n in enumerate(sizes)))
+    full = sum(np.asarray(s).reshape((3,) + tuple(n if i == f else 1 for i, n in enumerate(sizes)))
                for f, s in enumerate(factor_scores)).reshape(3, total)
-    want_scores, want_ids = jax.lax.top_k(full, k)
+    want_ids = np.argsort(-full, axis=1, kind="stable")[:, :k]
+    want_scores = np.take_along_axis(full, want_ids, axis=1)
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_allclose(scores, want_scores, rtol=1e-6, atol=1e-6)
 
@@ -158,8 +159,9 @@ def test_layer_matches_its_parts_on_the_token_loop(variant):
 def test_impl_is_passed_through(impl):
     seed = fresh_seed()
     x = inputs(seed + 1)
-    y, bank = layer(seed, impl=impl)(x)
-    y_ffi, bank_ffi = layer(seed, impl="ffi")(x)
+    call = nnx.jit(lambda m, x: m(x))
+    y, bank = call(layer(seed, impl=impl), x)
+    y_ffi, bank_ffi = call(layer(seed, impl="ffi"), x)
     assert rel_err(y, y_ffi) < 1e-5 and rel_err(bank, bank_ffi) < 1e-5
 
 
@@ -184,8 +186,9 @@ def test_state_none_equals_init_state():
     seed = fresh_seed()
     model = layer(seed)
     x = inputs(seed + 1)
-    y0, s0 = model(x)
-    y1, s1 = model(x, state=model.init_state(2))
+    call = nnx.jit(lambda m, x, s: m(x, state=s))
+    y0, s0 = call(model, x, None)
+    y1, s1 = call(model, x, model.init_state(2))
     np.testing.assert_allclose(y1, y0, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(s1, s0, rtol=1e-6, atol=1e-6)
     assert model.init_state(3).shape == (3, 2, 36, 8)
@@ -227,7 +230,7 @@ def test_gradient_reaches_only_selected_slot_keys():
 
 def test_scan_over_layers_and_remat():
     seed = fresh_seed()
-    L = 3
+    L = 2
 
     @nnx.split_rngs(splits=L)
     @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -252,9 +255,10 @@ def test_scan_over_layers_and_remat():
     # The same layers applied one after another.
     graphdef, params = nnx.split(stack)
     h_loop = x
+    call = nnx.jit(lambda m, x: m(x))
     for i in range(L):
         one = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], params))
-        y, state = one(h_loop)
+        y, state = call(one, h_loop)
         np.testing.assert_allclose(state, states[i], rtol=1e-5, atol=1e-6)
         h_loop = h_loop + y
     np.testing.assert_allclose(h, h_loop, rtol=1e-5, atol=1e-6)
@@ -270,8 +274,9 @@ def test_orbax_round_trip(tmp_path):
     seed = fresh_seed()
     model = layer(seed)
     x = inputs(seed + 1)
-    _, state = model(x[:, :6], state=model.init_state(2))
-    y_want, _ = model(x[:, 6:], state=state)
+    call = nnx.jit(lambda m, x, s: m(x, state=s))
+    _, state = call(model, x[:, :6], model.init_state(2))
+    y_want, _ = call(model, x[:, 6:], state)
 
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(tmp_path / "model", nnx.state(model))
@@ -283,7 +288,7 @@ def test_orbax_round_trip(tmp_path):
     state_back = checkpointer.restore(tmp_path / "decode_state", {"bank": jax.ShapeDtypeStruct(state.shape,
                                                                                              state.dtype)})
     np.testing.assert_array_equal(state_back["bank"], state)
-    y, _ = restored(x[:, 6:], state=state_back["bank"])
+    y, _ = call(restored, x[:, 6:], state_back["bank"])
     np.testing.assert_array_equal(y, y_want)
 
 
@@ -306,8 +311,9 @@ def test_segment_ids():
 def test_bfloat16_layer_follows_float32():
     seed = fresh_seed()
     x = inputs(seed + 1)
-    y32, _ = layer(seed)(x)
-    y16, bank16 = layer(seed, dtype=jnp.bfloat16)(x)
+    call = nnx.jit(lambda m, x: m(x))
+    y32, _ = call(layer(seed), x)
+    y16, bank16 = call(layer(seed, dtype=jnp.bfloat16), x)
     assert y16.dtype == jnp.bfloat16 and bank16.dtype == jnp.bfloat16
     assert rel_err(y16, y32) < 5e-2
 
