@@ -11,6 +11,7 @@ accuracy on a larger batch, and the time per decoded token.
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ def main(argv=None):
         import orbax.checkpoint as ocp
 
         params = nnx.state(model, nnx.Param)
-        nnx.update(model, ocp.StandardCheckpointer().restore(args.checkpoint, params))
+        nnx.update(model, ocp.StandardCheckpointer().restore(Path(args.checkpoint).resolve(), params))
         print(f"loaded the parameters from {args.checkpoint}")
     else:
         print(f"no --checkpoint: training for {args.steps} steps first")
@@ -40,7 +41,7 @@ def main(argv=None):
                      seed=args.seed, log=None)
 
     name = lambda t: f"k{t}" if t < task.num_keys else f"v{t - task.num_keys}"
-    tokens, _, _ = task.batch(np.random.default_rng(args.seed + 2), 256)
+    tokens, _, _ = task.batch(np.random.default_rng(args.seed + 2), args.eval_batch)
     answers = np.asarray(recall.decode_answers(model, task, tokens))
     truth = tokens[:, task.prompt_len + 1::2]
     for b in range(min(args.show, len(tokens))):

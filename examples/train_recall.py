@@ -33,6 +33,7 @@ def parser(description=__doc__.split("\n\n")[0]):
     p.add_argument("--slots", type=int, default=64, help="memory slots per head")
     p.add_argument("--addressing", choices=("product_key", "topk"), default="product_key")
     p.add_argument("--impl", choices=("auto", "ffi", "xla", "reference"), default="auto")
+    p.add_argument("--eval-batch", type=int, default=256, help="sequences per evaluation batch (4 batches)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--target", type=float, default=0.95, help="exit with status 1 below this accuracy")
@@ -61,8 +62,8 @@ def main(argv=None):
 
     recall.train(model, task, steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
                  seed=args.seed, log_every=args.log_every, log=log)
-    accuracy = recall.evaluate(model, task)
-    tokens, _, _ = task.batch(np.random.default_rng(args.seed + 1), 256)
+    accuracy = recall.evaluate(model, task, batch_size=args.eval_batch)
+    tokens, _, _ = task.batch(np.random.default_rng(args.seed + 1), args.eval_batch)
     start = time.perf_counter()
     answers = recall.decode_answers(model, task, tokens)
     decode_accuracy = float(np.mean(np.asarray(answers) == tokens[:, task.prompt_len + 1::2]))
