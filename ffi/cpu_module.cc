@@ -10,6 +10,7 @@ extern "C" XLA_FFI_Error* SdmPhase1BwdCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmSolveCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmForwardCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmBackwardCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* SdmDecodeStepCpu(XLA_FFI_CallFrame* call_frame);
 
 NB_MODULE(_sdm_cpu, m) {
   m.doc() = "jax_sdm CPU kernels as XLA FFI handlers (platform 'cpu').";
@@ -22,6 +23,7 @@ NB_MODULE(_sdm_cpu, m) {
         d["sdm_solve"] = nb::capsule(reinterpret_cast<void*>(&SdmSolveCpu));
         d["sdm_forward"] = nb::capsule(reinterpret_cast<void*>(&SdmForwardCpu));
         d["sdm_backward"] = nb::capsule(reinterpret_cast<void*>(&SdmBackwardCpu));
+        d["sdm_decode_step"] = nb::capsule(reinterpret_cast<void*>(&SdmDecodeStepCpu));
         return d;
       },
       "Returns {target name: PyCapsule} for jax.ffi.register_ffi_target(..., "

@@ -10,6 +10,7 @@ extern "C" XLA_FFI_Error* SdmForwardCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmBackwardCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmPhase1Cuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmPhase1BwdCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* SdmDecodeStepCuda(XLA_FFI_CallFrame* call_frame);
 
 NB_MODULE(_sdm_cuda, m) {
   m.doc() = "jax_sdm CUDA kernels as XLA FFI handlers (platform 'CUDA').";
@@ -22,6 +23,7 @@ NB_MODULE(_sdm_cuda, m) {
         d["sdm_backward"] = nb::capsule(reinterpret_cast<void*>(&SdmBackwardCuda));
         d["sdm_phase1"] = nb::capsule(reinterpret_cast<void*>(&SdmPhase1Cuda));
         d["sdm_phase1_bwd"] = nb::capsule(reinterpret_cast<void*>(&SdmPhase1BwdCuda));
+        d["sdm_decode_step"] = nb::capsule(reinterpret_cast<void*>(&SdmDecodeStepCuda));
         return d;
       },
       "Returns {target name: PyCapsule} for jax.ffi.register_ffi_target(..., "

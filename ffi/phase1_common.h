@@ -53,12 +53,12 @@ inline ffi::Error ReadPhase1Dims(const char* op, const S32& k_idx, const S32& q_
       r_order, r_group, repeats
 
 #define SDM_PHASE1_BWD_PARAMS                                                                                  \
-  ::sdm_ffi::S32 k_idx, ::sdm_ffi::F32 k_val, ::sdm_ffi::S32 q_idx, ::sdm_ffi::F32 q_val, ::sdm_ffi::F32 log_k, \
-      ::sdm_ffi::F32 rex, ::sdm_ffi::F32 cpe, ::sdm_ffi::F32 log_q, ::sdm_ffi::F32 dk_eff, ::sdm_ffi::F32 dw,    \
+  ::sdm_ffi::S32 k_idx, ::sdm_ffi::F32 k_val, ::sdm_ffi::F32 x, ::sdm_ffi::S32 q_idx, ::sdm_ffi::F32 q_val,      \
+      ::sdm_ffi::F32 log_k, ::sdm_ffi::F32 rex, ::sdm_ffi::F32 cpe, ::sdm_ffi::F32 log_q, ::sdm_ffi::F32 dk_eff, ::sdm_ffi::F32 dw,    \
       ::sdm_ffi::F32 dcpe, ::sdm_ffi::F32 dq_w, ::sdm_ffi::F32 dA, ::sdm_ffi::F32 dQK, int64_t num_slots,       \
       ::sdm_ffi::R32 dk_val, ::sdm_ffi::R32 dx, ::sdm_ffi::R32 dq_val
 #define SDM_PHASE1_BWD_NAMES \
-  k_idx, k_val, q_idx, q_val, log_k, rex, cpe, log_q, dk_eff, dw, dcpe, dq_w, dA, dQK, num_slots, dk_val, dx, dq_val
+  k_idx, k_val, x, q_idx, q_val, log_k, rex, cpe, log_q, dk_eff, dw, dcpe, dq_w, dA, dQK, num_slots, dk_val, dx, dq_val
 
 // The Phase-1 arguments and results, checked against the sizes (`limits`: the platform's, see ReadPhase1Dims).
 inline ffi::Error CheckPhase1Args(const char* op, Phase1Limits limits, SDM_PHASE1_PARAMS,
@@ -91,6 +91,7 @@ inline ffi::Error CheckPhase1BwdArgs(const char* op, Phase1Limits limits, SDM_PH
   SDM_RETURN_IF_ERROR(ReadPhase1Dims(op, k_idx, q_idx, num_slots, limits, u));
   const int64_t N = u->N, C = u->C, W = u->W, R = u->R;
   SDM_RETURN_IF_ERROR(CheckShape(op, "k_val", k_val, N, {C, W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "x", x, N, {C, W}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "q_val", q_val, N, {C, R}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "log_k", log_k, N, {C, W}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "rex", rex, N, {C, W}));
@@ -120,10 +121,10 @@ inline sdm::Phase1Arrays Phase1ArraysOf(SDM_PHASE1_PARAMS) {
 
 inline sdm::Phase1GradArrays Phase1GradArraysOf(SDM_PHASE1_BWD_PARAMS) {
   (void)num_slots;
-  return {k_idx.typed_data(), k_val.typed_data(),  q_idx.typed_data(),  q_val.typed_data(), log_k.typed_data(),
-          rex.typed_data(),   cpe.typed_data(),    log_q.typed_data(),  dk_eff.typed_data(), dw.typed_data(),
-          dcpe.typed_data(),  dq_w.typed_data(),   dA.typed_data(),     dQK.typed_data(),   dk_val->typed_data(),
-          dx->typed_data(),   dq_val->typed_data()};
+  return {k_idx.typed_data(),  k_val.typed_data(), x.typed_data(),     q_idx.typed_data(),  q_val.typed_data(),
+          log_k.typed_data(),  rex.typed_data(),   cpe.typed_data(),   log_q.typed_data(),  dk_eff.typed_data(),
+          dw.typed_data(),     dcpe.typed_data(),  dq_w.typed_data(),  dA.typed_data(),     dQK.typed_data(),
+          dk_val->typed_data(), dx->typed_data(),  dq_val->typed_data()};
 }
 
 }  // namespace sdm_ffi
@@ -155,6 +156,7 @@ inline sdm::Phase1GradArrays Phase1GradArraysOf(SDM_PHASE1_BWD_PARAMS) {
 #define SDM_PHASE1_BWD_BUFFERS                               \
   Arg<::sdm_ffi::S32>() /* k_idx */                          \
       .Arg<::sdm_ffi::F32>() /* k_val */                     \
+      .Arg<::sdm_ffi::F32>() /* x */                         \
       .Arg<::sdm_ffi::S32>() /* q_idx */                     \
       .Arg<::sdm_ffi::F32>() /* q_val */                     \
       .Arg<::sdm_ffi::F32>() /* log_k */                     \

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "ffi/common.h"
+#include "kernels/bf16.h"
 #include "kernels/steps.h"
 
 namespace sdm_ffi {
@@ -98,12 +99,12 @@ inline sdm::StepPhase1 Phase1View(const S32& k_idx, const S32& q_idx, const F32&
   bank, k_idx, q_idx, v, beta, k_eff, w, cpe, q_w, QK, w_order, w_group, minv, bank_out, y, delta, G, snapshot, workspace
 
 #define SDM_BACKWARD_PARAMS                                                                                    \
-  ::xla::ffi::AnyBuffer bank, ::sdm_ffi::F32 dbank, ::sdm_ffi::F32 dy, ::sdm_ffi::S32 k_idx, ::sdm_ffi::S32 q_idx, \
+  ::xla::ffi::AnyBuffer bank, ::xla::ffi::AnyBuffer dbank, ::sdm_ffi::F32 dy, ::sdm_ffi::S32 k_idx, ::sdm_ffi::S32 q_idx, \
       ::sdm_ffi::F32 v, ::sdm_ffi::F32 beta, ::sdm_ffi::F32 k_eff, ::sdm_ffi::F32 w, ::sdm_ffi::F32 cpe,         \
       ::sdm_ffi::F32 q_w, ::sdm_ffi::F32 A, ::sdm_ffi::F32 QK, ::sdm_ffi::S32 w_order, ::sdm_ffi::S32 w_group,   \
       ::sdm_ffi::S32 r_order, ::sdm_ffi::S32 r_group, ::sdm_ffi::F32 minv, ::sdm_ffi::F32 delta,                \
       ::sdm_ffi::F32 G, ::xla::ffi::AnyBuffer snapshot, ::xla::ffi::Result<::xla::ffi::AnyBuffer> bank_out,    \
-      ::sdm_ffi::R32 dbank_out, ::sdm_ffi::R32 dk_eff, ::sdm_ffi::R32 dw, ::sdm_ffi::R32 dcpe,                  \
+      ::xla::ffi::Result<::xla::ffi::AnyBuffer> dbank_out, ::sdm_ffi::R32 dk_eff, ::sdm_ffi::R32 dw, ::sdm_ffi::R32 dcpe,                  \
       ::sdm_ffi::R32 dq_w, ::sdm_ffi::R32 dA, ::sdm_ffi::R32 dQK, ::sdm_ffi::R32 dbeta, ::sdm_ffi::R32 dv,      \
       ::sdm_ffi::R32 workspace
 #define SDM_BACKWARD_NAMES                                                                                   \
@@ -151,10 +152,21 @@ struct BackwardCall {
   const void* bank_in;
   void* bank;
   size_t bank_bytes;
-  const float* dbank_in;
+  ffi::DataType grad_type;  // the working gradient bank: float32, or the bank's bfloat16
+  const void* dbank_in;
+  void* dbank;
   size_t dbank_bytes;
   float* workspace;
 };
+
+// run(bank, dbank) with the buffers typed: (float, float), (bf16, float) or (bf16, bf16).
+template <typename Run>
+auto WithBankTypes(const BackwardCall& call, Run run) {
+  if (call.type == ffi::DataType::F32) return run(static_cast<float*>(call.bank), static_cast<float*>(call.dbank));
+  if (call.grad_type == ffi::DataType::F32)
+    return run(static_cast<sdm::bf16*>(call.bank), static_cast<float*>(call.dbank));
+  return run(static_cast<sdm::bf16*>(call.bank), static_cast<sdm::bf16*>(call.dbank));
+}
 
 inline ffi::Error PrepareBackward(
 SDM_BACKWARD_PARAMS, BackwardCall* call) {
@@ -167,6 +179,10 @@ SDM_BACKWARD_PARAMS, BackwardCall* call) {
   if (!save) return ffi::Error::InvalidArgument(std::string(op) + ": the forward residuals are empty");
   const int64_t V = dm.V, NC = dm.NC, P = dm.P, C = dm.C, W = dm.W, R = dm.R;
   SDM_RETURN_IF_ERROR(CheckShape(op, "dbank", dbank, V, {P, dm.K, dm.D}));
+  if (dbank.element_type() != ffi::DataType::F32 && dbank.element_type() != bank.element_type())
+    return ffi::Error::InvalidArgument(std::string(op) + ": dbank must be float32 or have the bank's dtype");
+  if (dbank_out->element_type() != dbank.element_type())
+    return ffi::Error::InvalidArgument(std::string(op) + ": the result dbank must have dbank's dtype");
   SDM_RETURN_IF_ERROR(CheckShape(op, "A", A, V, {NC, P, C, C}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "r_order", r_order, V, {NC, P, C * R}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "r_group", r_group, V, {NC, P, C * R + 1}));
@@ -184,14 +200,16 @@ SDM_BACKWARD_PARAMS, BackwardCall* call) {
   call->p1 = Phase1View(k_idx, q_idx, k_eff, w, cpe, q_w, &A, QK, w_order, w_group, &r_order, &r_group, minv);
   call->io = sdm::BackwardIO{v.typed_data(),       beta.typed_data(),   dy.typed_data(),
                              delta.typed_data(),   G.typed_data(),      snapshot.untyped_data(),
-                             dbank_out->typed_data(), dk_eff->typed_data(), dw->typed_data(),
+                             dk_eff->typed_data(), dw->typed_data(),
                              dcpe->typed_data(),   dq_w->typed_data(),  dA->typed_data(),
                              dQK->typed_data(),    dbeta->typed_data(), dv->typed_data()};
   call->type = bank.element_type();
   call->bank_in = bank.untyped_data();
   call->bank = bank_out->untyped_data();
   call->bank_bytes = bank.size_bytes();
-  call->dbank_in = dbank.typed_data();
+  call->grad_type = dbank.element_type();
+  call->dbank_in = dbank.untyped_data();
+  call->dbank = dbank_out->untyped_data();
   call->dbank_bytes = dbank.size_bytes();
   call->workspace = workspace->typed_data();
   return ffi::Error::Success();
@@ -223,7 +241,7 @@ SDM_BACKWARD_PARAMS, BackwardCall* call) {
 
 #define SDM_BACKWARD_BUFFERS                                                                                 \
   Arg<::xla::ffi::AnyBuffer>() /* bank (final; aliased) */                                                     \
-      .Arg<::sdm_ffi::F32>()  /* dbank (aliased) */                                                          \
+      .Arg<::xla::ffi::AnyBuffer>() /* dbank (aliased; float32 or the bank's dtype) */                       \
       .Arg<::sdm_ffi::F32>()  /* dy */                                                                       \
       .Arg<::sdm_ffi::S32>()  /* k_idx */                                                                    \
       .Arg<::sdm_ffi::S32>()  /* q_idx */                                                                    \
@@ -244,7 +262,7 @@ SDM_BACKWARD_PARAMS, BackwardCall* call) {
       .Arg<::sdm_ffi::F32>()  /* G */                                                                        \
       .Arg<::xla::ffi::AnyBuffer>() /* snapshot */                                                           \
       .Ret<::xla::ffi::AnyBuffer>() /* bank (initial; aliased) */                                            \
-      .Ret<::sdm_ffi::F32>()  /* dbank (initial; aliased) */                                                 \
+      .Ret<::xla::ffi::AnyBuffer>() /* dbank (initial; aliased) */                                           \
       .Ret<::sdm_ffi::F32>()  /* dk_eff */                                                                   \
       .Ret<::sdm_ffi::F32>()  /* dw */                                                                       \
       .Ret<::sdm_ffi::F32>()  /* dcpe */                                                                     \

@@ -19,29 +19,28 @@ void AliasCopy(const void* in, void* out, size_t bytes) {
   if (in != out) std::memcpy(out, in, bytes);
 }
 
-template <typename Call, typename Run>
-ffi::Error RunCpu(const char* op, const Call& call, Run run) {
-  return sdm_ffi::RunCatching(op, [&] {
-    if (call.type == ffi::DataType::F32)
-      run(static_cast<float*>(call.bank));
-    else
-      run(static_cast<sdm::bf16*>(call.bank));
-  });
-}
-
 ffi::Error ForwardCpu(SDM_FORWARD_PARAMS) {
   sdm_ffi::ForwardCall call;
   SDM_RETURN_IF_ERROR(sdm_ffi::PrepareForward(SDM_FORWARD_NAMES, &call));
   AliasCopy(call.bank_in, call.bank, call.bank_bytes);
-  return RunCpu("sdm_forward", call, [&](auto* bank) { sdm::forward_cpu(call.dm, call.p1, call.io, bank); });
+  return sdm_ffi::RunCatching("sdm_forward", [&] {
+    if (call.type == ffi::DataType::F32)
+      sdm::forward_cpu(call.dm, call.p1, call.io, static_cast<float*>(call.bank));
+    else
+      sdm::forward_cpu(call.dm, call.p1, call.io, static_cast<sdm::bf16*>(call.bank));
+  });
 }
 
 ffi::Error BackwardCpu(SDM_BACKWARD_PARAMS) {
   sdm_ffi::BackwardCall call;
   SDM_RETURN_IF_ERROR(sdm_ffi::PrepareBackward(SDM_BACKWARD_NAMES, &call));
   AliasCopy(call.bank_in, call.bank, call.bank_bytes);
-  AliasCopy(call.dbank_in, call.io.dbank, call.dbank_bytes);
-  return RunCpu("sdm_backward", call, [&](auto* bank) { sdm::backward_cpu(call.dm, call.p1, call.io, bank); });
+  AliasCopy(call.dbank_in, call.dbank, call.dbank_bytes);
+  return sdm_ffi::RunCatching("sdm_backward", [&] {
+    sdm_ffi::WithBankTypes(call, [&](auto* bank, auto* dbank) {
+      sdm::backward_cpu(call.dm, call.p1, call.io, bank, dbank);
+    });
+  });
 }
 
 }  // namespace

@@ -37,12 +37,11 @@ ffi::Error BackwardCuda(cudaStream_t stream, SDM_BACKWARD_PARAMS) {
   sdm_ffi::BackwardCall call;
   SDM_RETURN_IF_ERROR(sdm_ffi::PrepareBackward(SDM_BACKWARD_NAMES, &call));
   int rc = AliasCopy(call.bank_in, call.bank, call.bank_bytes, stream);
-  if (!rc) rc = AliasCopy(call.dbank_in, call.io.dbank, call.dbank_bytes, stream);
+  if (!rc) rc = AliasCopy(call.dbank_in, call.dbank, call.dbank_bytes, stream);
   if (!rc) {
-    rc = call.type == ffi::DataType::F32
-             ? sdm::backward_cuda(call.dm, call.p1, call.io, static_cast<float*>(call.bank), call.workspace, stream)
-             : sdm::backward_cuda(call.dm, call.p1, call.io, static_cast<sdm::bf16*>(call.bank), call.workspace,
-                                  stream);
+    rc = sdm_ffi::WithBankTypes(call, [&](auto* bank, auto* dbank) {
+      return sdm::backward_cuda(call.dm, call.p1, call.io, bank, dbank, call.workspace, stream);
+    });
   }
   return sdm_ffi::CudaStatus("sdm_backward", rc);
 }

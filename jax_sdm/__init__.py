@@ -3,8 +3,9 @@ import importlib
 
 from .ops import sdm_write_read
 from .reference import sdm_reference
+from .step import sdm_step
 
-__all__ = ["sdm_write_read", "sdm_reference"]
+__all__ = ["sdm_write_read", "sdm_step", "sdm_reference"]
 __version__ = "0.1.0"
 
 # Submodules with optional dependencies, imported on first access (`jax_sdm.nn` needs flax).

@@ -141,8 +141,7 @@ def phase1_bwd_ffi(k_idx, k_val, x, q_idx, q_val, num_slots, p1, dk_eff, dw, dcp
     """The VJP of Phase 1 w.r.t. ``k_val``, ``x``, ``q_val`` (docs/DESIGN.md "Phase-1 backward").
 
     Args:
-      k_idx, k_val, x, q_idx, q_val, num_slots: Phase 1's inputs, as for ``phase1_ffi``
-        (``x`` is only shape-checked: the kernel reads the gates through ``p1``).
+      k_idx, k_val, x, q_idx, q_val, num_slots: Phase 1's inputs, as for ``phase1_ffi``.
       p1: Phase 1's outputs for these inputs (the ``Phase1`` of ``phase1_ffi``); its
         ``log_k``, ``rex``, ``cpe`` and ``log_q`` are read.
       dk_eff, dw, dcpe: ``[..., C, W]`` cotangents of ``k_eff``, ``w``, ``cpe``.
@@ -181,7 +180,7 @@ def phase1_bwd_ffi(k_idx, k_val, x, q_idx, q_val, num_slots, p1, dk_eff, dw, dcp
         vmap_method="broadcast_all",
     )
     dk_val, dx, dq_val, _ = call(jnp.asarray(k_idx).astype(jnp.int32), jnp.asarray(k_val).astype(f32),
-                jnp.asarray(q_idx).astype(jnp.int32), jnp.asarray(q_val).astype(f32),
+                jnp.asarray(x).astype(f32), jnp.asarray(q_idx).astype(jnp.int32), jnp.asarray(q_val).astype(f32),
                 *(jnp.asarray(getattr(p1, n)).astype(f32) for n in ("log_k", "rex", "cpe", "log_q")),
                 *cots, num_slots=np.int64(K))
     return dk_val, dx, dq_val
@@ -254,7 +253,8 @@ def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, sna
     """The reverse chunk loop (docs/DESIGN.md "Backward steps").
 
     `bank` is the final bank (it comes back as the initial one, restored in place) and `dbank` the cotangent of
-    the final bank (it comes back as the gradient of the initial bank, float32).
+    the final bank (it comes back as the gradient of the initial bank, in place). `dbank`'s dtype is the working
+    gradient bank's: float32, or the bank's bfloat16 (float32 inside each step, rounded once per written row).
 
     Returns:
       `(initial_bank, dbank, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv)`.
@@ -263,12 +263,35 @@ def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, sna
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
     call = jax.ffi.ffi_call(
         "sdm_backward",
-        (like(bank), jax.ShapeDtypeStruct(dbank.shape, f32), like(p1.k_eff), like(p1.w), like(p1.cpe),
+        (like(bank), like(dbank), like(p1.k_eff), like(p1.w), like(p1.cpe),
          like(p1.q_w), like(p1.A), like(p1.QK), like(beta.astype(f32)), like(v.astype(f32)),
          _workspace(bank, k_idx.shape[-2])),
         vmap_method="broadcast_all",
         input_output_aliases={0: 0, 1: 1},
     )
-    return call(bank, dbank.astype(f32), dy.astype(f32), k_idx.astype(jnp.int32), q_idx.astype(jnp.int32),
+    return call(bank, dbank, dy.astype(f32), k_idx.astype(jnp.int32), q_idx.astype(jnp.int32),
                 v.astype(f32), beta.astype(f32), p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.A, p1.QK, p1.w_order,
                 p1.w_group, p1.r_order, p1.r_group, minv, delta, G, snapshot)[:10]
+
+
+def decode_step_ffi(bank, k_idx, k_val, x, v, beta, q_idx, q_val):
+    """One token of every stream on the kernels, the bank updated in place (docs/DESIGN.md "Decode step").
+
+    Args:
+      bank: `[..., K, D]` float32 or bfloat16 (aliased to the returned bank: donate it to avoid a copy).
+      k_idx, k_val: `[..., W]` write slot ids (cast to int32) and weights (the bank's dtype).
+      x: `[...]` per-token or `[..., W]` per-write log-gates (cast to float32).
+      v: `[..., D]` values; beta: `[...]` write strengths (cast to float32).
+      q_idx, q_val: `[..., R]` read slot ids and weights.
+
+    Returns:
+      `(new_bank, y)`: the bank after the token and the readings `[..., D]`, in the bank's dtype.
+    """
+    f32, i32 = jnp.float32, jnp.int32
+    call = jax.ffi.ffi_call(
+        "sdm_decode_step",
+        (jax.ShapeDtypeStruct(bank.shape, bank.dtype), jax.ShapeDtypeStruct(v.shape, bank.dtype)),
+        vmap_method="broadcast_all",
+        input_output_aliases={0: 0},
+    )
+    return call(bank, k_idx.astype(i32), k_val, x.astype(f32), v, beta.astype(f32), q_idx.astype(i32), q_val)

@@ -36,69 +36,131 @@ class Dims(NamedTuple):
         return -(-self.T // self.C)
 
 
-def _shape_error(name, a, want):
-    return ValueError(f"sdm_write_read: `{name}` has shape {tuple(a.shape)}, expected {want}")
+def _shape_error(op, name, a, want):
+    return ValueError(f"{op}: `{name}` has shape {tuple(a.shape)}, expected {want}")
 
 
-def _dtype_error(name, a, want):
-    return TypeError(f"sdm_write_read: `{name}` has dtype {jnp.dtype(a.dtype).name}, expected {want}")
+def _dtype_error(op, name, a, want):
+    return TypeError(f"{op}: `{name}` has dtype {jnp.dtype(a.dtype).name}, expected {want}")
 
 
-def validate(bank, k_idx, k_val, v, beta, g, q_idx, q_val, chunk_size, allow_float64=False):
-    """Check every argument's rank, shape and dtype; return the problem's `Dims`."""
+def validate(bank, k_idx, k_val, v, beta, g, q_idx, q_val, chunk_size, allow_float64=False, op="sdm_write_read",
+             step=False):
+    """Check every argument's rank, shape and dtype; return the problem's `Dims`.
+
+    With `step=True` (one token: `sdm_step`) the per-token arrays have no time axis (`[B, H, ...]`); the `Dims`
+    then have `T = C = 1`. `op` names the function in the error messages.
+    """
     if not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool):
-        raise TypeError(f"sdm_write_read: `chunk_size` must be a Python int, got {type(chunk_size).__name__}")
+        raise TypeError(f"{op}: `chunk_size` must be a Python int, got {type(chunk_size).__name__}")
     if not 1 <= chunk_size <= MAX_CHUNK:
-        raise ValueError(f"sdm_write_read: `chunk_size` must be in 1..{MAX_CHUNK}, got {chunk_size}")
+        raise ValueError(f"{op}: `chunk_size` must be in 1..{MAX_CHUNK}, got {chunk_size}")
+    shape_error = functools.partial(_shape_error, op)
+    dtype_error = functools.partial(_dtype_error, op)
 
     bank_dtypes = BANK_DTYPES + ((jnp.float64,) if allow_float64 else ())
     if jnp.dtype(bank.dtype) not in [jnp.dtype(d) for d in bank_dtypes]:
         names = " or ".join(jnp.dtype(d).name for d in bank_dtypes)
-        raise _dtype_error("bank", bank, names)
-    if k_idx.ndim != 4:
-        raise _shape_error("k_idx", k_idx, "[B, T, H, W] (rank 4)")
-    B, T, H, W = k_idx.shape
+        raise dtype_error("bank", bank, names)
+    # The per-token shapes: `[B, T, H, ...]`, or `[B, H, ...]` for one token.
+    lead_names = ("B", "H") if step else ("B", "T", "H")
+    if k_idx.ndim != len(lead_names) + 1:
+        raise shape_error("k_idx", k_idx, f"[{', '.join(lead_names)}, W] (rank {len(lead_names) + 1})")
+    lead, W = tuple(k_idx.shape[:-1]), k_idx.shape[-1]
+    (B, H), T = (lead, 1) if step else ((lead[0], lead[2]), lead[1])
+
+    def expected(*rest):  # a per-token shape as text; `rest`: trailing (name, size) pairs, size None if free
+        names = ", ".join(lead_names + tuple(n for n, _ in rest))
+        sizes = ", ".join(str(x) for x in lead + tuple(n if x is None else x for n, x in rest))
+        return f"[{names}] = [{sizes}]"
+
     if bank.ndim == 4:
         if bank.shape[:2] != (B, H):
-            raise _shape_error("bank", bank, f"[B, H, K, D] = [{B}, {H}, K, D] or a shared [H, K, D] bank")
+            raise shape_error("bank", bank, f"[B, H, K, D] = [{B}, {H}, K, D] or a shared [H, K, D] bank")
     elif bank.ndim == 3:
         if bank.shape[0] != H:
-            raise _shape_error("bank", bank, f"[H, K, D] = [{H}, K, D] or [B, H, K, D]")
+            raise shape_error("bank", bank, f"[H, K, D] = [{H}, K, D] or [B, H, K, D]")
     else:
-        raise _shape_error("bank", bank, "[B, H, K, D] or [H, K, D] (rank 4 or 3)")
+        raise shape_error("bank", bank, "[B, H, K, D] or [H, K, D] (rank 4 or 3)")
     K, D = bank.shape[-2:]
-    if K < 1 or D < 1:
-        raise _shape_error("bank", bank, "at least one slot (K >= 1) of width D >= 1")
-    if T < 1:
-        raise _shape_error("k_idx", k_idx, "at least one token (T >= 1)")
-    if q_idx.ndim != 4 or q_idx.shape[:3] != (B, T, H):
-        raise _shape_error("q_idx", q_idx, f"[B, T, H, R] = [{B}, {T}, {H}, R]")
-    R = q_idx.shape[3]
+    if q_idx.ndim != len(lead) + 1 or tuple(q_idx.shape[:-1]) != lead:
+        raise shape_error("q_idx", q_idx, expected(("R", None)))
+    R = q_idx.shape[-1]
     for name, n in (("k_idx", W), ("q_idx", R)):
-        if not 1 <= n <= MAX_LANES:
+        if not 0 <= n <= MAX_LANES:
             lanes = "W" if name == "k_idx" else "R"
-            raise ValueError(f"sdm_write_read: `{name}` has {lanes} = {n} lanes, expected 1..{MAX_LANES}")
+            raise ValueError(f"{op}: `{name}` has {lanes} = {n} lanes, expected 0..{MAX_LANES}")
     for name, a in (("k_idx", k_idx), ("q_idx", q_idx)):
         if not jnp.issubdtype(a.dtype, jnp.integer):
-            raise _dtype_error(name, a, "an integer type (int32 preferred)")
-    for name, a, want in (("k_val", k_val, (B, T, H, W)), ("q_val", q_val, (B, T, H, R)), ("v", v, (B, T, H, D))):
+            raise dtype_error(name, a, "an integer type (int32 preferred)")
+    for name, a, want in (("k_val", k_val, lead + (W,)), ("q_val", q_val, lead + (R,)), ("v", v, lead + (D,))):
         if tuple(a.shape) != want:
-            raise _shape_error(name, a, list(want))
+            raise shape_error(name, a, list(want))
         if a.dtype != bank.dtype:
-            raise _dtype_error(name, a, f"the bank's dtype {jnp.dtype(bank.dtype).name}")
+            raise dtype_error(name, a, f"the bank's dtype {jnp.dtype(bank.dtype).name}")
     gate_dtypes = [jnp.dtype(jnp.float32)] + ([jnp.dtype(jnp.float64)] if bank.dtype == jnp.float64 else [])
-    if tuple(beta.shape) != (B, T, H):
-        raise _shape_error("beta", beta, [B, T, H])
-    if tuple(g.shape) == (B, T, H):
+    if tuple(beta.shape) != lead:
+        raise shape_error("beta", beta, list(lead))
+    if tuple(g.shape) == lead:
         per_write = False
-    elif tuple(g.shape) == (B, T, H, W):
+    elif tuple(g.shape) == lead + (W,):
         per_write = True
     else:
-        raise _shape_error("g", g, f"[B, T, H] = [{B}, {T}, {H}] (per token) or [B, T, H, W] = [{B}, {T}, {H}, {W}] (per write)")
+        raise shape_error("g", g, f"{expected()} (per token) or {expected(('W', W))} (per write)")
     for name, a in (("beta", beta), ("g", g)):
         if jnp.dtype(a.dtype) not in gate_dtypes:
-            raise _dtype_error(name, a, " or ".join(d.name for d in gate_dtypes))
+            raise dtype_error(name, a, " or ".join(d.name for d in gate_dtypes))
     return Dims(B, T, H, K, D, W, R, int(chunk_size), per_write, bank.ndim == 3)
+
+
+def is_empty(dims):
+    """Whether the problem has no work: no stream, token, slot or column (the readings are all zeros or empty and
+    the bank comes back unchanged)."""
+    return 0 in (dims.B, dims.T, dims.H, dims.K, dims.D)
+
+
+def empty_result(bank, dims):
+    """`(y, final_bank)` of an empty problem: zero readings `[B, T, H, D]` and the bank unchanged (per batch
+    element), so that no kernel ever sees an empty dimension and gradients are zeros of the right shapes."""
+    return jnp.zeros((dims.B, dims.T, dims.H, dims.D), bank.dtype), batch_banks(bank, dims)
+
+
+def one_lane_if_none(k_idx, k_val, g, q_idx, q_val, dims):
+    """A token with no write lanes (`W = 0`) or no read lanes (`R = 0`) gets one lane with an out-of-range id and
+    weight 0 (and gate 0): it writes and reads nothing, and no kernel sees an empty dimension. Returns the
+    arguments and their `Dims`."""
+    def one_lane(idx, val):
+        return (jnp.full(idx.shape[:3] + (1,), -1, jnp.int32), jnp.zeros(val.shape[:3] + (1,), val.dtype))
+
+    if dims.W == 0:
+        k_idx, k_val = one_lane(k_idx, k_val)
+        if dims.per_write_gates:
+            g = jnp.zeros(g.shape[:3] + (1,), g.dtype)
+        dims = dims._replace(W=1)
+    if dims.R == 0:
+        q_idx, q_val = one_lane(q_idx, q_val)
+        dims = dims._replace(R=1)
+    return k_idx, k_val, g, q_idx, q_val, dims
+
+
+def in_range(idx, num_slots, xp):
+    """Mask of the ids in `[0, num_slots)`, compared in the ids' own integer type (never cast first)."""
+    info = np.iinfo(idx.dtype)
+    ok = idx >= 0 if info.min < 0 else xp.ones(idx.shape, bool)
+    if num_slots <= info.max:
+        ok = ok & (idx < num_slots)
+    return ok
+
+
+def slot_ids(idx, num_slots):
+    """Slot ids as int32, every id outside `[0, num_slots)` replaced by -1 (ignored), whatever its integer type:
+    an id of 2^32 + 3 must not wrap to slot 3 in the cast."""
+    if isinstance(idx, jax.Array):
+        return jnp.where(in_range(idx, num_slots, jnp), idx, -1).astype(jnp.int32)
+    idx = np.asarray(idx)  # NumPy ids: mapped before JAX would truncate 64-bit ids to 32 bits (x64 off)
+    if not np.issubdtype(idx.dtype, np.integer):
+        return idx  # validate names the bad dtype
+    return np.where(in_range(idx, num_slots, np), idx, -1).astype(np.int32)
 
 
 def to_stream_units(a, dims, fill=0):
@@ -151,27 +213,24 @@ def lane_gates(g, dims):
     return ordered_broadcast(g, dims.W, g.ndim)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def ordered_broadcast(a, copies, axis):
     """`a` repeated `copies` times along a new axis at `axis`; its gradient sums the copies in index order.
 
     The transpose JAX would use is an XLA reduction, whose summation order the GPU compiler may choose differently
     from one compilation to the next (seen as last-bit differences of the gate gradient between processes); a
-    chain of elementwise adds has one order (SPEC 4). The sum is kept in at least float32.
+    chain of elementwise adds has one order (docs/MATH.md, "Determinism"). The sum is kept in at least float32.
     """
     return jnp.broadcast_to(jnp.expand_dims(a, axis), a.shape[:axis] + (copies,) + a.shape[axis:])
 
 
-def _ordered_broadcast_fwd(a, copies, axis):
-    return ordered_broadcast(a, copies, axis), None
-
-
-def _ordered_broadcast_bwd(copies, axis, _, ct):
-    acc = jnp.promote_types(ct.dtype, jnp.float32)
-    total = jnp.take(ct, 0, axis).astype(acc)
-    for n in range(1, copies):
-        total = total + jnp.take(ct, n, axis).astype(acc)
-    return (total.astype(ct.dtype),)
-
-
-ordered_broadcast.defvjp(_ordered_broadcast_fwd, _ordered_broadcast_bwd)
+@ordered_broadcast.defjvp
+def _ordered_broadcast_jvp(copies, axis, primals, tangents):
+    """The tangent is `copies` stacked copies rather than a broadcast: its transpose (the gradient) is then a chain
+    of adds, one per copy, in a fixed order. A JVP rule (not a VJP) keeps forward mode and higher orders working."""
+    (a,), (t,) = primals, tangents
+    out = ordered_broadcast(a, copies, axis)
+    if copies == 0:
+        return out, jnp.zeros(out.shape, t.dtype)
+    wide = t.astype(jnp.promote_types(t.dtype, jnp.float32))
+    return out, jnp.stack([wide] * copies, axis).astype(t.dtype)

@@ -5,6 +5,8 @@ One `lax.scan` step per token and stream. Deliberately plain: no chunking, no so
 import jax
 import jax.numpy as jnp
 
+from . import segments
+
 # Full float32 products even where the backend's default for float32 dots is lower (TF32 on the GPU).
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -34,11 +36,32 @@ def _token_step(num_slots):
     return step
 
 
-def sdm_reference(bank, k_idx, k_val, v, beta, g, q_idx, q_val):
+def _segment_step(num_slots):
+    """`_token_step` on a bank whose rows carry stamps (jax_sdm/segments.py): the token's rows are first brought up
+    to its segment (from the initial bank where stale), then the token runs as usual."""
+    token_step = _token_step(num_slots)
+
+    def step(carry, token):
+        bank, initial, stamp = carry
+        seg, *token = token
+        k_idx, q_idx = token[0], token[5]
+        touched = jnp.concatenate([k_idx, q_idx])
+        rows = jnp.where((touched >= 0) & (touched < num_slots), touched, num_slots)
+        bank = bank.at[rows].set(segments.current_rows(bank, initial, stamp, rows, seg), mode="drop")
+        stamp = stamp.at[rows].set(seg, mode="drop")
+        bank, y = token_step(bank, token)
+        return (bank, initial, stamp), y
+
+    return step
+
+
+def sdm_reference(bank, k_idx, k_val, v, beta, g, q_idx, q_val, segment_ids=None):
     """Token-loop SDM in the public layout (SPEC 2); returns `(y, final_bank)`.
 
     Arithmetic runs in the bank's dtype promoted to at least float32 (float64 under `jax_enable_x64` with a
-    float64 bank); `y` and `final_bank` come back in the bank's dtype.
+    float64 bank); `y` and `final_bank` come back in the bank's dtype. With `segment_ids` `[B, T]`, each row holds
+    packed sequences (jax_sdm/segments.py): each starts from `bank`, padding tokens (negative ids) do nothing and
+    read zeros, and the final bank is that of the row's last segment.
     """
     B, T, H, W = k_idx.shape
     K, D = bank.shape[-2:]
@@ -48,6 +71,9 @@ def sdm_reference(bank, k_idx, k_val, v, beta, g, q_idx, q_val):
         bank = jnp.broadcast_to(bank[None], (B, H, K, D))
     if g.ndim == 3:
         g = jnp.broadcast_to(g[..., None], (B, T, H, W))
+    if segment_ids is not None:
+        seg, pad = segments.segment_numbers(segment_ids)
+        k_idx, q_idx = segments.drop_padding(k_idx, pad), segments.drop_padding(q_idx, pad)
 
     def stream_major(a):  # [B, T, H, ...] -> [B, H, T, ...]
         return jnp.moveaxis(a, 2, 1)
@@ -61,10 +87,18 @@ def sdm_reference(bank, k_idx, k_val, v, beta, g, q_idx, q_val):
         stream_major(q_idx.astype(jnp.int32)),
         stream_major(q_val.astype(dt)),
     )
-    step = _token_step(K)
+    bank = bank.astype(dt)
+    if segment_ids is None:
+        step = _token_step(K)
+        final, y = jax.vmap(jax.vmap(lambda bank_p, *tok: jax.lax.scan(step, bank_p, tok)))(bank, *tokens)
+    else:
+        step = _segment_step(K)
 
-    def one_stream(bank_p, *tokens_p):
-        return jax.lax.scan(step, bank_p, tokens_p)
+        def one_stream(bank_p, seg_p, *tok):
+            carry = (bank_p, bank_p, jnp.zeros(K, jnp.int32))
+            (final_p, _, stamp), y_p = jax.lax.scan(step, carry, (seg_p,) + tok)
+            return segments.final_bank(final_p, bank_p, stamp, seg_p[-1]), y_p
 
-    final, y = jax.vmap(jax.vmap(one_stream))(bank.astype(dt), *tokens)
+        seg_streams = jnp.broadcast_to(seg[:, None], (B, H, T))
+        final, y = jax.vmap(jax.vmap(one_stream))(bank, seg_streams, *tokens)
     return jnp.moveaxis(y, 1, 2).astype(out_dtype), final.astype(out_dtype)

@@ -1,4 +1,5 @@
-"""The kernel path on inputs sharded along batch and/or heads: every device runs its own streams.
+"""Per-stream partitioning of the kernel path (`kernel_path.py`) on inputs sharded along batch and/or heads:
+every device runs its own streams. This module knows nothing of the kernels.
 
 Streams (batch element x head) are independent, so under `jax.jit` with inputs sharded along `B` and/or `H` nothing
 needs to move between devices. The FFI custom calls have no partitioning rule of their own (XLA would replicate their
@@ -35,14 +36,39 @@ BANK, UNITS = 0, 1  # where an array's B axis is (its H axis follows): `[B, H, K
 # Layout: `[B, T, H, ...]` <-> `[NC, B, H, C, ...]`
 
 
-def _merge(a, at):
+def merge(a, at):
     """`[..., B, H, ...]` -> `[..., B*H, ...]` with `B` at axis `at`."""
     return a.reshape(a.shape[:at] + (a.shape[at] * a.shape[at + 1],) + a.shape[at + 2:])
 
 
-def _split(a, at, H):
-    """`[..., B*H, ...]` -> `[..., B, H, ...]` (inverse of `_merge`)."""
+def split(a, at, H):
+    """`[..., B*H, ...]` -> `[..., B, H, ...]` (inverse of `merge`)."""
     return a.reshape(a.shape[:at] + (a.shape[at] // H, H) + a.shape[at + 1:])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Inside `shard_map`: the manual mesh axes an array varies along
+
+
+def varying_axes(*arrays):
+    """The manual mesh axes (inside `shard_map` with `check_vma=True`) along which any of `arrays` varies."""
+    axes = set()
+    for a in arrays:
+        aval = jax.typeof(a)
+        mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.9; earlier the aval's `vma`
+        axes |= set(mat.varying if mat is not None else getattr(aval, "vma", ()))
+    return frozenset(axes)
+
+
+def to_varying(a, axes):
+    """`a` typed as varying along the manual mesh axes `axes` (a no-op at run time; differentiated, its transpose
+    sums over those axes). The FFI calls' results carry no such type, so the kernel path restores it."""
+    missing = tuple(sorted(axes - varying_axes(a)))
+    if not missing:
+        return a
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(a, missing, to="varying")
+    return jax.lax.pvary(a, missing)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -123,7 +149,7 @@ def _partitioned(local_fn, in_axes, out_axes, in_ranks, out_ranks):
 
 def _fold(a, at):
     """`[V, ..., B, ...]` (B at `at` after the leading V) -> `[..., V*B, ...]`."""
-    return _merge(jnp.moveaxis(a, 0, at), at)
+    return merge(jnp.moveaxis(a, 0, at), at)
 
 
 def _unfold(a, at, size):
@@ -151,112 +177,7 @@ def per_stream(local_fn, static, arrays, in_axes, out_axes):
     return call(*arrays)
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# The kernel path with explicit B and H
-
-
-def _local_forward(save, num_slots, bank, *tokens):
-    """One shard's forward: merge to `P = B*H`, run the kernels (`ops._sdm_kernels_fwd`), split back.
-
-    Returns `(y, final, repeats)`, then with `save` the kernels' residuals (those beyond the inputs), flattened.
-    """
-    from . import ops
-
-    H = bank.shape[1]
-    merged = [_merge(bank, BANK)] + [_merge(a, UNITS) for a in tokens]
-    (y, final, repeats), residuals = ops._sdm_kernels_fwd(*merged, num_slots, save=save)
-    out = (_split(y, UNITS, H), _split(final, BANK, H), _split(repeats, UNITS, H))
-    if not save:
-        return out
-    if residuals[0] is not final or any(r is not m for r, m in zip(residuals[1:], merged[1:])):
-        raise AssertionError("sharding._local_forward: ops._sdm_kernels_fwd's residuals must start with the final "
-                             "bank and the 7 per-token inputs")
-    saved = jax.tree_util.tree_leaves(residuals[1 + len(tokens):])
-    return out + tuple(_split(r, UNITS, H) for r in saved)
-
-
-def _local_primal(num_slots, *args):
-    return _local_forward(False, num_slots, *args)
-
-
-def _local_saving(num_slots, *args):
-    return _local_forward(True, num_slots, *args)
-
-
-def _local_backward(num_slots, final, dfinal, dy, *rest):
-    """One shard's backward (`ops._sdm_kernels_bwd`): `rest` is the 7 per-token inputs and the saved residuals."""
-    from . import ops
-
-    H = final.shape[1]
-    tokens, saved = rest[:7], rest[7:]
-    merged = [_merge(a, UNITS) for a in tokens]
-    treedef = _saved_treedef(num_slots, [_merge(final, BANK)] + merged)
-    saved = jax.tree_util.tree_unflatten(treedef, [_merge(a, UNITS) for a in saved])
-    grads = ops._sdm_kernels_bwd(num_slots, (_merge(final, BANK), *merged, *saved),
-                                 (_merge(dy, UNITS), _merge(dfinal, BANK), None))
-    dbank, _, *dtokens = grads
-    return (_split(dbank, BANK, H),) + tuple(_split(g, UNITS, H) for g in dtokens if g is not None)
-
-
-def _saved_treedef(num_slots, merged):
-    """The tree structure of the kernels' residuals beyond the inputs (without running anything)."""
-    from . import ops
-
-    shapes = jax.eval_shape(lambda *a: ops._sdm_kernels_fwd(*a, num_slots, save=True)[1], *merged)
-    return jax.tree_util.tree_structure(shapes[1 + 7:])
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def stream_kernels(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots):
-    """The op on the kernels with explicit streams: bank `[B, H, K, D]`, per-token arrays `[NC, B, H, C, ...]`
-    (int32 ids, float32 values, per-lane gates `x`).
-
-    Returns `(y [NC, B, H, C, D] float32, final_bank [B, H, K, D], repeats [NC, B, H])`. A call that is not
-    differentiated saves no residuals.
-    """
-    args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val)
-    return per_stream(_local_primal, num_slots, args, (BANK,) + (UNITS,) * 7,
-                      (UNITS, BANK, UNITS))
-
-
-def _stream_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots):
-    args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val)
-    n_saved = len(jax.eval_shape(functools.partial(_local_saving, num_slots), *args)) - 3
-    y, final, repeats, *saved = per_stream(_local_saving, num_slots, args,
-                                           (BANK,) + (UNITS,) * 7, (UNITS, BANK, UNITS) + (UNITS,) * n_saved)
-    return (y, final, repeats), (final, args[1:], tuple(saved))
-
-
-def _stream_kernels_bwd(num_slots, residuals, cotangents):
-    final, tokens, saved = residuals
-    dy, dfinal, _ = cotangents
-    args = (final, dfinal.astype(jnp.float32), dy.astype(jnp.float32)) + tokens + saved
-    dbank, dk_val, dx, dv, dbeta, dq_val = per_stream(
-        _local_backward, num_slots, args, (BANK, BANK) + (UNITS,) * (1 + len(tokens) + len(saved)),
-        (BANK,) + (UNITS,) * 5)
-    return dbank.astype(final.dtype), None, dk_val, dx, dv, dbeta, None, dq_val
-
-
-stream_kernels.defvjp(_stream_kernels_fwd, _stream_kernels_bwd)
-
-
-def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
-    """The op on the FFI kernels, partitioned per stream: `(y [B, T, H, D], final_bank [B, H, K, D], repeats)`.
-
-    Under a mesh with `Explicit` axes (sharding in types) the body runs with those axes made `Auto` (where
-    `custom_partitioning` works) and the results get the shardings of the inputs: `y` like `k_idx`, the final bank
-    like `bank` (B like `k_idx` for a shared bank).
-    """
-    args = (bank, k_idx, k_val, v, beta, g, q_idx, q_val)
-    run = functools.partial(_sdm_ffi_streams, dims=dims)
-    explicit = _explicit_out_sharding(*args)
-    if explicit is not None:
-        out_sharding, axes = explicit
-        run = jax.sharding.auto_axes(run, axes=axes, out_sharding=out_sharding)
-    return run(*args)
-
-
-def _explicit_out_sharding(bank, *tokens):
+def explicit_out_sharding(bank, *tokens):
     """The results' shardings when the inputs' types carry shardings (a mesh with `Explicit` axes), else None.
 
     `y` like `k_idx` (B, T and H; B and H of the first per-token input or bank that shards them when `k_idx`
@@ -287,9 +208,3 @@ def _explicit_out_sharding(bank, *tokens):
     y = named(k_spec[0] or b, k_spec[1], k_spec[2] or h, None)
     final = named(bank_spec[0] or b, bank_spec[1] or h, *bank_spec[2:4])
     return (y, final, named()), tuple(mesh.explicit_axes)
-
-
-def _sdm_ffi_streams(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
-    y, final, repeats = stream_kernels(
-        *layout.stream_arguments(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims), dims.K)
-    return layout.from_stream_units(y, dims).astype(bank.dtype), final, jnp.sum(repeats)

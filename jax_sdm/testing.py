@@ -175,9 +175,24 @@ def assert_one_kernel_call(fn, *args):
     assert "stablehlo.while" not in hlo, hlo
 
 
+EXTREME_GATES = (-np.inf, -3e38, -1e30, -1e10)
+
+
+def extreme_gates(rng, g, fraction=0.15):
+    """`g` with a random `fraction` of its entries replaced by gates at the edge of the domain: -inf (a hard
+    reset), -3e38 (two of them overflow to -inf), -1e30 and -1e10 (far beyond float32's digits of the others)."""
+    g = np.array(g)
+    hit = rng.random(g.shape) < fraction
+    g[hit] = rng.choice(np.array(EXTREME_GATES, g.dtype), size=int(hit.sum()))
+    return g
+
+
 def phase1_gates(rng, N, C, W, gate="lane"):
     """Phase 1's gates `x [N, C, W]` float32: "lane" (-softplus of a normal per lane), "token" (one per token,
-    repeated over the lanes) or "any" (small values of either sign: Phase 1 computes any finite gate as written)."""
+    repeated over the lanes), "any" (small values of either sign: Phase 1 computes any finite gate as written) or
+    "extreme" ("lane" with some gates of -inf, -3e38, -1e30, -1e10)."""
+    if gate == "extreme":
+        return extreme_gates(rng, phase1_gates(rng, N, C, W, "lane"))
     if gate == "lane":
         x = -np.logaddexp(0.0, rng.standard_normal((N, C, W)))
     elif gate == "token":
@@ -187,3 +202,16 @@ def phase1_gates(rng, N, C, W, gate="lane"):
     else:
         raise ValueError(f"unknown gate kind {gate!r}")
     return x.astype(np.float32)
+
+
+def entry_ops_of_shape(hlo, shape):
+    """The ops (`copy`, `custom-call`, ...) of a compiled module's entry computation (`.compile().as_text()`) whose
+    result has `shape`, whatever its dtype: the buffers of that shape it materialises. Ops inside fusions are not
+    listed (an elementwise op over a whole array that feeds a gather in a fusion runs for the gathered elements
+    only)."""
+    import re
+
+    entry = hlo[hlo.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    dims = re.escape("[" + ",".join(map(str, shape)) + "]")
+    return re.findall(rf"= [a-z0-9]+{dims}\S* ([\w-]+)\(", entry)

@@ -10,9 +10,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import segments
+
 _NO_SLOT = jnp.iinfo(jnp.int32).max  # sort key of invalid entries: after every real slot
-# Cap on the pairwise [C*W, C*W] masks held at once by Phase 1's pair sums (elements).
-_PAIR_BUDGET = 1 << 24
+# Cap on the [C*(W+R), C] arrays of Phase 1's pair sums held at once (elements).
+_PAIR_BUDGET = 1 << 23
 
 
 class Phase1(NamedTuple):
@@ -54,25 +56,26 @@ def _group_map(slot_key, ids, num):
     return jnp.where(valid, id_s, -1).astype(jnp.int32), group
 
 
-def _phase1_scans(k_idx, x, q_idx, num_slots):
-    """Per-slot log-cumsums of one unit by a slot sort and segmented scans.
-
-    Returns log_k, rex, total (per write entry, [C, W]), log_q ([C, R]), repeat mask ([C, W]).
-    """
+def _phase1_unit(k_idx, k_val, x, q_idx, q_val, num_slots):
+    """Phase 1 of one unit (`[C, W]` / `[C, R]`) by a slot sort and segmented scans (SPEC 1.3)."""
     C, W = k_idx.shape
     R = q_idx.shape[1]
+    E = C * (W + R)
     kvalid = (k_idx >= 0) & (k_idx < num_slots)
     qvalid = (q_idx >= 0) & (q_idx < num_slots)
+    k_val = jnp.where(kvalid, k_val, 0)
+    q_val = jnp.where(qvalid, q_val, 0)
     t_w = jnp.broadcast_to(jnp.arange(C)[:, None], (C, W))
     t_r = jnp.broadcast_to(jnp.arange(C)[:, None], (C, R))
     # Ties within a slot: token, then write lanes, then read lanes.
     slot = jnp.concatenate([jnp.where(kvalid, k_idx, _NO_SLOT).ravel(), jnp.where(qvalid, q_idx, _NO_SLOT).ravel()])
     tie = jnp.concatenate([(t_w * (W + R) + jnp.arange(W)).ravel(), (t_r * (W + R) + W + jnp.arange(R)).ravel()])
-    is_write = jnp.arange(C * (W + R)) < C * W
-    entry = jnp.arange(C * (W + R))
-    slot_s, tie_s, isw_s, x_s, entry_s = lax.sort(
-        (slot.astype(jnp.int32), tie.astype(jnp.int32), is_write, jnp.concatenate([x.ravel(), jnp.zeros(C * R, x.dtype)]), entry),
-        num_keys=2)
+    is_write = jnp.arange(E) < C * W
+    entry = jnp.arange(E)
+    gates = jnp.concatenate([x.ravel(), jnp.zeros(C * R, x.dtype)])
+    weights = jnp.concatenate([k_val.ravel(), q_val.ravel()])
+    slot_s, tie_s, isw_s, x_s, val_s, entry_s = lax.sort(
+        (slot.astype(jnp.int32), tie.astype(jnp.int32), is_write, gates, weights, entry), num_keys=2)
     valid_s = slot_s != _NO_SLOT
     tok_s = tie_s // (W + R)
     same_slot_as_prev = jnp.concatenate([jnp.zeros(1, bool), slot_s[1:] == slot_s[:-1]])
@@ -80,59 +83,54 @@ def _phase1_scans(k_idx, x, q_idx, num_slots):
     # In sorted order a repeated write lane directly follows a write of the same slot and token.
     prev_write_same_token = jnp.concatenate([jnp.zeros(1, bool), isw_s[:-1] & (tok_s[1:] == tok_s[:-1])])
     repeat_s = isw_s & valid_s & same_slot_as_prev & prev_write_same_token
-    xe_s = jnp.where(isw_s & valid_s & ~repeat_s, x_s, 0)
+    head_s = isw_s & valid_s & ~repeat_s  # the first write of its slot in its token
+    xe_s = jnp.where(head_s, x_s, 0)
 
+    # Per-slot log-cumsums, each a direct sum of the gates it covers (never a difference of two sums, which
+    # would cancel, and give -inf - -inf = NaN for a gate of -inf).
     starts = ~same_slot_as_prev
-    incl = _segmented_cumsum(xe_s, starts)
-    # Exclusive suffix sums (gates of later entries of the group), scanned on their own rather than as
-    # total - prefix, which would cancel.
-    next_x = jnp.where(same_slot_as_next, jnp.concatenate([xe_s[1:], jnp.zeros(1, xe_s.dtype)]), 0)
     ends = ~same_slot_as_next
+    incl = _segmented_cumsum(xe_s, starts)
+    next_x = jnp.where(same_slot_as_next, jnp.concatenate([xe_s[1:], jnp.zeros(1, xe_s.dtype)]), 0)
     rex_s = _segmented_cumsum(next_x[::-1], ends[::-1])[::-1]
     total_rev = _segmented_cumsum(xe_s[::-1], ends[::-1])[::-1]  # at a group's first entry: the group total
-    first_pos = lax.cummax(jnp.where(starts, jnp.arange(slot_s.shape[0]), 0))
+    pos = jnp.arange(E)
+    first_pos = lax.cummax(jnp.where(starts, pos, 0))
     total_s = total_rev[first_pos]
 
-    def unsort(vals):
-        return jnp.zeros_like(vals).at[entry_s].set(vals)
+    inverse = jnp.zeros(E, jnp.int32).at[entry_s].set(pos.astype(jnp.int32), unique_indices=True)
 
-    log_all = jnp.where(valid_s, incl, 0)
-    log_k = unsort(log_all)[: C * W].reshape(C, W)
-    log_q = unsort(log_all)[C * W:].reshape(C, R)
+    def unsort(vals):
+        return vals.at[inverse].get(unique_indices=True)
+
+    log_all = unsort(jnp.where(valid_s, incl, 0))
+    log_k, log_q = log_all[: C * W].reshape(C, W), log_all[C * W:].reshape(C, R)
     rex = unsort(jnp.where(valid_s, rex_s, 0))[: C * W].reshape(C, W)
     total = unsort(jnp.where(valid_s, total_s, 0))[: C * W].reshape(C, W)
-    repeat = unsort(repeat_s)[: C * W].reshape(C, W)
-    return log_k, rex, total, log_q, repeat
 
+    # Pair sums. Each slot group gets a row over the tokens: its head gate and its write weight sum at each token
+    # with a write of the slot (a token writes a slot at most once, repeats included in the sum). An entry e of
+    # token i then meets the group's writes of every token j before it (j <= i for a read) with the weight
+    # val_e * Kw[j] * exp(X), X = the sum of the row's gates at tokens j+1..i, a direct sum. Memory O(E * C).
+    group_s = jnp.cumsum(starts) - 1
+    run_sum = _segmented_cumsum(jnp.where(isw_s, val_s, 0), ~repeat_s)
+    run_end = isw_s & valid_s & ~jnp.concatenate([repeat_s[1:], jnp.zeros(1, bool)])
+    table_gate = jnp.zeros((E, C), x.dtype).at[jnp.where(head_s, group_s, E), tok_s].set(
+        xe_s, mode="drop")
+    table_weight = jnp.zeros((E, C), x.dtype).at[jnp.where(run_end, group_s, E), tok_s].set(
+        run_sum, mode="drop")
+    group = unsort(jnp.where(valid_s, group_s, E))  # E: no group (an invalid entry), a row of zeros
+    tok = jnp.concatenate([t_w.ravel(), t_r.ravel()])
+    j = jnp.arange(C)
+    row_gate = jnp.where(j <= tok[:, None], table_gate.at[group].get(mode="fill", fill_value=0), 0)
+    exponent = jnp.concatenate([lax.cumsum(row_gate[:, 1:], axis=1, reverse=True),
+                                jnp.zeros((E, 1), x.dtype)], axis=1)  # gates at tokens j+1..i
+    pair = jnp.where(is_write[:, None], j < tok[:, None], j <= tok[:, None])
+    terms = jnp.where(pair, weights[:, None] * table_weight.at[group].get(mode="fill", fill_value=0)
+                      * jnp.exp(jnp.where(pair, exponent, 0)), 0)
+    A = terms[: C * W].reshape(C, W, C).sum(axis=1)
+    QK = terms[C * W:].reshape(C, R, C).sum(axis=1)
 
-def _pair_sums(k_idx, k_val, log_k, q_idx, q_val, log_q, num_slots):
-    """A (strictly lower) and QK (lower with diagonal) of one unit: sums over same-slot entry pairs."""
-    C, W = k_idx.shape
-    kvalid = (k_idx >= 0) & (k_idx < num_slots)
-    qvalid = (q_idx >= 0) & (q_idx < num_slots)
-    tok = jnp.arange(C)
-
-    def pairs(idx, valid, val, log, strict):
-        # [C, lanes, C, W]: entry (i, n) against write (j, m)
-        same = (idx[:, :, None, None] == k_idx[None, None, :, :]) & valid[:, :, None, None] & kvalid[None, None]
-        order = (tok[:, None] > tok[None, :]) if strict else (tok[:, None] >= tok[None, :])
-        same = same & order[:, None, :, None]
-        diff = jnp.where(same, log[:, :, None, None] - log_k[None, None, :, :], 0)
-        terms = jnp.where(same, val[:, :, None, None] * k_val[None, None] * jnp.exp(diff), 0)
-        return terms.sum(axis=(1, 3))
-
-    return pairs(k_idx, kvalid, k_val, log_k, True), pairs(q_idx, qvalid, q_val, log_q, False)
-
-
-def _phase1_unit(k_idx, k_val, x, q_idx, q_val, num_slots):
-    C, W = k_idx.shape
-    R = q_idx.shape[1]
-    kvalid = (k_idx >= 0) & (k_idx < num_slots)
-    qvalid = (q_idx >= 0) & (q_idx < num_slots)
-    k_val = jnp.where(kvalid, k_val, 0)
-    q_val = jnp.where(qvalid, q_val, 0)
-    log_k, rex, total, log_q, repeat = _phase1_scans(k_idx, x, q_idx, num_slots)
-    A, QK = _pair_sums(k_idx, k_val, log_k, q_idx, q_val, log_q, num_slots)
     w_order, w_group = _group_map(jnp.where(kvalid, k_idx, _NO_SLOT).ravel().astype(jnp.int32),
                                   jnp.arange(C * W, dtype=jnp.int32), C * W)
     r_order, r_group = _group_map(jnp.where(qvalid, q_idx, _NO_SLOT).ravel().astype(jnp.int32),
@@ -141,7 +139,7 @@ def _phase1_unit(k_idx, k_val, x, q_idx, q_val, num_slots):
         log_k=log_k, rex=rex, cpe=jnp.exp(total), k_eff=k_val * jnp.exp(log_k), w=k_val * jnp.exp(rex),
         log_q=log_q, q_w=q_val * jnp.exp(log_q), A=A, QK=QK,
         w_order=w_order, w_group=w_group, r_order=r_order, r_group=r_group,
-        repeats=jnp.sum(repeat).astype(jnp.int32))
+        repeats=jnp.sum(repeat_s).astype(jnp.int32))
 
 
 def phase1_xla(k_idx, k_val, x, q_idx, q_val, num_slots):
@@ -153,7 +151,7 @@ def phase1_xla(k_idx, k_val, x, q_idx, q_val, num_slots):
     dt = jnp.promote_types(k_val.dtype, jnp.float32)  # float32, or float64 under x64
     flat = [flat[0].astype(jnp.int32), flat[1].astype(dt), flat[2].astype(dt), flat[3].astype(jnp.int32),
             flat[4].astype(dt)]
-    per_unit = C * max(W, R) * C * W
+    per_unit = C * (W + R) * C
     batch_size = max(1, min(flat[0].shape[0], _PAIR_BUDGET // per_unit))
     out = lax.map(lambda a: _phase1_unit(*a, num_slots), tuple(flat), batch_size=batch_size)
     return Phase1(*[o.reshape(batch + o.shape[1:]) for o in out])
@@ -172,13 +170,18 @@ def _gather_rows(bank, idx, dtype):
     return jax.vmap(lambda b, i: b.at[i].get(mode="fill", fill_value=0))(bank, idx).astype(dtype)
 
 
-def _write_groups(bank, k_idx, p1, delta):
-    """Decay-and-write of one chunk: each written row once, `cpe * S0[s] + sum_e w[e] delta[t_e]` (SPEC 1.2)."""
+def _write_groups(bank, k_idx, p1, delta, packed=None):
+    """Decay-and-write of one chunk: each written row once, `cpe * S0[s] + sum_e w[e] delta[t_e]` (SPEC 1.2).
+
+    With `packed = (initial, stamp, seg0, local)` (packed sequences, jax_sdm/segments.py) a group's `S0[s]` is the
+    row at the start of its token's segment, and only the groups of the chunk's last segment are stored (the
+    chunk's earlier segments are over), stamping their rows; it returns `(bank, stamp)` then.
+    """
     P, C, W = k_idx.shape
     E = C * W
     K = bank.shape[1]
 
-    def one_stream(bank_p, k_idx_p, w_p, cpe_p, order, group, delta_p):
+    def one_stream(bank_p, k_idx_p, w_p, cpe_p, order, group, delta_p, packed_p):
         contrib = (w_p[:, :, None] * delta_p[:, None, :]).reshape(E, -1)
         entry = jnp.maximum(order, 0)
         sorted_contrib = jnp.where((order >= 0)[:, None], contrib[entry], 0)
@@ -190,11 +193,20 @@ def _write_groups(bank, k_idx, p1, delta):
         head = jnp.minimum(first, E - 1)
         head_entry = entry[head]
         slot = jnp.where(sizes > 0, k_idx_p.ravel()[head_entry], K)
-        old = bank_p.at[slot].get(mode="fill", fill_value=0).astype(sums.dtype)
-        new = cpe_p.ravel()[head_entry][:, None] * old + sums
-        return bank_p.at[slot].set(new.astype(bank_p.dtype), mode="drop")
+        if packed_p is None:
+            old = bank_p.at[slot].get(mode="fill", fill_value=0)
+        else:
+            initial_p, stamp_p, seg0_p, local_p = packed_p
+            group_local = local_p[head_entry // W]
+            old = segments.current_rows(bank_p, initial_p, stamp_p, slot, jnp.where(group_local == 0, seg0_p, -2))
+            slot = jnp.where(group_local == jnp.max(local_p), slot, K)
+        new = cpe_p.ravel()[head_entry][:, None] * old.astype(sums.dtype) + sums
+        bank_p = bank_p.at[slot].set(new.astype(bank_p.dtype), mode="drop")
+        if packed_p is None:
+            return bank_p
+        return bank_p, stamp_p.at[slot].set(seg0_p + jnp.max(local_p), mode="drop")
 
-    return jax.vmap(one_stream)(bank, k_idx, p1.w, p1.cpe, p1.w_order, p1.w_group, delta)
+    return jax.vmap(one_stream)(bank, k_idx, p1.w, p1.cpe, p1.w_order, p1.w_group, delta, packed)
 
 
 def _dot(subscripts, a, b):
@@ -203,19 +215,44 @@ def _dot(subscripts, a, b):
     return jnp.einsum(subscripts, a, b, precision=lax.Precision.HIGHEST)
 
 
-def chunk_loop_xla(bank, k_idx, q_idx, v, beta, p1, minv):
+def chunk_loop_xla(bank, k_idx, q_idx, v, beta, p1, minv, packed=None):
     """Phase 2: the chunk steps. Arrays are in kernel layout, `[NC, P, C, ...]`; bank `[P, K, D]`.
 
     Arithmetic in `v`'s dtype (float32, or float64 under x64). Returns `y [NC, P, C, D]` and the final bank.
+    For packed sequences, `packed = (seg0, local, last)` of `segments.chunk_segments` (`p1` then comes from the
+    virtual slot ids of `segments.virtual_slots`): the bank's rows carry stamps, rows are read as of the start of
+    each token's segment, and the final bank is that of each stream's last segment (jax_sdm/segments.py).
     """
-    def step(bank, chunk):
-        k_idx_c, q_idx_c, v_c, beta_c, p1_c, minv_c = chunk
-        G = _dot("pcw,pcwd->pcd", p1_c.k_eff, _gather_rows(bank, k_idx_c, v_c.dtype))
-        Q0 = _dot("pcr,pcrd->pcd", p1_c.q_w, _gather_rows(bank, q_idx_c, v_c.dtype))
+    K = bank.shape[1]
+
+    def gather(bank, idx, dtype, rows_of_segment):
+        if rows_of_segment is None:
+            return _gather_rows(bank, idx, dtype)
+        return rows_of_segment(jnp.where((idx >= 0) & (idx < K), idx, K)).astype(dtype)
+
+    def step(carry, chunk):
+        k_idx_c, q_idx_c, v_c, beta_c, p1_c, minv_c, packed_c = chunk
+        if packed_c is None:
+            bank, rows_of_segment = carry, None
+        else:
+            bank, initial, stamp = carry
+            seg0_c, local_c = packed_c
+            current = jnp.where(local_c == 0, seg0_c[:, None], -2)[..., None]  # [P, C, 1]
+            rows_of_segment = lambda rows: jax.vmap(segments.current_rows)(bank, initial, stamp, rows, current)
+        G = _dot("pcw,pcwd->pcd", p1_c.k_eff, gather(bank, k_idx_c, v_c.dtype, rows_of_segment))
+        Q0 = _dot("pcr,pcrd->pcd", p1_c.q_w, gather(bank, q_idx_c, v_c.dtype, rows_of_segment))
         u = beta_c[..., None] * (v_c - G)
         delta = _dot("pij,pjd->pid", minv_c, u)
         y = Q0 + _dot("pij,pjd->pid", p1_c.QK, delta)
-        return _write_groups(bank, k_idx_c, p1_c, delta), y
+        if packed_c is None:
+            return _write_groups(bank, k_idx_c, p1_c, delta), y
+        bank, stamp = _write_groups(bank, k_idx_c, p1_c, delta, (initial, stamp, seg0_c, local_c))
+        return (bank, initial, stamp), y
 
-    bank, y = lax.scan(step, bank, (k_idx, q_idx, v, beta, p1, minv))
-    return y, bank
+    if packed is None:
+        bank, y = lax.scan(step, bank, (k_idx, q_idx, v, beta, p1, minv, None))
+        return y, bank
+    seg0, local, last = packed
+    carry = (bank, bank, jnp.zeros(bank.shape[:2], jnp.int32))
+    (final, initial, stamp), y = lax.scan(step, carry, (k_idx, q_idx, v, beta, p1, minv, (seg0, local)))
+    return y, segments.final_bank(final, initial, stamp, last)

@@ -68,6 +68,7 @@ struct Phase1Arrays {
 struct Phase1GradArrays {
   const int32_t* k_idx;
   const float* k_val;
+  const float* x;
   const int32_t* q_idx;
   const float* q_val;
   const float* log_k;
@@ -86,9 +87,9 @@ struct Phase1GradArrays {
 
   SDM_HOST_DEVICE Phase1GradArrays unit(int64_t u, int64_t C, int64_t W, int64_t R) const {
     const int64_t cw = u * C * W, cr = u * C * R, cc = u * C * C;
-    return {k_idx + cw,  k_val + cw, q_idx + cr, q_val + cr, log_k + cw, rex + cw,
-            cpe + cw,    log_q + cr, dk_eff + cw, dw + cw,   dcpe + cw,  dq_w + cr,
-            dA + cc,     dQK + cc,   dk_val + cw, dx + cw,   dq_val + cr};
+    return {k_idx + cw,  k_val + cw, x + cw,      q_idx + cr, q_val + cr, log_k + cw,
+            rex + cw,    cpe + cw,   log_q + cr,  dk_eff + cw, dw + cw,   dcpe + cw,
+            dq_w + cr,   dA + cc,    dQK + cc,    dk_val + cw, dx + cw,   dq_val + cr};
   }
 };
 
@@ -100,7 +101,7 @@ void phase1_cpu(const Phase1Arrays& a, const Phase1Dims& dims);
 // "Phase-1 backward"), given Phase 1's inputs, the outputs it needs and the
 // cotangents of k_eff, w, cpe, q_w, A and QK (those of log_k, rex, log_q are 0):
 //
-//   inputs   k_idx, k_val                  [N, C, W]  (int32, float32)
+//   inputs   k_idx, k_val, x               [N, C, W]  (int32, float32, float32)
 //            q_idx, q_val                  [N, C, R]  (int32, float32)
 //            log_k, rex, cpe               [N, C, W]  Phase 1's outputs
 //            log_q                         [N, C, R]  Phase 1's output
@@ -112,7 +113,8 @@ void phase1_cpu(const Phase1Arrays& a, const Phase1Dims& dims);
 //   outputs  dk_val, dx                    [N, C, W]  float32
 //            dq_val                        [N, C, R]  float32
 //
-// The gates x themselves are not needed (log_k, rex, log_q, cpe carry them).
+// The pair terms' exponents are summed again from the gates x (never taken as
+// differences of log_k / log_q, which cancel: -inf - -inf = NaN).
 // Invalid entries get 0, and so do the gates of repeats. Deterministic, float32,
 // independent of the thread count. Same requirements as phase1_cpu.
 void phase1_bwd_cpu(const Phase1GradArrays& a, const Phase1Dims& dims);

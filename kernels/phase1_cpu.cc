@@ -14,12 +14,16 @@
 //     - cpe: exp of the group total (the last prefix value).
 //  3. Pair sums. Inside a group, log_k is constant over the writes of one token
 //     (only the first of them has a gate) and log_q over the reads of one token, so
-//     the entries of one (token, kind) form a *run* with one log value and the sum of
-//     its weights. Each run meets the earlier write runs of its group:
-//       write run a, earlier write run b:  A[t_a, t_b]  += K_a K_b exp(L_a - L_b)
-//       read run r,  earlier write run b:  QK[t_r, t_b] += Q_r K_b exp(L_r - L_b)
-//     which is the entry-pair sum of the definition, factored per run. Cells are
-//     accumulated in (slot, run) order: fixed by the input.
+//     the entries of one (token, kind) form a *run* with one gate (a write run's
+//     head gate, 0 for a read run) and the sum of its weights. Each run meets the
+//     earlier write runs of its group:
+//       write run a, earlier write run b:  A[t_a, t_b]  += K_a K_b exp(X_ab)
+//       read run r,  earlier write run b:  QK[t_r, t_b] += Q_r K_b exp(X_rb)
+//     which is the entry-pair sum of the definition, factored per run. X_ab = L_a - L_b
+//     is summed directly over the gates of the runs after b up to a, never taken as
+//     the difference of two prefix sums: with a gate of -inf that difference is
+//     -inf - -inf = NaN, and with gates of -1e30 it cancels every digit of the small
+//     part. Cells are accumulated in (slot, run) order: fixed by the input.
 //  4. The CSR group maps for writes and reads fall out of the same sorted walk.
 //
 // The backward redoes steps 1 and 3's run split with the same code and walks each
@@ -48,10 +52,10 @@ namespace {
 struct Run {
   int32_t token;
   bool is_write;
-  float sum;  // sum of the weights of the run's entries, in lane order
-  float log;  // log_k (write run) or log_q (read run), constant over the run
+  float sum;   // sum of the weights of the run's entries, in lane order
+  float gate;  // the gate of its head (write run), 0 (read run)
   // Backward only: gradient of each weight of the run from the pair terms, and of
-  // the run's log value.
+  // the run's log value (log_k or log_q, constant over the run).
   float dsum;
   float dlog;
 };
@@ -113,23 +117,28 @@ inline bool is_repeat(const std::vector<uint64_t>& keys, int64_t begin, int64_t 
 }
 
 // Step 3's runs: appends an entry (in sorted order) to the runs of its group.
+// `gate` is the entry's gate (used when it starts a run: 0 for reads).
 inline void add_to_runs(std::vector<Run>& runs, int64_t t, bool is_write, float weight,
-                        float lg) {
+                        float gate) {
   if (!runs.empty() && runs.back().token == t && runs.back().is_write == is_write) {
     runs.back().sum += weight;
   } else {
-    runs.push_back(Run{static_cast<int32_t>(t), is_write, weight, lg, 0.0f, 0.0f});
+    runs.push_back(Run{static_cast<int32_t>(t), is_write, weight, gate, 0.0f, 0.0f});
   }
 }
 
-// Step 3's walk: f(a, b) for every run a and every earlier write run b of the group,
-// a ascending, then b ascending.
+// Step 3's walk: f(a, b, x_ab) for every run a and every earlier write run b of the
+// group, a ascending, then b descending, with x_ab = gate(a) + the gates of the runs
+// strictly between b and a, summed from a down to b.
 template <typename F>
 inline void for_each_pair(std::vector<Run>& runs, F f) {
   const int64_t n_runs = static_cast<int64_t>(runs.size());
   for (int64_t ra = 0; ra < n_runs; ++ra) {
-    for (int64_t rb = 0; rb < ra; ++rb) {
-      if (runs[rb].is_write) f(runs[ra], runs[rb]);
+    float x = runs[ra].gate;
+    for (int64_t rb = ra - 1; rb >= 0; --rb) {
+      if (!runs[rb].is_write) continue;  // a read run's gate is 0
+      f(runs[ra], runs[rb], x);
+      x += runs[rb].gate;
     }
   }
 }
@@ -231,25 +240,23 @@ void phase1_unit(const Phase1Arrays& all, const Phase1Dims& d, int64_t u, Scratc
     runs.clear();
     for (int64_t p = begin; p < end; ++p) {
       const Entry e = decode(keys[p], d);
-      float weight, lg;
+      float weight;
       if (e.is_write) {
         weight = a.k_val[e.id];
-        lg = a.log_k[e.id];
         a.cpe[e.id] = decay;
-        a.k_eff[e.id] = weight * std::exp(lg);
+        a.k_eff[e.id] = weight * std::exp(a.log_k[e.id]);
         a.w[e.id] = weight * std::exp(a.rex[e.id]);
       } else {
         weight = a.q_val[e.id];
-        lg = a.log_q[e.id];
-        a.q_w[e.id] = weight * std::exp(lg);
+        a.q_w[e.id] = weight * std::exp(a.log_q[e.id]);
       }
-      add_to_runs(runs, e.t, e.is_write, weight, lg);
+      add_to_runs(runs, e.t, e.is_write, weight, xe[p]);
     }
 
     // 3. Pair sums: each run meets the earlier write runs of its group.
-    for_each_pair(runs, [&](const Run& ar, const Run& br) {
+    for_each_pair(runs, [&](const Run& ar, const Run& br, float x) {
       float* row = (ar.is_write ? a.A : a.QK) + static_cast<int64_t>(ar.token) * C;
-      row[br.token] += ar.sum * br.sum * std::exp(ar.log - br.log);
+      row[br.token] += ar.sum * br.sum * std::exp(x);
     });
   }
 
@@ -302,17 +309,19 @@ void phase1_bwd_unit(const Phase1GradArrays& all, const Phase1Dims& d, int64_t u
     for (int64_t p = begin; p < end; ++p) {
       const Entry e = decode(keys[p], d);
       if (e.is_write) {
-        add_to_runs(runs, e.t, true, a.k_val[e.id], a.log_k[e.id]);
+        add_to_runs(runs, e.t, true, a.k_val[e.id], a.x[e.id]);  // a repeat's gate is not used
       } else {
-        add_to_runs(runs, e.t, false, a.q_val[e.id], a.log_q[e.id]);
+        add_to_runs(runs, e.t, false, a.q_val[e.id], 0.0f);
       }
       run_of[p] = static_cast<int32_t>(runs.size() - 1);
     }
 
-    // Pair terms: term = K_a K_b exp(L_a - L_b) with cotangent c.
-    for_each_pair(runs, [&](Run& ar, Run& br) {
+    // Pair terms: term = K_a K_b exp(X_ab) with cotangent c; X_ab = L_a - L_b, so
+    // its gradient goes to L_a and, negated, to L_b (then to the gates by the suffix
+    // sums below).
+    for_each_pair(runs, [&](Run& ar, Run& br, float x) {
       const float c = (ar.is_write ? a.dA : a.dQK)[static_cast<int64_t>(ar.token) * C + br.token];
-      const float ce = c * std::exp(ar.log - br.log);
+      const float ce = c * std::exp(x);
       ar.dsum += ce * br.sum;
       br.dsum += ce * ar.sum;
       const float dterm = ce * ar.sum * br.sum;

@@ -12,16 +12,20 @@
 //  2. A *run* is a maximal block of sorted entries of one (slot, token, kind). A write run is a first occurrence
 //     (its head) followed by the repeats of that slot in that token; log_k is constant over it, and so is log_q
 //     over a read run. The heads are compacted in sorted order (block-wide scans of per-thread counts) with the
-//     sum of their run's weights (lane order) and the run's log value.
+//     sum of their run's weights (lane order) and the run's gate (its head's).
 //  3. Group walks: one thread per group (run of one slot) walks it sequentially, as the CPU does: inclusive
 //     prefix of the gates (log_k, log_q), the exclusive suffix for rex by its own backward walk, the total.
-//  4. Forward pairs: one thread per token row i of A and QK; for each write head (read head) of token i, in lane
-//     order, the earlier write heads of its group in sorted order add K_a K_b exp(L_a - L_b) to A[i, t_b]
-//     (QK[i, t_b]). One writer per row.
+//  4. Forward pairs: one thread per token row i of A and QK; for each write head (read head) a of token i, in
+//     lane order, the earlier write heads b of its group, nearest first, add K_a K_b exp(X_ab) to A[i, t_b]
+//     (QK[i, t_b]). One writer per row. X_ab = L_a - L_b is summed directly, from a down to b, over the gates
+//     of the heads after b (a read run's gate is 0), never taken as a difference of log values: that would
+//     give -inf - -inf = NaN for a gate of -inf and cancel every digit of the small part next to a gate of
+//     -1e30.
 //     Backward pairs: one thread per head (write or read) accumulates the gradient of its run's weight sum and
-//     log value over the pairs it is part of: first the earlier write heads (as the later run), then the later
-//     runs of its group in sorted order (as the earlier write run): the CPU's accumulation order. It writes
-//     dk_val / dq_val of its run's entries (one writer per entry).
+//     log value over the pairs it is part of: first the earlier write heads, nearest first (as the later run),
+//     then the later runs of its group in sorted order (as the earlier write run): the CPU's accumulation
+//     order (the exponents of the second kind are summed from b up to a, the CPU's from a down to b: they may
+//     differ in the last bit). It writes dk_val / dq_val of its run's entries (one writer per entry).
 //  5. Backward gates: one thread per group: the total's gradient (forward), the suffix sums of the log
 //     gradients (backward walk), the prefix sums of the rex gradients and dx (forward walk).
 // Integer maps (orders, group offsets, repeats) come from block-wide exclusive scans of per-thread counts over
@@ -210,7 +214,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
   uint64_t* keys = reinterpret_cast<uint64_t*>(base);
   int* hpos = reinterpret_cast<int*>(base + 8 * static_cast<int64_t>(s.P2));  // sorted position of write head h
   float* hsum = reinterpret_cast<float*>(hpos + s.CW);                       // its run's weight sum
-  float* hlog = hsum + s.CW;                                                  // its log_k
+  float* hgate = hsum + s.CW;                                                 // its gate
 
   const int C = s.C, W = s.W, R = s.R, S = s.S, CW = s.CW, CR = s.CR;
   const int tid = threadIdx.x, T = blockDim.x;
@@ -307,7 +311,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
       const uint32_t slot = static_cast<uint32_t>(keys[p] >> 32);
       if (p > 0 && static_cast<uint32_t>(keys[p - 1] >> 32) == slot) continue;
       int h = lower_bound(hpos, 0, n_heads, p);  // the group's first write head
-      float run = 0.0f, head_sum = 0.0f, head_log = 0.0f;
+      float run = 0.0f, head_sum = 0.0f, head_gate = 0.0f;
       bool open = false;
       Ent prev{};
       int end = p;
@@ -324,12 +328,12 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
           } else {
             if (open) {
               hsum[h] = head_sum;
-              hlog[h] = head_log;
+              hgate[h] = head_gate;
               ++h;
             }
             open = true;
             head_sum = k;
-            head_log = run;
+            head_gate = a.x[e.id];
           }
           a.log_k[e.id] = run;
           a.k_eff[e.id] = k * exp_f(run);
@@ -341,7 +345,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
       }
       if (open) {
         hsum[h] = head_sum;
-        hlog[h] = head_log;
+        hgate[h] = head_gate;
       }
       const float decay = exp_f(run);
       float suffix = 0.0f;
@@ -373,10 +377,12 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
         }
         const int h = lower_bound(hpos, 0, n_heads, p);
         const int g0 = lower_bound(hpos, 0, h, lower_bound(keys, 0, p, slot_key(us)));
-        const float as = hsum[h], al = hlog[h];
-        for (int b = g0; b < h; ++b) {
+        const float as = hsum[h];
+        float x = hgate[h];
+        for (int b = h - 1; b >= g0; --b) {
           const int j = token_of(keys[hpos[b]], s);
-          a_row[j] += as * hsum[b] * exp_f(al - hlog[b]);
+          a_row[j] += as * hsum[b] * exp_f(x);
+          x += hgate[b];
         }
       }
       for (int m = 0; m < R; ++m) {
@@ -394,12 +400,13 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
           if (e.write || e.slot != us || e.t != i) break;
           qs += a.q_val[e.id];
         }
-        const float ql = a.log_q[i * R + m];
         const int h_end = lower_bound(hpos, 0, n_heads, p);
         const int g0 = lower_bound(hpos, 0, h_end, lower_bound(keys, 0, p, slot_key(us)));
-        for (int b = g0; b < h_end; ++b) {
+        float x = 0.0f;
+        for (int b = h_end - 1; b >= g0; --b) {
           const int j = token_of(keys[hpos[b]], s);
-          qk_row[j] += qs * hsum[b] * exp_f(ql - hlog[b]);
+          qk_row[j] += qs * hsum[b] * exp_f(x);
+          x += hgate[b];
         }
       }
     }
@@ -418,15 +425,15 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
   __shared__ int scan_sh[32 * 4];
   unsigned char* base = kShared ? dyn_smem : workspace + static_cast<int64_t>(blockIdx.x) * scratch_bytes;
   uint64_t* keys = reinterpret_cast<uint64_t*>(base);
-  // Write heads and read heads: sorted position, run weight sum, run log value, gradient of the log value.
+  // Write heads: sorted position, run weight sum, gate, gradient of the run's log value; read heads the same
+  // without the gate (0).
   int* whpos = reinterpret_cast<int*>(base + 8 * static_cast<int64_t>(s.P2));
   float* whsum = reinterpret_cast<float*>(whpos + s.CW);
-  float* whlog = whsum + s.CW;
-  float* whdlog = whlog + s.CW;
+  float* whgate = whsum + s.CW;
+  float* whdlog = whgate + s.CW;
   int* rhpos = reinterpret_cast<int*>(whdlog + s.CW);
   float* rhsum = reinterpret_cast<float*>(rhpos + s.CR);
-  float* rhlog = rhsum + s.CR;
-  float* rhdlog = rhlog + s.CR;
+  float* rhdlog = rhsum + s.CR;
 
   const int C = s.C;
   const int tid = threadIdx.x, T = blockDim.x;
@@ -482,7 +489,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
     }
     __syncthreads();
 
-    // 3. Run sums (lane order) and log values.
+    // 3. Run sums (lane order) and gates.
     for (int hh = tid; hh < n_wh + n_rh; hh += T) {
       const bool write = hh < n_wh;
       const int p = write ? whpos[hh] : rhpos[hh - n_wh];
@@ -496,16 +503,15 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
       }
       if (write) {
         whsum[hh] = sum;
-        whlog[hh] = a.log_k[e0.id];
+        whgate[hh] = a.x[e0.id];
       } else {
         rhsum[hh - n_wh] = sum;
-        rhlog[hh - n_wh] = a.log_q[e0.id];
       }
     }
     __syncthreads();
 
     // 4. Pair gradients, one thread per run head; then the weight gradients of its run's entries.
-    //    Pair (a later run, b earlier write run), cotangent c: ce = c exp(L_a - L_b),
+    //    Pair (a later run, b earlier write run), cotangent c: ce = c exp(X_ab) (X_ab = L_a - L_b, summed),
     //    d sum_a += ce sum_b, d sum_b += ce sum_a, d L_a += ce sum_a sum_b, d L_b -= ce sum_a sum_b.
     for (int hh = tid; hh < n_wh + n_rh; hh += T) {
       const bool write = hh < n_wh;
@@ -516,16 +522,17 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
       const int gs = lower_bound(keys, 0, p, slot_key(e0.slot));
       const int w0 = lower_bound(whpos, 0, n_wh, gs);
       const float as = write ? whsum[h] : rhsum[h];
-      const float al = write ? whlog[h] : rhlog[h];
       const float* c_row = (write ? a.dA : a.dQK) + static_cast<int64_t>(t) * C;
       float dsum = 0.0f, dlog = 0.0f;
-      // As the later run: the earlier write heads of the group, in sorted order.
+      // As the later run: the earlier write heads of the group, nearest first.
       const int w_end = write ? h : lower_bound(whpos, w0, n_wh, p);
-      for (int b = w0; b < w_end; ++b) {
+      float x = write ? whgate[h] : 0.0f;
+      for (int b = w_end - 1; b >= w0; --b) {
         const float bs = whsum[b];
-        const float ce = c_row[token_of(keys[whpos[b]], s)] * exp_f(al - whlog[b]);
+        const float ce = c_row[token_of(keys[whpos[b]], s)] * exp_f(x);
         dsum += ce * bs;
         dlog += ce * as * bs;
+        x += whgate[b];
       }
       if (write) {
         // As the earlier write run: the later runs of the group (writes and reads merged in sorted order).
@@ -534,13 +541,14 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
         int ir = lower_bound(rhpos, 0, n_rh, p);
         const int r1 = lower_bound(rhpos, ir, n_rh, ge);
         int iw = h + 1;
+        float x_later = 0.0f;  // the gates of the runs after this one, up to the later run
         while (iw < w1 || ir < r1) {
           const bool take_write = ir >= r1 || (iw < w1 && whpos[iw] < rhpos[ir]);
           const int pa = take_write ? whpos[iw] : rhpos[ir];
           const float a_sum = take_write ? whsum[iw] : rhsum[ir];
-          const float a_log = take_write ? whlog[iw] : rhlog[ir];
+          if (take_write) x_later += whgate[iw];
           const float* dm = take_write ? a.dA : a.dQK;
-          const float ce = dm[static_cast<int64_t>(token_of(keys[pa], s)) * C + t] * exp_f(a_log - al);
+          const float ce = dm[static_cast<int64_t>(token_of(keys[pa], s)) * C + t] * exp_f(x_later);
           dsum += ce * a_sum;
           dlog -= ce * a_sum * as;
           if (take_write) {

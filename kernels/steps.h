@@ -55,7 +55,6 @@ struct BackwardIO {
   const float* delta;     // residuals of the forward
   const float* G;
   const void* snapshot;
-  float* dbank;           // [V, P, K, D] in: gradient of the final bank; out: of the initial bank
   float* dk_eff;          // [.., C, W]
   float* dw;              // [.., C, W]
   float* dcpe;            // [.., C, W] cotangent of cpe: <dS1[s], S0[s]> at each group's first sorted entry, 0 elsewhere
@@ -72,9 +71,11 @@ template <typename BankT>
 void forward_cpu(const StepDims& dims, const StepPhase1& p1, const ForwardIO& io, BankT* bank);
 
 // Backward chunk loop, chunks in reverse: bank (in/out) goes from the final bank back to the initial one,
-// restoring each chunk's written rows from the snapshot.
-template <typename BankT>
-void backward_cpu(const StepDims& dims, const StepPhase1& p1, const BackwardIO& io, BankT* bank);
+// restoring each chunk's written rows from the snapshot; dbank ([V, P, K, D], in/out) goes from the gradient of
+// the final bank to that of the initial bank. GradT, the working gradient bank's type, is float, or bf16 for a
+// bf16 bank (rows read into float32 and rounded once where a step writes them).
+template <typename BankT, typename GradT>
+void backward_cpu(const StepDims& dims, const StepPhase1& p1, const BackwardIO& io, BankT* bank, GradT* dbank);
 
 // CUDA: the same loops, enqueued on `stream` (no allocation, no synchronisation; the launch configuration
 // depends on the shapes only). `workspace` holds step_workspace_floats(dims) floats (the handlers of both
@@ -84,9 +85,9 @@ inline int64_t step_workspace_floats(const StepDims& dims) { return 3 * dims.str
 template <typename BankT>
 int forward_cuda(const StepDims& dims, const StepPhase1& p1, const ForwardIO& io, BankT* bank, float* workspace,
                  CUstream_st* stream);
-template <typename BankT>
-int backward_cuda(const StepDims& dims, const StepPhase1& p1, const BackwardIO& io, BankT* bank, float* workspace,
-                  CUstream_st* stream);
+template <typename BankT, typename GradT>
+int backward_cuda(const StepDims& dims, const StepPhase1& p1, const BackwardIO& io, BankT* bank, GradT* dbank,
+                  float* workspace, CUstream_st* stream);
 
 }  // namespace sdm
 

@@ -129,8 +129,8 @@ void forward_unit(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io,
   }
 }
 
-template <typename BankT>
-void backward_unit(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, int64_t u, BankT* S, float* dS,
+template <typename BankT, typename GradT>
+void backward_unit(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, int64_t u, BankT* S, GradT* dS,
                    Scratch& sc) {
   const int64_t C = dm.C, W = dm.W, R = dm.R, K = dm.K, D = dm.D;
   const int32_t* k_idx = p1.k_idx + u * C * W;
@@ -163,7 +163,7 @@ void backward_unit(const StepDims& dm, const StepPhase1& p1, const BackwardIO& i
   gather(dS, k_idx, w, C, W, K, D, ddelta);
   for (int64_t e = 0; e < C * W; ++e) {
     const int32_t s = k_idx[e];
-    dw[e] = (s >= 0 && s < K) ? dot(delta + (e / W) * D, dS + static_cast<int64_t>(s) * D, D) : 0.f;
+    dw[e] = (s >= 0 && s < K) ? dot_row(delta + (e / W) * D, dS + static_cast<int64_t>(s) * D, D) : 0.f;
   }
   // Readings: Y = Q0 + QK delta.
   lower_transpose_times(QK, dy, C, D, tmp);
@@ -198,17 +198,17 @@ void backward_unit(const StepDims& dm, const StepPhase1& p1, const BackwardIO& i
     if (s < 0) continue;
     const BankT* snap_row = snap + g * D;
     for (int64_t d = 0; d < D; ++d) s0[d] = to_float(snap_row[d]);
-    float* drow = dS + static_cast<int64_t>(s) * D;
+    GradT* drow = dS + static_cast<int64_t>(s) * D;
     const int32_t e0 = order[lo];
-    dcpe[e0] = dot(drow, s0, D);
-    for (int64_t d = 0; d < D; ++d) acc[d] = cpe[e0] * drow[d];
+    dcpe[e0] = dot_row(s0, drow, D);
+    for (int64_t d = 0; d < D; ++d) acc[d] = cpe[e0] * to_float(drow[d]);
     for (int32_t i = lo; i < hi; ++i) {
       const int32_t e = order[i];
       const float* dg = dG + (e / W) * D;
       dk_eff[e] = dot(dg, s0, D);
       for (int64_t d = 0; d < D; ++d) acc[d] += k_eff[e] * dg[d];
     }
-    std::copy(acc, acc + D, drow);
+    for (int64_t d = 0; d < D; ++d) drow[d] = from_float<GradT>(acc[d]);
     std::copy(snap_row, snap_row + D, S + static_cast<int64_t>(s) * D);
   }
   // Read side, on the restored bank: one writer per read row.
@@ -219,14 +219,16 @@ void backward_unit(const StepDims& dm, const StepPhase1& p1, const BackwardIO& i
     int32_t lo, hi;
     const int32_t s = group_slot(r_order, r_group, q_idx, g, K, &lo, &hi);
     if (s < 0) continue;
-    float* drow = dS + static_cast<int64_t>(s) * D;
+    GradT* drow = dS + static_cast<int64_t>(s) * D;
     const BankT* row = S + static_cast<int64_t>(s) * D;
+    for (int64_t d = 0; d < D; ++d) acc[d] = to_float(drow[d]);
     for (int32_t i = lo; i < hi; ++i) {
       const int32_t r = r_order[i];
       const float* dyr = dy + (r / R) * D;
       dq_w[r] = dot_row(dyr, row, D);
-      for (int64_t d = 0; d < D; ++d) drow[d] += q_w[r] * dyr[d];
+      for (int64_t d = 0; d < D; ++d) acc[d] += q_w[r] * dyr[d];
     }
+    for (int64_t d = 0; d < D; ++d) drow[d] = from_float<GradT>(acc[d]);  // one rounding per row
   }
 }
 
@@ -243,19 +245,20 @@ void forward_cpu(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   });
 }
 
-template <typename BankT>
-void backward_cpu(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, BankT* bank) {
+template <typename BankT, typename GradT>
+void backward_cpu(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, BankT* bank, GradT* dbank) {
   parallel_blocks(dm.streams(), 1, [&](int64_t lo, int64_t hi) {
     Scratch sc(scratch_size(dm));
     for (int64_t s = lo; s < hi; ++s)
       for (int64_t c = dm.NC - 1; c >= 0; --c)
-        backward_unit(dm, p1, io, dm.unit(s, c), bank + s * dm.K * dm.D, io.dbank + s * dm.K * dm.D, sc);
+        backward_unit(dm, p1, io, dm.unit(s, c), bank + s * dm.K * dm.D, dbank + s * dm.K * dm.D, sc);
   });
 }
 
 template void forward_cpu<float>(const StepDims&, const StepPhase1&, const ForwardIO&, float*);
 template void forward_cpu<bf16>(const StepDims&, const StepPhase1&, const ForwardIO&, bf16*);
-template void backward_cpu<float>(const StepDims&, const StepPhase1&, const BackwardIO&, float*);
-template void backward_cpu<bf16>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*);
+template void backward_cpu<float, float>(const StepDims&, const StepPhase1&, const BackwardIO&, float*, float*);
+template void backward_cpu<bf16, float>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, float*);
+template void backward_cpu<bf16, bf16>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, bf16*);
 
 }  // namespace sdm

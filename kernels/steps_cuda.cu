@@ -5,11 +5,18 @@
 //   forward   gather (stream, token): G and Q0 rows, 16-byte loads     -> workspace / G residual
 //             solve  (stream, 32-column slice): u, delta = Minv u, y = Q0 + QK delta
 //             write  (stream, write group = one warp): snapshot, then cpe * S0 + sum_e w[e] delta[t_e], once
-//   backward  gwr    (stream, token): sum_n w dS1[s] (gradient rows)
-//             solve  (stream, slice): ddelta = gwr + QK^T dy, du = Minv^T ddelta, dv, dG
-//             dots   (stream, token row): dA, dQK rows and dbeta (full-width dots, fixed reduction trees)
+//   backward  before the loop, all chunks at once (they do not depend on the bank):
+//             dy part (unit, slice): du = Minv^T QK^T dy, kept in dv's buffer
+//             per chunk, in reverse:
+//             gwr    (stream, token): sum_n w dS1[s] (gradient rows)
+//             solve  (stream, slice): du += Minv^T gwr, dG = -beta du
 //             phase A (stream, write group = one warp): dcpe, dw, dk_eff dots, the gradient row, the restore
 //             read side (stream, read group = one warp): dS0 += q_w dy, dq_w on the restored rows
+//             after the loop, all chunks at once:
+//             dots   (unit, token row): dA, dQK rows and dbeta (full-width dots, fixed reduction trees), dv = beta du
+//
+// The gradient bank is float32 or, for bfloat16 banks, bfloat16 (GT): its rows are read into float32 and
+// rounded once where a kernel writes them.
 //
 // One writer per bank row, gradient row and output cell; every sum in a fixed order (lanes in sorted or lane
 // order, warp shuffles in a fixed xor tree): bitwise reproducible, no atomics. Rows are read and written VEC
@@ -175,17 +182,21 @@ __device__ __forceinline__ void gather_row(const T* __restrict__ rows, const int
   }
 }
 
+// One block per (stream, token, side): side 0 gathers the write lanes' G row, side 1 the read lanes' Q0 row (two
+// blocks rather than one doing both in turn: twice the rows in flight per chunk).
 template <int VEC, typename T>
 __global__ void fwd_gather_kernel(StepDims dm, StepPhase1 p1, const T* __restrict__ bank, int64_t c, ChunkRows rows) {
   extern __shared__ float partial[];
   const int64_t s = blockIdx.x, t = blockIdx.y;
   const int64_t u = unit_of(dm, s, c);
   const T* S = bank + s * dm.K * dm.D;
-  const int64_t off = rows.at(dm, u, s) + t * dm.D;
-  gather_row<VEC>(S, p1.k_idx + (u * dm.C + t) * dm.W, p1.k_eff + (u * dm.C + t) * dm.W, dm.W, dm.K, dm.D,
-                  rows.G + off, partial);
-  gather_row<VEC>(S, p1.q_idx + (u * dm.C + t) * dm.R, p1.q_w + (u * dm.C + t) * dm.R, dm.R, dm.K, dm.D,
-                  rows.Q0 + s * dm.C * dm.D + t * dm.D, partial);
+  if (blockIdx.z == 0) {
+    gather_row<VEC>(S, p1.k_idx + (u * dm.C + t) * dm.W, p1.k_eff + (u * dm.C + t) * dm.W, dm.W, dm.K, dm.D,
+                    rows.G + rows.at(dm, u, s) + t * dm.D, partial);
+  } else {
+    gather_row<VEC>(S, p1.q_idx + (u * dm.C + t) * dm.R, p1.q_w + (u * dm.C + t) * dm.R, dm.R, dm.K, dm.D,
+                    rows.Q0 + s * dm.C * dm.D + t * dm.D, partial);
+  }
 }
 
 __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64_t c, ChunkRows rows) {
@@ -288,66 +299,89 @@ __global__ void fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, T* __
   }
 }
 
-// Backward scratch ([streams, C, D] float32 each).
+// Backward scratch ([streams, C, D] float32 each). du (the adjoint of u = beta (v - G)) lives in dv's buffer,
+// one [C, D] block per unit, until the dots kernel turns it into dv = beta du.
 struct BackRows {
   float* gwr;
-  float* du;
   float* dG;
 };
 
-template <int VEC>
-__global__ void bwd_gwr_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackRows rows) {
+// x[j] = sum over i >= j of L[i, j] * cols[i] for one column of a [C, kSlice] shared-memory slice: the product
+// with the transpose of a lower triangular [C, C] matrix, i ascending.
+__device__ __forceinline__ float lower_t_col(const float* L, const float* cols, int64_t j, int64_t dd, int64_t C) {
+  float x = 0.f;
+  for (int64_t i = j; i < C; ++i) x += L[i * C + j] * cols[i * kSlice + dd];
+  return x;
+}
+
+// Stage columns [d0, d0 + kSlice) of rows [C, D] (zero past D) in shared memory.
+__device__ __forceinline__ void stage_slice(const float* rows, int64_t C, int64_t D, int64_t d0, float* out) {
+  for (int idx = threadIdx.x; idx < C * kSlice; idx += blockDim.x) {
+    const int64_t t = idx / kSlice, d = d0 + idx % kSlice;
+    out[idx] = d < D ? rows[t * D + d] : 0.f;
+  }
+}
+
+// Before the loop, every unit at once: du = Minv^T (QK^T dy), the part of the adjoint that does not depend on
+// the bank; one block per (unit, column slice).
+__global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
+  extern __shared__ float sh[];
+  const int64_t C = dm.C, D = dm.D;
+  const int64_t u = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
+  float* sdy = sh;
+  float* sdd = sh + C * kSlice;
+  stage_slice(io.dy + u * C * D, C, D, d0, sdy);
+  __syncthreads();
+  const float* QK = p1.QK + u * C * C;
+  for (int idx = threadIdx.x; idx < C * kSlice; idx += blockDim.x)
+    sdd[idx] = lower_t_col(QK, sdy, idx / kSlice, idx % kSlice, C);
+  __syncthreads();
+  const float* minv = p1.minv + u * C * C;
+  for (int idx = threadIdx.x; idx < C * kSlice; idx += blockDim.x) {
+    const int64_t j = idx / kSlice, d = d0 + idx % kSlice;
+    if (d < D) io.dv[(u * C + j) * D + d] = lower_t_col(minv, sdd, j, idx % kSlice, C);
+  }
+}
+
+template <int VEC, typename GT>
+__global__ void bwd_gwr_kernel(StepDims dm, StepPhase1 p1, const GT* __restrict__ dbank, int64_t c, BackRows rows) {
   extern __shared__ float partial[];
   const int64_t s = blockIdx.x, t = blockIdx.y;
   const int64_t u = unit_of(dm, s, c);
-  gather_row<VEC>(io.dbank + s * dm.K * dm.D, p1.k_idx + (u * dm.C + t) * dm.W, p1.w + (u * dm.C + t) * dm.W,
+  gather_row<VEC>(dbank + s * dm.K * dm.D, p1.k_idx + (u * dm.C + t) * dm.W, p1.w + (u * dm.C + t) * dm.W,
                   dm.W, dm.K, dm.D, rows.gwr + (s * dm.C + t) * dm.D, partial);
 }
 
+// In the loop: du += Minv^T gwr (the bank-dependent part), dG = -beta du.
 __global__ void bwd_solve_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackRows rows) {
   extern __shared__ float sh[];
   const int64_t C = dm.C, D = dm.D;
   const int64_t s = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
   const int64_t u = unit_of(dm, s, c);
-  float* sdd = sh;
-  float* sdy = sh + C * kSlice;
-  const float* QK = p1.QK + u * C * C;
-  const float* dy = io.dy + u * C * D;
-  const float* gwr = rows.gwr + s * C * D;
-  for (int idx = threadIdx.x; idx < C * kSlice; idx += blockDim.x) {
-    const int64_t t = idx / kSlice, d = d0 + idx % kSlice;
-    sdy[idx] = d < D ? dy[t * D + d] : 0.f;
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < C * kSlice; idx += blockDim.x) {
-    const int64_t t = idx / kSlice, dd = idx % kSlice;
-    float r = 0.f;
-    for (int64_t i = t; i < C; ++i) r += QK[i * C + t] * sdy[i * kSlice + dd];
-    sdd[idx] = d0 + dd < D ? gwr[t * D + d0 + dd] + r : 0.f;
-  }
+  float* sg = sh;
+  stage_slice(rows.gwr + s * C * D, C, D, d0, sg);
   __syncthreads();
   const float* minv = p1.minv + u * C * C;
   for (int idx = threadIdx.x; idx < C * kSlice; idx += blockDim.x) {
     const int64_t j = idx / kSlice, d = d0 + idx % kSlice;
     if (d >= D) continue;
-    float du = 0.f;
-    for (int64_t i = j; i < C; ++i) du += minv[i * C + j] * sdd[i * kSlice + idx % kSlice];
-    const float b = io.beta[u * C + j];
-    rows.du[(s * C + j) * D + d] = du;
-    rows.dG[(s * C + j) * D + d] = -b * du;
-    io.dv[(u * C + j) * D + d] = b * du;
+    float* du = io.dv + (u * C + j) * D + d;
+    const float x = *du + lower_t_col(minv, sg, j, idx % kSlice, C);
+    *du = x;
+    rows.dG[(s * C + j) * D + d] = -io.beta[u * C + j] * x;
   }
 }
 
+// After the loop, every unit at once, one block per (unit, token row i): dA[i, :], dQK[i, :], dbeta_i, and
+// dv_i = beta_i du_i in place of du_i (this block is du_i's only reader).
 template <int VEC>
-__global__ void bwd_dots_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackRows rows) {
+__global__ void bwd_dots_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
   __shared__ float red[kDotsThreads];
   const int64_t C = dm.C, D = dm.D;
-  const int64_t s = blockIdx.x, i = blockIdx.y;
-  const int64_t u = unit_of(dm, s, c);
+  const int64_t u = blockIdx.x, i = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const float* delta = io.delta + u * C * D;
-  const float* du_i = rows.du + (s * C + i) * D;
+  float* du_i = io.dv + (u * C + i) * D;
   const float* dy_i = io.dy + (u * C + i) * D;
   const float beta_i = io.beta[u * C + i];
   for (int64_t j = warp; j < C; j += warps) {
@@ -374,18 +408,19 @@ __global__ void bwd_dots_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64
     __syncthreads();
   }
   if (threadIdx.x == 0) io.dbeta[u * C + i] = red[0];
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) du_i[d] *= beta_i;  // every read of du_i is done
 }
 
-template <int VEC, typename T>
-__global__ void bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T* __restrict__ bank, int64_t c,
-                                   BackRows rows) {
+template <int VEC, typename T, typename GT>
+__global__ void bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T* __restrict__ bank,
+                                   GT* __restrict__ dbank, int64_t c, BackRows rows) {
   Group gr;
   if (!warp_group(dm, c, p1.w_order, p1.w_group, p1.k_idx, dm.W, &gr)) return;
   const int64_t C = dm.C, W = dm.W, D = dm.D, K = dm.K, s = gr.s, u = gr.u, g = gr.g;
   const int lane = gr.lane;
   const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
   const int32_t* order = p1.w_order + u * C * W;
-  float* drow = io.dbank + (s * K + slot) * D;
+  GT* drow = dbank + (s * K + slot) * D;
   const T* s0 = static_cast<const T*>(io.snapshot) + (u * C * W + g) * D;
   const int64_t e0 = u * C * W + order[lo];
   const float cpe = p1.cpe[e0];
@@ -456,16 +491,16 @@ __global__ void bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T*
   }
 }
 
-template <int VEC, typename T>
+template <int VEC, typename T, typename GT>
 __global__ void bwd_read_side_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const T* __restrict__ bank,
-                                     int64_t c) {
+                                     GT* __restrict__ dbank, int64_t c) {
   Group gr;
   if (!warp_group(dm, c, p1.r_order, p1.r_group, p1.q_idx, dm.R, &gr)) return;
   const int64_t C = dm.C, R = dm.R, D = dm.D, K = dm.K, s = gr.s, u = gr.u;
   const int lane = gr.lane;
   const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
   const int32_t* order = p1.r_order + u * C * R;
-  float* drow = io.dbank + (s * K + slot) * D;
+  GT* drow = dbank + (s * K + slot) * D;
   const T* row = bank + (s * K + slot) * D;
   const float* dy = io.dy + u * C * D;
   const float* q_w = p1.q_w + u * C * R;
@@ -529,13 +564,13 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   const ChunkRows rows{save ? io.G : workspace, workspace + n, save ? io.delta : workspace + 2 * n, save};
   const size_t smem = 2 * dm.C * kSlice * sizeof(float);
   int rc = smem_attribute(fwd_solve_kernel, smem);
-  const dim3 row_grid(dm.streams(), dm.C);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
   const dim3 group_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
   const RowBlock rb = row_block(dm.D, VEC);
   if (!rc) rc = smem_attribute(fwd_gather_kernel<VEC, T>, rb.smem);
+  const dim3 gather_grid(dm.streams(), dm.C, 2);
   for (int64_t c = 0; c < dm.NC && !rc; ++c) {
-    fwd_gather_kernel<VEC, T><<<row_grid, rb.threads, rb.smem, stream>>>(dm, p1, bank, c, rows);
+    fwd_gather_kernel<VEC, T><<<gather_grid, rb.threads, rb.smem, stream>>>(dm, p1, bank, c, rows);
     rc = launched(rc);
     fwd_solve_kernel<<<slice_grid, kSolveThreads, smem, stream>>>(dm, p1, io, c, rows);
     rc = launched(rc);
@@ -545,31 +580,39 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   return rc;
 }
 
-template <int VEC, typename T>
-int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, T* bank, float* workspace,
-                  cudaStream_t stream) {
+template <int VEC, typename T, typename GT>
+int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, T* bank, GT* dbank,
+                  float* workspace, cudaStream_t stream) {
   const int64_t n = dm.streams() * dm.C * dm.D;
-  const BackRows rows{workspace, workspace + n, workspace + 2 * n};
+  const BackRows rows{workspace, workspace + n};
   const size_t smem = 2 * dm.C * kSlice * sizeof(float);
-  int rc = smem_attribute(bwd_solve_kernel, smem);
+  int rc = smem_attribute(bwd_dy_kernel, smem);
+  if (!rc) rc = smem_attribute(bwd_solve_kernel, smem / 2);
   const dim3 row_grid(dm.streams(), dm.C);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
   const dim3 write_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
   const dim3 read_grid(dm.streams(), (dm.C * dm.R + kGroupWarps - 1) / kGroupWarps);
-  // The gradient rows are float32: VEC float32 columns per thread read 16 bytes at VEC = 4.
-  constexpr int kFVec = VEC >= 4 ? 4 : 1;
-  const RowBlock rb = row_block(dm.D, kFVec);
-  if (!rc) rc = smem_attribute(bwd_gwr_kernel<kFVec>, rb.smem);
+  // Gradient rows read 16 bytes per thread: 8 bfloat16 or 4 float32 columns.
+  constexpr int kGVec = sizeof(GT) == 2 ? VEC : (VEC >= 4 ? 4 : 1);
+  constexpr int kFVec = VEC >= 4 ? 4 : 1;  // float32 rows (delta, du, dy)
+  const RowBlock rb = row_block(dm.D, kGVec);
+  if (!rc) rc = smem_attribute(bwd_gwr_kernel<kGVec, GT>, rb.smem);
+  if (!rc) {
+    bwd_dy_kernel<<<dim3(dm.units(), (dm.D + kSlice - 1) / kSlice), kSolveThreads, smem, stream>>>(dm, p1, io);
+    rc = launched(rc);
+  }
   for (int64_t c = dm.NC - 1; c >= 0 && !rc; --c) {
-    bwd_gwr_kernel<kFVec><<<row_grid, rb.threads, rb.smem, stream>>>(dm, p1, io, c, rows);
+    bwd_gwr_kernel<kGVec, GT><<<row_grid, rb.threads, rb.smem, stream>>>(dm, p1, dbank, c, rows);
     rc = launched(rc);
-    bwd_solve_kernel<<<slice_grid, kSolveThreads, smem, stream>>>(dm, p1, io, c, rows);
+    bwd_solve_kernel<<<slice_grid, kSolveThreads, smem / 2, stream>>>(dm, p1, io, c, rows);
     rc = launched(rc);
-    bwd_dots_kernel<kFVec><<<row_grid, kDotsThreads, 0, stream>>>(dm, p1, io, c, rows);
+    bwd_phase_a_kernel<VEC, T, GT><<<write_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, dbank, c, rows);
     rc = launched(rc);
-    bwd_phase_a_kernel<VEC, T><<<write_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, c, rows);
+    bwd_read_side_kernel<VEC, T, GT><<<read_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, dbank, c);
     rc = launched(rc);
-    bwd_read_side_kernel<VEC, T><<<read_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, c);
+  }
+  if (!rc) {
+    bwd_dots_kernel<kFVec><<<dim3(dm.units(), dm.C), kDotsThreads, 0, stream>>>(dm, p1, io);
     rc = launched(rc);
   }
   return rc;
@@ -594,11 +637,13 @@ int forward_cuda(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   }
 }
 
-template <typename BankT>
-int backward_cuda(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, BankT* bank_in, float* workspace,
-                  CUstream_st* stream) {
+template <typename BankT, typename GradT>
+int backward_cuda(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, BankT* bank_in, GradT* dbank_in,
+                  float* workspace, CUstream_st* stream) {
   using T = typename Device<BankT>::type;
+  using GT = typename Device<GradT>::type;
   T* bank = reinterpret_cast<T*>(bank_in);
+  GT* dbank = reinterpret_cast<GT*>(dbank_in);
   int rc = 0;
   // Entries in no group (out-of-range ids, padding) get zero gradients.
   for (auto [p, n] : {std::pair{io.dk_eff, dm.W}, std::pair{io.dw, dm.W}, std::pair{io.dcpe, dm.W},
@@ -607,17 +652,19 @@ int backward_cuda(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   }
   if (dm.streams() == 0 || dm.NC == 0 || dm.C == 0 || dm.D == 0 || rc) return rc;
   switch (vec_of(dm.D)) {
-    case 8: return backward_loop<8>(dm, p1, io, bank, workspace, stream);
-    case 4: return backward_loop<4>(dm, p1, io, bank, workspace, stream);
-    default: return backward_loop<1>(dm, p1, io, bank, workspace, stream);
+    case 8: return backward_loop<8>(dm, p1, io, bank, dbank, workspace, stream);
+    case 4: return backward_loop<4>(dm, p1, io, bank, dbank, workspace, stream);
+    default: return backward_loop<1>(dm, p1, io, bank, dbank, workspace, stream);
   }
 }
 
 template int forward_cuda<float>(const StepDims&, const StepPhase1&, const ForwardIO&, float*, float*, CUstream_st*);
 template int forward_cuda<bf16>(const StepDims&, const StepPhase1&, const ForwardIO&, bf16*, float*, CUstream_st*);
-template int backward_cuda<float>(const StepDims&, const StepPhase1&, const BackwardIO&, float*, float*,
-                                  CUstream_st*);
-template int backward_cuda<bf16>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, float*,
-                                 CUstream_st*);
+template int backward_cuda<float, float>(const StepDims&, const StepPhase1&, const BackwardIO&, float*, float*,
+                                         float*, CUstream_st*);
+template int backward_cuda<bf16, float>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, float*,
+                                        float*, CUstream_st*);
+template int backward_cuda<bf16, bf16>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, bf16*,
+                                       float*, CUstream_st*);
 
 }  // namespace sdm

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
 #
-#   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench (default: all)
+#   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,profile
+#                                          (default: build,tests,determinism,bench)
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
 # metadata, so the commit the logs name is taken from SDM_COMMIT when set.
@@ -43,7 +44,7 @@ run_pytest() {  # name, then pytest arguments
 
 if has tests; then
   run_pytest gpu_tests "$REPO"/tests/test_gpu_*.py "$REPO"/tests/test_ffi_op.py "$REPO"/tests/test_oracles.py \
-    "$REPO"/tests/test_reference.py "$REPO"/tests/test_layout.py
+    "$REPO"/tests/test_grad_bank.py "$REPO"/tests/test_step.py "$REPO"/tests/test_numerics.py ${GPU_TEST_EXTRA:-}
 fi
 if has determinism; then
   # Three processes must agree bit for bit: command buffers (CUDA graphs) on, on again, and off.
@@ -55,9 +56,29 @@ fi
 if has bench; then
   # The SPEC 6 anchors, one process each (the peak memory is per process).
   for shape in ${BENCH_SHAPES:-small mid flagship}; do
-    timeout 300 python3 "$REPO/benchmarks/bench.py" --impls ffi --shape "$shape" --detail --repeats 20 \
-      ${BENCH_ARGS:-} >> "$OUT/bench.log" 2>&1
-    summary "bench $shape rc=$?: $(grep "^| ffi" "$OUT/bench.log" | tail -1)"
+    for chunk in ${BENCH_CHUNKS:-64 128}; do
+      timeout 300 python3 "$REPO/benchmarks/bench.py" --impls ffi --shape "$shape" --chunk "$chunk" --detail \
+        --repeats ${BENCH_REPEATS:-20} ${BENCH_ARGS:-} >> "$OUT/bench.log" 2>&1
+      summary "bench $shape rc=$?: $(grep "^| ffi" "$OUT/bench.log" | tail -1)"
+    done
+  done
+  # The decode step: wall time per donated step against K.
+  timeout 300 python3 "$REPO/benchmarks/bench_decode.py" --impls ffi > "$OUT/bench_decode.log" 2>&1
+  summary "bench_decode rc=$?"
+  grep "^|" "$OUT/bench_decode.log" | tee -a "$OUT/summary.txt"
+fi
+if has profile; then
+  # Per-kernel times of one jitted forward + backward (every kernel, ours and XLA's), then the wall times of the
+  # same step at each chunk size. PROFILE_SHAPES: the shapes (default flagship).
+  for shape in ${PROFILE_SHAPES:-flagship}; do
+    for chunk in ${PROFILE_CHUNKS:-64}; do
+      # XLA must not preallocate (the profiler needs device memory) nor autotune (its kernels would be profiled too).
+      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 \
+      timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes.sum --csv \
+        python3 "$REPO/scripts/profile_steps.py" "$shape" "$chunk" > "$OUT/ncu_${shape}_$chunk.csv" 2> "$OUT/ncu_err.log"
+      summary "profile $shape C$chunk rc=$?"
+      python3 "$REPO/scripts/ncu_summary.py" "$OUT/ncu_${shape}_$chunk.csv" | tee "$OUT/ncu_${shape}_$chunk.txt" | head -30
+    done
   done
 fi
 cat "$OUT/summary.txt"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jax_sdm import ffi_ops, layout
-from jax_sdm.ops import kernel_layout
+from jax_sdm.kernel_path import kernel_layout
 from jax_sdm.testing import random_problem, rel_err
 
 def poison_allocator(device, nbytes=1 << 28):

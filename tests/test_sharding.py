@@ -4,7 +4,8 @@ The checks need several devices, and `--xla_force_host_platform_device_count` mu
 they run in a subprocess (this file run as a script) on 4 CPU devices. For every case the subprocess compares the
 sharded results, and the gradients of a loss over all float inputs with cotangents on `y` and on the final bank,
 with the unsharded single-device results; checks the result shardings; and lists the collectives in the compiled
-HLO of the forward and of the gradient, and the streams one kernel call sees. It prints a readable report and a
+HLO of the forward and of the gradient, and the streams one kernel call sees. It also runs the op and its gradient
+inside `jax.shard_map` (default `check_vma=True`), with own and shared banks. It prints a readable report and a
 final JSON line that the test asserts on.
 """
 import json
@@ -138,7 +139,57 @@ def _run_checks():
         print("  grads: " + ", ".join(grads))
         print(f"  collectives: forward {r['fwd_collectives'] or 'none'}, gradient {r['grad_collectives'] or 'none'}"
               f"; streams per kernel call {r['streams_per_call']} (of {B * H})")
+    results["shard_map"] = _shard_map_checks(op, loss, compare)
     print(json.dumps(results))
+
+
+def _shard_map_cases():
+    """`name: (mesh shape, mesh axis names, spec of the tokens, spec of the bank, problem kwargs)`."""
+    return {
+        "own bank, B over 4": ((4,), ("b",), ("b",), ("b",), {}),
+        "own bank, (B, H) over 2x2": ((2, 2), ("b", "h"), ("b", None, "h"), ("b", "h"), {}),
+        "shared bank, B over 4": ((4,), ("b",), ("b",), (), dict(shared_bank=True)),
+        "shared bank, (B, H) over 2x2": ((2, 2), ("b", "h"), ("b", None, "h"), ("h",), dict(shared_bank=True)),
+    }
+
+
+def _shard_map_checks(op, loss, compare):
+    """`jax.grad` through `jax.shard_map` (default `check_vma=True`): results and gradients against one device."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, PartitionSpec
+
+    from jax_sdm.testing import random_problem
+
+    results = {}
+    for name, (mesh_shape, axis_names, token_spec, bank_spec, kw) in _shard_map_cases().items():
+        args = random_problem(11, B=4, T=9, H=2 * mesh_shape[-1], K=8, D=4, W=2, R=3, distinct=False, **kw)
+        floats = {k: args[k] for k in FLOATS}
+        ints = {k: v for k, v in args.items() if k not in FLOATS}
+        rng = np.random.default_rng(12)
+        dy = rng.standard_normal(args["v"].shape).astype(np.float32)
+        dfinal = rng.standard_normal(args["v"].shape[:1] + args["bank"].shape[-3:]).astype(np.float32)
+        mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), axis_names)
+        tokens, bank = PartitionSpec(*token_spec), PartitionSpec(*bank_spec)
+        final_spec = PartitionSpec(token_spec[0], *token_spec[2:3])
+
+        def local_loss(floats, ints, dy, dfinal):  # the loss of the local streams, summed over the devices
+            return jax.lax.psum(loss(floats, ints, dy, dfinal), axis_names)
+
+        specs = ({k: bank if k == "bank" else tokens for k in floats}, {k: tokens for k in ints}, tokens, final_spec)
+        run = jax.jit(jax.shard_map(lambda a: op(a), mesh=mesh, in_specs=({**specs[0], **specs[1]},),
+                                    out_specs=(tokens, final_spec)))
+        grad = jax.jit(jax.grad(jax.shard_map(local_loss, mesh=mesh, in_specs=specs, out_specs=PartitionSpec())))
+        y, final = run(args)
+        g = grad(floats, ints, dy, dfinal)
+        y_ref, final_ref = jax.jit(op)(args)
+        g_ref = jax.jit(jax.grad(loss))(floats, ints, dy, dfinal)
+        results[name] = dict(y=compare(y, y_ref), final=compare(final, final_ref),
+                             grads={k: compare(g[k], g_ref[k]) for k in FLOATS})
+        print(f"[shard_map: {name}] y {results[name]['y']}, final {results[name]['final']}, "
+              f"grads {results[name]['grads']}")
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +204,15 @@ def report():
 
 
 CASES = list(_cases())
+
+
+@pytest.mark.parametrize("case", list(_shard_map_cases()))
+def test_grad_through_shard_map(report, case):
+    """Inside `shard_map` (check_vma=True) the kernel path's results and gradients are those of one device."""
+    r = report["shard_map"][case]
+    assert r["y"][1] <= 1e-6 and r["final"][1] <= 1e-6, r
+    for k, (how, diff) in r["grads"].items():
+        assert diff <= 1e-6, (k, how, diff)
 
 
 @pytest.mark.parametrize("case", CASES)

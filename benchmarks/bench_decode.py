@@ -1,0 +1,108 @@
+"""Time `sdm_step` (one decode token for every stream, the bank donated) against the number of slots `K`.
+
+    python benchmarks/bench_decode.py [--impls ffi,xla] [--dtypes bfloat16,float32] [--min-log-k 12]
+                                      [--max-log-k 20] [--steps 200] [--repeats 5] [--B 4 --H 4 --D 128 --W 16 --R 16]
+
+* The step is `jax.jit(sdm_step, donate_argnums=0)`; a run calls it `--steps` times in a Python loop, feeding the
+  returned bank back in and cycling through 16 different tokens, then waits for the result. The table shows the
+  median over `--repeats` runs of the wall time per step, in microseconds (after one warm-up run). This is what a
+  decoding loop pays per token: dispatch, the kernel, and no copy of the bank.
+* Tokens follow SPEC 6's recipe: distinct slots `a + n*b mod K` per token, l2-normalised weights, `v` standard
+  normal, `beta = sigmoid(randn)`, `g = -0.5 * softplus(randn)`; the bank is `0.1 * randn`.
+* The default `--max-log-k` is 20 on a GPU and 16 on the CPU (a float32 bank of `B*H*K*D` values takes 8 GiB at
+  K = 2^20 and the default shape). An implementation that raises `NotImplementedError` shows as "n/a".
+"""
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_sdm import sdm_step
+
+NA = "n/a"
+
+
+def make_tokens(seed, n, B, H, K, D, W, R, dtype):
+    """`n` random tokens (dicts of device arrays) in `sdm_step`'s layout."""
+    rng = np.random.default_rng(seed)
+
+    def slots(lanes):
+        a = rng.integers(0, K, size=(B, H, 1))
+        b = 2 * rng.integers(0, max(K // 2, 1), size=(B, H, 1)) + 1
+        return jnp.asarray((a + np.arange(lanes) * b) % K, jnp.int32)
+
+    def unit_rows(lanes):
+        x = rng.standard_normal((B, H, lanes))
+        return jnp.asarray(x / np.linalg.norm(x, axis=-1, keepdims=True), dtype)
+
+    return [dict(k_idx=slots(W), k_val=unit_rows(W), v=jnp.asarray(rng.standard_normal((B, H, D)), dtype),
+                 beta=jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((B, H)))), jnp.float32),
+                 g=jnp.asarray(-0.5 * np.logaddexp(0, rng.standard_normal((B, H))), jnp.float32),
+                 q_idx=slots(R), q_val=unit_rows(R)) for _ in range(n)]
+
+
+def microseconds_per_step(impl, dtype, K, args):
+    """Median wall time per step over `args.repeats` runs of `args.steps` donated steps, or NA."""
+    shape = (args.B, args.H, K, args.D)
+    bank = jax.jit(lambda key: (0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype))(
+        jax.random.PRNGKey(K))
+    tokens = make_tokens(K, 16, args.B, args.H, K, args.D, args.W, args.R, dtype)
+    step = jax.jit(lambda bank, tok: sdm_step(bank, **tok, impl=impl), donate_argnums=0)
+
+    def run(bank):
+        y = None
+        for i in range(args.steps):
+            y, bank = step(bank, tokens[i % len(tokens)])
+        jax.block_until_ready((y, bank))
+        return bank
+
+    try:
+        bank = run(bank)  # warm-up: compile
+    except NotImplementedError as err:
+        print(f"[{impl} {jnp.dtype(dtype).name} K={K}] not available: {err}", file=sys.stderr)
+        return NA
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        bank = run(bank)
+        times.append((time.perf_counter() - start) / args.steps)
+    del bank
+    return statistics.median(times) * 1e6
+
+
+def main():
+    on_gpu = jax.default_backend() == "gpu"
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--impls", default="ffi,xla")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--min-log-k", type=int, default=12)
+    parser.add_argument("--max-log-k", type=int, default=20 if on_gpu else 16)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5)
+    for name, default in (("B", 4), ("H", 4), ("D", 128), ("W", 16), ("R", 16)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    args = parser.parse_args()
+    impls = args.impls.split(",")
+    dtypes = [jnp.dtype(d) for d in args.dtypes.split(",")]
+
+    columns = [(impl, dtype) for dtype in dtypes for impl in impls]
+    print(f"`sdm_step`, wall time per jitted, donated step (us), median of {args.repeats} runs of {args.steps} "
+          f"steps; B {args.B}, H {args.H}, D {args.D}, W {args.W}, R {args.R}; device: {jax.devices()[0].device_kind}"
+          f", jax {jax.__version__}\n")
+    print("| K | " + " | ".join(f"{impl} {dtype.name}" for impl, dtype in columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    for log_k in range(args.min_log_k, args.max_log_k + 1):
+        K = 1 << log_k
+        cells = []
+        for impl, dtype in columns:
+            t = microseconds_per_step(impl, dtype, K, args)
+            cells.append(t if isinstance(t, str) else f"{t:.1f}")
+        print(f"| 2^{log_k} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+// XLA FFI handler `sdm_decode_step` (platform cpu): check (ffi/decode_step_common.h), then one token of every
+// stream (kernels/decode_step_cpu.cc). The bank arrives aliased to the first result (input_output_aliases) and
+// only its written rows are touched.
+#include <cstring>
+
+#include "ffi/decode_step_common.h"
+#include "kernels/bf16.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+ffi::Error DecodeStepCpu(SDM_DECODE_PARAMS) {
+  constexpr const char* op = "sdm_decode_step";
+  sdm_ffi::DecodeCall call;
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareDecodeStep(op, SDM_DECODE_ARGS, &call));
+  // Two buffers only when XLA could not alias them: then (and only then) the whole bank is copied.
+  if (call.bank_in != call.bank) std::memcpy(call.bank, call.bank_in, call.bank_bytes);
+  return sdm_ffi::RunCatching(op, [&] {
+    if (call.type == ffi::DataType::F32)
+      sdm::decode_step_cpu(call.dm, call.token<float>(), static_cast<float*>(call.bank));
+    else
+      sdm::decode_step_cpu(call.dm, call.token<sdm::bf16>(), static_cast<sdm::bf16*>(call.bank));
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmDecodeStepCpu, DecodeStepCpu, ffi::Ffi::Bind().SDM_DECODE_BUFFERS);

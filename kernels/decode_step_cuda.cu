@@ -1,0 +1,113 @@
+// The fused decode step on the GPU (kernels/decode_step.h), one launch. A block owns one stream and a tile of
+// columns, a thread one column: it runs the stream's whole token on its column in lane order, so every bank cell
+// has one writer and every sum a fixed order, with no barrier but the one after the block computes the stream's
+// lane maps (first write lane of each write and read slot) into shared memory. Only the W written rows are
+// touched. Built with -fmad=false: multiplies and adds are rounded separately, as on the CPU.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "kernels/bf16.h"
+#include "kernels/decode_step.h"
+
+namespace sdm {
+namespace {
+
+constexpr int kMaxThreads = 128;               // columns per block
+constexpr int kMinThreads = 32;                // one warp
+constexpr int64_t kSharedBytes = 48 * 1024;    // the default dynamic shared memory limit (no opt-in needed)
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float from_f(float x, float*) { return x; }
+__device__ __forceinline__ __nv_bfloat16 from_f(float x, __nv_bfloat16*) { return __float2bfloat16_rn(x); }
+
+// Shared memory of a block: the working rows cur [W][threads] (float), then first [W] and read_lane [R] (int32).
+int64_t shared_bytes(const DecodeDims& dm, int threads) { return 4 * (dm.W * threads + dm.W + dm.R); }
+
+template <typename T>
+__global__ void decode_step_kernel(DecodeDims dm, DecodeToken<T> tok, T* __restrict__ bank, int64_t tiles) {
+  extern __shared__ float shared[];
+  const int64_t W = dm.W, R = dm.R, K = dm.K, D = dm.D;
+  const int64_t s = blockIdx.x / tiles;
+  const int64_t j = (blockIdx.x % tiles) * blockDim.x + threadIdx.x;
+  float* cur = shared + threadIdx.x;  // this column's working row of lane n at cur[n * blockDim.x]
+  int32_t* first = reinterpret_cast<int32_t*>(shared + W * blockDim.x);
+  int32_t* read_lane = first + W;
+  const int32_t* k_idx = tok.k_idx + s * W;
+  const int32_t* q_idx = tok.q_idx + s * R;
+  for (int64_t n = threadIdx.x; n < W; n += blockDim.x) first[n] = first_write_lane(k_idx, W, K, k_idx[n]);
+  for (int64_t m = threadIdx.x; m < R; m += blockDim.x) read_lane[m] = first_write_lane(k_idx, W, K, q_idx[m]);
+  __syncthreads();
+  if (j >= D) return;
+
+  const T* k_val = tok.k_val + s * W;
+  const float* x = tok.x + (dm.per_write_gates ? s * W : s);
+  T* col = bank + s * K * D + j;  // column j of the stream's rows: row r at col[r * D]
+  for (int64_t n = 0; n < W; ++n) {  // each distinct written row decays once
+    if (first[n] == n) cur[n * blockDim.x] = expf(x[dm.per_write_gates ? n : 0]) * to_f(col[k_idx[n] * D]);
+  }
+  float d = 0.0f;  // pred, then the delta-rule correction
+  for (int64_t n = 0; n < W; ++n) {
+    if (first[n] >= 0) d += to_f(k_val[n]) * cur[first[n] * blockDim.x];
+  }
+  d = tok.beta[s] * (to_f(tok.v[s * D + j]) - d);
+  for (int64_t n = 0; n < W; ++n) {
+    if (first[n] >= 0) cur[first[n] * blockDim.x] += to_f(k_val[n]) * d;
+  }
+  for (int64_t n = 0; n < W; ++n) {
+    if (first[n] == n) col[k_idx[n] * D] = from_f(cur[n * blockDim.x], col);
+  }
+  // Reads after the write: a written row from its float32 working row, any other from the bank.
+  const T* q_val = tok.q_val + s * R;
+  float y = 0.0f;
+  for (int64_t m = 0; m < R; ++m) {
+    const int32_t r = q_idx[m];
+    if (r < 0 || r >= K) continue;
+    const float row = read_lane[m] >= 0 ? cur[read_lane[m] * blockDim.x] : to_f(col[r * D]);
+    y += to_f(q_val[m]) * row;
+  }
+  tok.y[s * D + j] = from_f(y, tok.y);
+}
+
+template <typename T>
+int launch(const DecodeDims& dm, const DecodeToken<T>& tok, T* bank, cudaStream_t stream) {
+  if (dm.S <= 0 || dm.D <= 0) return static_cast<int>(cudaSuccess);
+  // Launch configuration from the shapes only: the widest tile (up to one column per thread) whose working rows
+  // fit the default shared memory. W, R <= 256 keep one warp's tile within it.
+  int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, (dm.D + 31) / 32 * 32));
+  while (threads > kMinThreads && shared_bytes(dm, threads) > kSharedBytes) threads /= 2;
+  if (shared_bytes(dm, threads) > kSharedBytes) return static_cast<int>(cudaErrorInvalidValue);
+  const int64_t tiles = (dm.D + threads - 1) / threads;
+  const int64_t blocks = dm.S * tiles;
+  if (blocks > 0x7fffffff) return static_cast<int>(cudaErrorInvalidValue);
+  decode_step_kernel<T><<<static_cast<unsigned>(blocks), threads, shared_bytes(dm, threads), stream>>>(
+      dm, tok, bank, tiles);
+  return static_cast<int>(cudaGetLastError());
+}
+
+// The device type of a bank type: sdm::bf16 (the host's name) is __nv_bfloat16 here, with the same layout.
+template <typename T>
+struct Device {
+  using type = T;
+};
+template <>
+struct Device<bf16> {
+  using type = __nv_bfloat16;
+};
+
+}  // namespace
+
+template <typename BankT>
+int decode_step_cuda(const DecodeDims& dm, const DecodeToken<BankT>& tok, BankT* bank, CUstream_st* stream) {
+  using T = typename Device<BankT>::type;
+  const DecodeToken<T> t{tok.k_idx, reinterpret_cast<const T*>(tok.k_val), tok.x, reinterpret_cast<const T*>(tok.v),
+                         tok.beta, tok.q_idx, reinterpret_cast<const T*>(tok.q_val), reinterpret_cast<T*>(tok.y)};
+  return launch(dm, t, reinterpret_cast<T*>(bank), stream);
+}
+
+template int decode_step_cuda<float>(const DecodeDims&, const DecodeToken<float>&, float*, CUstream_st*);
+template int decode_step_cuda<bf16>(const DecodeDims&, const DecodeToken<bf16>&, bf16*, CUstream_st*);
+
+}  // namespace sdm

@@ -1,0 +1,241 @@
+"""The edges of the input domain, every impl against the float64 token loop: gates at the edge of `g <= 0`
+(`-inf`, a hard reset of the written row, and huge finite magnitudes), slot ids of any integer type, and empty
+dimensions."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_sdm import sdm_write_read
+from jax_sdm.reference import sdm_reference
+from jax_sdm.testing import FLOAT_ARGS, EXTREME_GATES, cotangents, extreme_gates, outputs_and_grads, \
+    random_problem, rel_err
+
+CHUNKED = ("ffi", "xla")
+TOL = 1e-5
+
+
+def reference64(args, dy, dbank):
+    """Outputs and gradients of the float64 token loop."""
+    with jax.enable_x64(True):
+        a64 = {k: (np.asarray(v, np.float64) if np.asarray(v).dtype.kind == "f" else v) for k, v in args.items()}
+        y, final, grads = outputs_and_grads(sdm_reference, a64, dy, dbank)
+        return np.asarray(y), np.asarray(final), {k: np.asarray(v) for k, v in grads.items()}
+
+
+def assert_matches_reference(args, impl, chunk_size, label, seed=0):
+    dy, dbank = cotangents(seed, args)
+    y_ref, final_ref, g_ref = reference64(args, dy, dbank)
+    y, final, grads = outputs_and_grads(sdm_write_read, args, dy, dbank, impl=impl, chunk_size=chunk_size)
+    got = dict(y=y, final_bank=final, **{f"grad_{k}": grads[k] for k in FLOAT_ARGS})
+    want = dict(y=y_ref, final_bank=final_ref, **{f"grad_{k}": g_ref[k] for k in FLOAT_ARGS})
+    for name in got:
+        g = np.asarray(got[name])
+        assert np.isfinite(g).all(), f"{label} {impl} C={chunk_size}: non-finite {name}"
+        err = rel_err(g, want[name])
+        assert err < TOL, f"{label} {impl} C={chunk_size}: {name} relative error {err:.3g}"
+    return got, want
+
+
+def gate_problem(seed, kind, per_write_gates=True):
+    """Collisions, repeats and per-write (or per-token) gates, with every 7th token's gates set to `kind`
+    (a number) or, for "mixed", a random 15% of the gates set to the values of EXTREME_GATES."""
+    p = random_problem(seed, B=2, T=70, H=1, K=6, D=5, W=3, R=2, distinct=False, repeats=True,
+                       per_write_gates=per_write_gates)
+    g = p["g"].copy()
+    if kind == "mixed":
+        g = extreme_gates(np.random.default_rng(seed), g)
+    else:
+        g[:, ::7] = kind
+    return dict(p, g=g.astype(np.float32))
+
+
+GATE_KINDS = [-np.inf, -3e38, -1e30, -1e10, "mixed"]
+
+
+@pytest.mark.parametrize("impl", CHUNKED)
+@pytest.mark.parametrize("kind", GATE_KINDS, ids=str)
+def test_extreme_gates_match_token_loop(impl, kind):
+    """Every finite or infinite gate <= 0 gives finite outputs, final bank and gradients equal to the token
+    loop's, at chunk sizes that put the extreme gates at chunk starts, inside chunks and across chunks."""
+    seed = int(np.random.SeedSequence().entropy % 10_000)
+    args = gate_problem(seed, kind)
+    for chunk_size in (5, 16, 64):
+        assert_matches_reference(args, impl, chunk_size, f"g={kind} seed={seed}", seed)
+
+
+@pytest.mark.parametrize("impl", CHUNKED)
+def test_minus_inf_per_token_gate(impl):
+    seed = int(np.random.SeedSequence().entropy % 10_000)
+    assert_matches_reference(gate_problem(seed, -np.inf, per_write_gates=False), impl, 16, f"seed={seed}", seed)
+
+
+@pytest.mark.parametrize("impl", ("reference",) + CHUNKED)
+def test_minus_inf_is_a_hard_reset(impl):
+    """A write with g = -inf forgets the row: after it, the bank does not depend on the row's earlier contents,
+    and the gradient of the final bank w.r.t. the initial row is 0, as is the gradient w.r.t. the -inf gate (the
+    kernels' gate gradients are sums of signed terms: 0 up to float32 rounding of the others)."""
+    p = random_problem(3, B=1, T=12, H=1, K=4, D=3, W=1, R=1, distinct=False)
+    p["k_idx"][...] = 2
+    p["g"][0, 5, 0] = -np.inf  # token 5 resets slot 2; tokens 6.. write it again
+    bank2 = p["bank"].copy()
+    bank2[0, 0, 2] += 10.0
+    y1, f1 = sdm_write_read(**p, impl=impl, chunk_size=4)
+    y2, f2 = sdm_write_read(**dict(p, bank=bank2), impl=impl, chunk_size=4)
+    np.testing.assert_array_equal(np.asarray(f1)[0, 0, 2], np.asarray(f2)[0, 0, 2])
+    np.testing.assert_array_equal(np.asarray(y1)[:, 5:], np.asarray(y2)[:, 5:])
+
+    floats = {k: jnp.asarray(p[k]) for k in ("bank", "g")}
+    rest = {k: v for k, v in p.items() if k not in floats}
+    grads = jax.grad(lambda f: jnp.sum(sdm_write_read(**f, **rest, impl=impl, chunk_size=4)[1][0, 0, 2]))(floats)
+    assert np.all(np.asarray(grads["bank"])[0, 0, 2] == 0)
+    dg = np.asarray(grads["g"])
+    assert np.isfinite(dg).all()
+    assert abs(dg[0, 5, 0]) <= 1e-6 * np.linalg.norm(dg), dg[0, 5, 0]
+
+
+# ---------------------------------------------------------------------------
+# Slot ids of any integer type
+# ---------------------------------------------------------------------------
+
+def wide_id_problem(seed, K=8):
+    """A problem whose ids include values that alias valid slots when wrapped to 32 bits (2^32 + s, 2^33 - 1,
+    -2^32 + s, 2^31 + s), and its twin with those ids replaced by -1."""
+    p = random_problem(seed, B=1, T=9, H=2, K=K, D=3, W=3, R=2, distinct=False)
+    k64, q64 = p["k_idx"].astype(np.int64), p["q_idx"].astype(np.int64)
+    k64[0, ::2, 0, 1] += 2**32
+    k64[0, 1::3, 1, 0] = 2**33 - 1
+    q64[0, ::3, :, 0] -= 2**32
+    q64[0, 1::2, 1, 1] += 2**31
+    bad_k, bad_q = (k64 < 0) | (k64 >= K), (q64 < 0) | (q64 >= K)
+    twin = dict(p, k_idx=np.where(bad_k, -1, k64).astype(np.int32), q_idx=np.where(bad_q, -1, q64).astype(np.int32))
+    return dict(p, k_idx=k64, q_idx=q64), twin, int(bad_k.sum()), int(bad_q.sum())
+
+
+@pytest.mark.parametrize("impl", ("reference",) + CHUNKED)
+@pytest.mark.parametrize("x64", [False, True])
+def test_64_bit_ids_never_alias_a_slot(impl, x64):
+    wide, twin, _, _ = wide_id_problem(5)
+    want = sdm_write_read(**twin, impl=impl, chunk_size=4)
+    with jax.enable_x64(x64):
+        for ids in ("numpy", "jax"):
+            args = dict(wide) if ids == "numpy" else dict(wide, k_idx=jnp.asarray(wide["k_idx"]),
+                                                           q_idx=jnp.asarray(wide["q_idx"]))
+            if ids == "jax" and not x64:
+                continue  # a JAX array cannot hold 64-bit ids without x64
+            got = sdm_write_read(**args, impl=impl, chunk_size=4)
+            for g, w in zip(got, want):  # an aliased id would change them by O(1)
+                np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-7, err_msg=ids)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.uint16, np.uint32, np.int64, np.uint64])
+def test_ids_of_every_integer_type(dtype):
+    """Ids are compared in their own type: a uint8 id of 255 with K = 300 is a valid slot, an int8 id of -1 or a
+    uint32 id of 2^31 + 2 is not."""
+    info = np.iinfo(dtype)
+    K = 300
+    p = random_problem(2, B=1, T=6, H=1, K=K, D=2, W=2, R=2, distinct=False)
+    k = (p["k_idx"] % min(K, int(info.max) + 1)).astype(np.int64)
+    q = (p["q_idx"] % min(K, int(info.max) + 1)).astype(np.int64)
+    if info.max >= 2**31 + 2:
+        k[0, 0, 0, 0] = 2**31 + 2  # wraps to a negative int32
+    if info.min < 0:
+        q[0, 1, 0, 1] = -1
+    k[0, 2, 0, 1] = min(int(info.max), 255)
+    want = sdm_write_read(**dict(p, k_idx=np.where(k >= K, -1, k).astype(np.int32), q_idx=q.astype(np.int32)),
+                          impl="xla", chunk_size=4)
+    with jax.enable_x64(True):
+        for to_array in (np.asarray, jnp.asarray):
+            got = sdm_write_read(**dict(p, k_idx=to_array(k.astype(dtype)), q_idx=to_array(q.astype(dtype))),
+                                 impl="xla", chunk_size=4)
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-7)
+
+
+def test_check_reports_wide_ids():
+    wide, _, n_k, n_q = wide_id_problem(6)
+    with jax.enable_x64(True):
+        with pytest.raises(Exception, match=f"{n_k} write slot ids .*{n_q} read slot ids"):
+            jax.block_until_ready(sdm_write_read(**dict(wide, k_idx=jnp.asarray(wide["k_idx"]),
+                                                        q_idx=jnp.asarray(wide["q_idx"])), impl="xla", check=True))
+
+
+# ---------------------------------------------------------------------------
+# Positive gates: outside the domain, reported by check=True
+# ---------------------------------------------------------------------------
+
+def test_check_reports_positive_gates():
+    p = random_problem(4, B=1, T=6, H=1, K=8, D=2, W=2, R=2)
+    g = p["g"].copy()
+    g[0, 1:4, 0] = 0.3
+    with pytest.raises(Exception, match=r"3 gates `g` > 0 \(the domain is g <= 0"):
+        jax.block_until_ready(sdm_write_read(**dict(p, g=g), impl="xla", check=True))
+    g[0, 1:4, 0] = 0.0  # the edge of the domain is in it
+    jax.block_until_ready(sdm_write_read(**dict(p, g=g), impl="xla", check=True))
+
+
+# ---------------------------------------------------------------------------
+# Empty dimensions
+# ---------------------------------------------------------------------------
+
+EMPTY = {"B": dict(B=0), "T": dict(T=0), "H": dict(H=0), "K": dict(K=0), "D": dict(D=0)}
+
+
+def empty_problem(seed, shared_bank=False, per_write_gates=False, **zero):
+    """A random problem with one dimension (B, T, H, K, D, W or R) set to 0."""
+    dims = dict(B=2, T=5, H=3, K=4, D=3, W=2, R=2, **zero)
+    full = random_problem(seed, **{k: max(v, 1) for k, v in dims.items()}, shared_bank=shared_bank,
+                          per_write_gates=per_write_gates, distinct=False)
+    B, T, H, K, D, W, R = (dims[k] for k in "BTHKDWR")
+    sl = lambda a, *n: a[tuple(slice(0, m) for m in n)]
+    bank = sl(full["bank"], H, K, D) if shared_bank else sl(full["bank"], B, H, K, D)
+    return dict(bank=bank, k_idx=sl(full["k_idx"], B, T, H, W), k_val=sl(full["k_val"], B, T, H, W),
+                v=sl(full["v"], B, T, H, D), beta=sl(full["beta"], B, T, H),
+                g=sl(full["g"], B, T, H, W) if per_write_gates else sl(full["g"], B, T, H),
+                q_idx=sl(full["q_idx"], B, T, H, R), q_val=sl(full["q_val"], B, T, H, R))
+
+
+@pytest.mark.parametrize("impl", ("reference",) + CHUNKED)
+@pytest.mark.parametrize("shared_bank", [False, True])
+@pytest.mark.parametrize("dim", sorted(EMPTY))
+def test_empty_dimension(impl, shared_bank, dim):
+    """No stream, token, slot or column: zero (or empty) readings, the bank unchanged, gradients of the right
+    shapes (the bank's is the final bank's cotangent, summed over the batch for a shared bank)."""
+    p = empty_problem(1, shared_bank=shared_bank, **EMPTY[dim])
+    B, T, H, _ = p["k_idx"].shape
+    K, D = p["bank"].shape[-2:]
+    y, final = sdm_write_read(**p, impl=impl, chunk_size=4)
+    assert y.shape == (B, T, H, D) and y.dtype == p["bank"].dtype and not np.asarray(y).any()
+    np.testing.assert_array_equal(np.asarray(final), np.broadcast_to(p["bank"], (B, H, K, D)))
+    dy, dbank = cotangents(0, dict(p, bank=np.zeros((B, H, K, D), np.float32)))
+    _, _, grads = outputs_and_grads(sdm_write_read, p, dy, dbank, impl=impl, chunk_size=4)
+    for k in FLOAT_ARGS:
+        assert grads[k].shape == np.shape(p[k]), k
+    want_bank = dbank.sum(0) if shared_bank else dbank
+    np.testing.assert_allclose(np.asarray(grads["bank"]), want_bank, rtol=1e-6)
+    for k in FLOAT_ARGS[1:]:
+        assert not np.asarray(grads[k]).any(), k
+
+
+@pytest.mark.parametrize("impl", ("reference",) + CHUNKED)
+@pytest.mark.parametrize("lanes", ["W", "R", "WR"])
+def test_no_write_or_no_read_lanes(impl, lanes):
+    """W = 0: tokens write nothing (no decay either), the readings read the initial bank; R = 0: the readings
+    are zeros and the bank evolves as with reads. Both equal the full problem with those lanes' ids out of
+    range, and so do the gradients."""
+    per_write = True
+    p = empty_problem(2, per_write_gates=per_write, **{k: 0 for k in lanes})
+    full = empty_problem(2, per_write_gates=per_write)
+    if "W" in lanes:
+        full["k_idx"] = np.full_like(full["k_idx"], -1)
+    if "R" in lanes:
+        full["q_idx"] = np.full_like(full["q_idx"], -1)
+    dy, dbank = cotangents(0, full)
+    y, final, grads = outputs_and_grads(sdm_write_read, p, dy, dbank, impl=impl, chunk_size=4)
+    y_f, final_f, grads_f = outputs_and_grads(sdm_write_read, full, dy, dbank, impl=impl, chunk_size=4)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_f), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(final), np.asarray(final_f), rtol=1e-6, atol=1e-7)
+    for k in FLOAT_ARGS:
+        assert grads[k].shape == np.shape(p[k]), k
+        if grads[k].shape == grads_f[k].shape:
+            np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(grads_f[k]), rtol=1e-6, atol=1e-7)
