@@ -294,21 +294,26 @@ def test_orbax_round_trip(tmp_path):
 
 
 def test_segment_ids():
-    """Packed rows equal separate runs where the op supports `segment_ids`; otherwise a clear error."""
+    """A packed row equals the separate runs and a padded row the shorter sequence, where the op serves
+    `segment_ids` (the token loop); otherwise the layer says it needs them."""
     seed = fresh_seed()
-    model = layer(seed)
-    x = inputs(seed + 1, B=1, T=10)
-    seg = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1, 1, 1]], jnp.int32)
+    model = layer(seed, impl="reference")
+    x = inputs(seed + 1, B=2, T=10)
+    seg = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1, 1, 1], [3, 3, 3, 3, 3, 3, 3, -1, -1, -1]], jnp.int32)
     call = nnx.jit(lambda m, x, seg: m(x, segment_ids=seg))
     if "segment_ids" not in inspect.signature(jax_sdm.sdm_write_read).parameters:
         with pytest.raises(NotImplementedError, match="segment_ids"):
             call(model, x, seg)
         return
-    y, _ = call(model, x, seg)
+    y, final = call(model, x, seg)
     whole = nnx.jit(lambda m, x: m(x))
-    first, _ = whole(model, x[:, :4])
-    second, _ = whole(model, x[:, 4:])
-    np.testing.assert_allclose(y, jnp.concatenate([first, second], axis=1), rtol=1e-5, atol=1e-6)
+    first, _ = whole(model, x[:1, :4])
+    second, second_final = whole(model, x[:1, 4:])
+    np.testing.assert_allclose(y[:1], jnp.concatenate([first, second], axis=1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(final[:1], second_final, rtol=1e-5, atol=1e-6)
+    short, short_final = whole(model, x[1:, :7])
+    np.testing.assert_allclose(y[1:, :7], short, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(final[1:], short_final, rtol=1e-5, atol=1e-6)
 
 
 def test_bfloat16_layer_follows_float32():
