@@ -1,8 +1,9 @@
 // The fused decode step on the GPU (kernels/decode_step.h), one launch. A block owns one stream and a tile of
 // columns, a thread one column: it runs the stream's whole token on its column in lane order, so every bank cell
 // has one writer and every sum a fixed order, with no barrier but the one after the block computes the stream's
-// lane maps (first write lane of each write and read slot) into shared memory. Only the W written rows are
-// touched. Built with -fmad=false: multiplies and adds are rounded separately, as on the CPU.
+// lanes (slots, weights, decay factors, and the first write lane of each write and read slot) into shared memory.
+// Only the W written rows are touched. A thread loads its column of kBatch rows at once, so that the loads wait
+// for memory together. Built with -fmad=false: multiplies and adds are rounded separately, as on the CPU.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -23,50 +24,88 @@ __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float
 __device__ __forceinline__ float from_f(float x, float*) { return x; }
 __device__ __forceinline__ __nv_bfloat16 from_f(float x, __nv_bfloat16*) { return __float2bfloat16_rn(x); }
 
-// Shared memory of a block: the working rows cur [W][threads] (float), then first [W] and read_lane [R] (int32).
-int64_t shared_bytes(const DecodeDims& dm, int threads) { return 4 * (dm.W * threads + dm.W + dm.R); }
+// Lanes whose bank rows a thread loads at once: independent loads in flight together, so that a token waits for
+// about ceil(W / kBatch) + ceil(R / kBatch) memory latencies, not W + R.
+constexpr int kBatch = 16;
+
+// Shared memory of a block: the working rows cur [W][threads], then per write lane its slot, weight, decay factor
+// exp(x) and first lane, and per read lane its slot, weight and the write lane of its slot (all 4 bytes).
+int64_t shared_bytes(const DecodeDims& dm, int threads) { return 4 * (dm.W * threads + 4 * dm.W + 3 * dm.R); }
 
 template <typename T>
 __global__ void decode_step_kernel(DecodeDims dm, DecodeToken<T> tok, T* __restrict__ bank, int64_t tiles) {
   extern __shared__ float shared[];
-  const int64_t W = dm.W, R = dm.R, K = dm.K, D = dm.D;
+  const int W = static_cast<int>(dm.W), R = static_cast<int>(dm.R), threads = blockDim.x;
+  const int64_t K = dm.K, D = dm.D;
   const int64_t s = blockIdx.x / tiles;
-  const int64_t j = (blockIdx.x % tiles) * blockDim.x + threadIdx.x;
-  float* cur = shared + threadIdx.x;  // this column's working row of lane n at cur[n * blockDim.x]
-  int32_t* first = reinterpret_cast<int32_t*>(shared + W * blockDim.x);
-  int32_t* read_lane = first + W;
+  const int64_t j = (blockIdx.x % tiles) * threads + threadIdx.x;
+  float* cur = shared + threadIdx.x;  // this column's working row of lane n at cur[n * threads]
+  float* k_val = shared + W * threads;
+  float* decay = k_val + W;
+  float* q_val = decay + W;
+  int32_t* k_slot = reinterpret_cast<int32_t*>(q_val + R);
+  int32_t* first = k_slot + W;
+  int32_t* q_slot = first + W;
+  int32_t* read_lane = q_slot + R;
+
+  // The stream's lanes, once per block.
   const int32_t* k_idx = tok.k_idx + s * W;
   const int32_t* q_idx = tok.q_idx + s * R;
-  for (int64_t n = threadIdx.x; n < W; n += blockDim.x) first[n] = first_write_lane(k_idx, W, K, k_idx[n]);
-  for (int64_t m = threadIdx.x; m < R; m += blockDim.x) read_lane[m] = first_write_lane(k_idx, W, K, q_idx[m]);
+  for (int n = threadIdx.x; n < W; n += threads) {
+    k_slot[n] = k_idx[n];
+    first[n] = first_write_lane(k_idx, W, K, k_idx[n]);
+    k_val[n] = to_f(tok.k_val[s * W + n]);
+    decay[n] = expf(tok.x[dm.per_write_gates ? s * W + n : s]);
+  }
+  for (int m = threadIdx.x; m < R; m += threads) {
+    q_slot[m] = q_idx[m];
+    read_lane[m] = first_write_lane(k_idx, W, K, q_idx[m]);
+    q_val[m] = to_f(tok.q_val[s * R + m]);
+  }
   __syncthreads();
   if (j >= D) return;
 
-  const T* k_val = tok.k_val + s * W;
-  const float* x = tok.x + (dm.per_write_gates ? s * W : s);
   T* col = bank + s * K * D + j;  // column j of the stream's rows: row r at col[r * D]
-  for (int64_t n = 0; n < W; ++n) {  // each distinct written row decays once
-    if (first[n] == n) cur[n * blockDim.x] = expf(x[dm.per_write_gates ? n : 0]) * to_f(col[k_idx[n] * D]);
+  for (int n0 = 0; n0 < W; n0 += kBatch) {  // each distinct written row decays once
+    float row[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int n = n0 + i;
+      row[i] = n < W && first[n] == n ? to_f(col[k_slot[n] * D]) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int n = n0 + i;
+      if (n < W && first[n] == n) cur[n * threads] = decay[n] * row[i];
+    }
   }
   float d = 0.0f;  // pred, then the delta-rule correction
-  for (int64_t n = 0; n < W; ++n) {
-    if (first[n] >= 0) d += to_f(k_val[n]) * cur[first[n] * blockDim.x];
+  for (int n = 0; n < W; ++n) {
+    if (first[n] >= 0) d += k_val[n] * cur[first[n] * threads];
   }
   d = tok.beta[s] * (to_f(tok.v[s * D + j]) - d);
-  for (int64_t n = 0; n < W; ++n) {
-    if (first[n] >= 0) cur[first[n] * blockDim.x] += to_f(k_val[n]) * d;
+  for (int n = 0; n < W; ++n) {
+    if (first[n] >= 0) cur[first[n] * threads] += k_val[n] * d;
   }
-  for (int64_t n = 0; n < W; ++n) {
-    if (first[n] == n) col[k_idx[n] * D] = from_f(cur[n * blockDim.x], col);
+  for (int n = 0; n < W; ++n) {
+    if (first[n] == n) col[k_slot[n] * D] = from_f(cur[n * threads], col);
   }
   // Reads after the write: a written row from its float32 working row, any other from the bank.
-  const T* q_val = tok.q_val + s * R;
   float y = 0.0f;
-  for (int64_t m = 0; m < R; ++m) {
-    const int32_t r = q_idx[m];
-    if (r < 0 || r >= K) continue;
-    const float row = read_lane[m] >= 0 ? cur[read_lane[m] * blockDim.x] : to_f(col[r * D]);
-    y += to_f(q_val[m]) * row;
+  for (int m0 = 0; m0 < R; m0 += kBatch) {
+    float row[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int m = m0 + i;
+      const bool stored = m < R && q_slot[m] >= 0 && q_slot[m] < K && read_lane[m] < 0;
+      row[i] = stored ? to_f(col[q_slot[m] * D]) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int m = m0 + i;
+      if (m < R && q_slot[m] >= 0 && q_slot[m] < K)
+        y += q_val[m] * (read_lane[m] >= 0 ? cur[read_lane[m] * threads] : row[i]);
+    }
   }
   tok.y[s * D + j] = from_f(y, tok.y);
 }
