@@ -43,7 +43,7 @@ run_pytest() {  # name, then pytest arguments
 
 if has tests; then
   run_pytest gpu_tests "$REPO"/tests/test_gpu_*.py "$REPO"/tests/test_ffi_op.py "$REPO"/tests/test_oracles.py \
-    "$REPO"/tests/test_reference.py "$REPO"/tests/test_layout.py
+    "$REPO"/tests/test_reference.py "$REPO"/tests/test_layout.py "$REPO"/tests/test_step.py
 fi
 if has determinism; then
   # Three processes must agree bit for bit: command buffers (CUDA graphs) on, on again, and off.
@@ -59,6 +59,9 @@ if has bench; then
       ${BENCH_ARGS:-} >> "$OUT/bench.log" 2>&1
     summary "bench $shape rc=$?: $(grep "^| ffi" "$OUT/bench.log" | tail -1)"
   done
+  # The decode step against K (issue 9's target: at most 20 us per step for K from 2^12 to 2^20).
+  timeout 400 python3 "$REPO/benchmarks/bench_decode.py" --impls ffi,xla >> "$OUT/bench_decode.log" 2>&1
+  summary "bench_decode rc=$?: $(grep "^| 2^20" "$OUT/bench_decode.log" | tail -1)"
 fi
 cat "$OUT/summary.txt"
 exit $status
