@@ -182,7 +182,8 @@ def test_bad_arguments():
         sdm_step(**p, impl="fast")
     with pytest.raises(ValueError, match=r"sdm_step: `k_idx` has shape \(2, 1, 3, 3\), expected \[B, H, W\]"):
         sdm_step(**dict(p, k_idx=p["k_idx"][:, None]))
-    with pytest.raises(ValueError, match=r"sdm_step: `q_idx` has shape \(2, 2, 2\), expected \[B, H, R\] = \[2, 3, R\]"):
+    with pytest.raises(ValueError,
+                       match=r"sdm_step: `q_idx` has shape \(2, 2, 2\), expected \[B, H, R\] = \[2, 3, R\]"):
         sdm_step(**dict(p, q_idx=p["q_idx"][:, :2]))
     with pytest.raises(ValueError, match=r"sdm_step: `v` has shape \(2, 3, 5\), expected \[2, 3, 4\]"):
         sdm_step(**dict(p, v=jnp.zeros((2, 3, 5))))
