@@ -24,13 +24,7 @@
 
 struct CUstream_st;  // cudaStream_t, declared so that this header needs no CUDA include
 
-#ifndef SDM_HOST_DEVICE  // also defined by kernels/phase1.h
-#if defined(__CUDACC__)
-#define SDM_HOST_DEVICE __host__ __device__
-#else
-#define SDM_HOST_DEVICE
-#endif
-#endif
+#include "kernels/host_device.h"
 
 namespace sdm {
 

@@ -8,7 +8,7 @@
 
 #include <algorithm>
 
-#include "kernels/bf16.h"
+#include "kernels/bf16_cuda.cuh"
 #include "kernels/decode_step.h"
 
 namespace sdm {
@@ -86,16 +86,6 @@ int launch(const DecodeDims& dm, const DecodeToken<T>& tok, T* bank, cudaStream_
       dm, tok, bank, tiles);
   return static_cast<int>(cudaGetLastError());
 }
-
-// The device type of a bank type: sdm::bf16 (the host's name) is __nv_bfloat16 here, with the same layout.
-template <typename T>
-struct Device {
-  using type = T;
-};
-template <>
-struct Device<bf16> {
-  using type = __nv_bfloat16;
-};
 
 }  // namespace
 

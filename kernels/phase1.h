@@ -20,11 +20,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define SDM_HOST_DEVICE __host__ __device__
-#else
-#define SDM_HOST_DEVICE
-#endif
+#include "kernels/host_device.h"
 
 namespace sdm {
 

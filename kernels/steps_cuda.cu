@@ -26,7 +26,7 @@
 
 #include <algorithm>
 
-#include "kernels/bf16.h"
+#include "kernels/bf16_cuda.cuh"
 #include "kernels/steps.h"
 
 namespace sdm {
@@ -533,15 +533,6 @@ int smem_attribute(Kernel kernel, size_t bytes) {
 
 // First error of the launches so far.
 inline int launched(int rc) { return rc ? rc : static_cast<int>(cudaGetLastError()); }
-
-template <typename T>
-struct Device {
-  using type = T;
-};
-template <>
-struct Device<bf16> {
-  using type = __nv_bfloat16;
-};
 
 // Block of a per-token gather: x threads, one per VEC columns (a whole number of warps, at most
 // kRowThreadsMax), times y parts of the lanes (up to 4, at most 512 threads in all); and its shared memory.
