@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
 #
-#   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,profile
+#   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,profile,sanitize
 #                                          (default: build,tests,determinism,bench)
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
@@ -66,6 +66,14 @@ if has bench; then
   timeout 300 python3 "$REPO/benchmarks/bench_decode.py" --impls ffi > "$OUT/bench_decode.log" 2>&1
   summary "bench_decode rc=$?"
   grep "^|" "$OUT/bench_decode.log" | tee -a "$OUT/summary.txt"
+fi
+if has sanitize; then
+  # compute-sanitizer on every jax_sdm kernel (kernel names in namespace sdm), one tool per process.
+  for tool in memcheck racecheck synccheck initcheck; do
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+      --kernel-regex kns=sdm python3 "$REPO/scripts/sanitize_case.py" > "$OUT/sanitize_$tool.log" 2>&1
+    summary "sanitize $tool rc=$?: $(grep -E "ERROR SUMMARY|results," "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
+  done
 fi
 if has profile; then
   # Per-kernel times of one jitted forward + backward (every kernel, ours and XLA's), then the wall times of the

@@ -1,0 +1,40 @@
+"""A small workload that runs every CUDA kernel of jax_sdm once, for compute-sanitizer (`gpu_check.sh sanitize`):
+the op's forward and backward (float32 and bfloat16 banks, both gradient-bank dtypes, per-token and per-write
+gates, repeated and out-of-range slot ids), Phase 1's workspace path (a unit too large for shared memory), and the
+decode step. Exits non-zero if a result is not finite."""
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_sdm import sdm_step, sdm_write_read
+from jax_sdm.testing import FLOAT_ARGS, cotangents, outputs_and_grads, random_problem
+
+
+def op_case(seed, dtype, bank_grad_dtype=None, chunk=16, **shape):
+    args = random_problem(seed, dtype=dtype, **shape)
+    dy, dbank = cotangents(seed, args)
+    op = functools.partial(sdm_write_read, impl="ffi", bank_grad_dtype=bank_grad_dtype)
+    y, final, g = outputs_and_grads(op, args, dy, dbank, chunk_size=chunk)
+    return [y, final] + [g[k] for k in FLOAT_ARGS]
+
+
+def main():
+    results = []
+    results += op_case(0, np.float32, T=40, K=64, D=24, W=3, R=2, distinct=False, repeats=True)
+    results += op_case(1, jnp.bfloat16, T=40, K=64, D=64, W=4, R=4, per_write_gates=True)
+    results += op_case(2, jnp.bfloat16, jnp.float32, T=40, K=64, D=64, W=4, R=4)
+    results += op_case(3, np.float32, chunk=128, B=1, H=1, T=128, K=4096, D=8, W=64, R=64)  # Phase 1 workspace
+    p = random_problem(4, B=2, T=1, H=2, K=256, D=32, W=4, R=4, dtype=jnp.bfloat16)
+    step = jax.jit(functools.partial(sdm_step, impl="ffi"), donate_argnums=0)
+    y, bank = step(p["bank"], *(p[k][:, 0] for k in ("k_idx", "k_val", "v", "beta", "g", "q_idx", "q_val")))
+    results += [y, bank]
+    bad = [i for i, r in enumerate(results) if not np.all(np.isfinite(np.asarray(r, np.float32)))]
+    print(f"{len(results)} results, {len(bad)} not finite")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
