@@ -10,8 +10,6 @@ initial bank per head (a shared `[H, K, D]` bank), float32. Forward: `jax.jit` o
 a warm-up; the ratio is packed / unpacked (the issue's target: at most 1.2).
 """
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -20,17 +18,9 @@ import numpy as np
 from jax_sdm import sdm_write_read
 from jax_sdm.testing import random_problem
 
+from bench import median_seconds  # benchmarks/bench.py, next to this script
+
 FLOATS = ("bank", "k_val", "v", "beta", "g", "q_val")
-
-
-def median_seconds(fn, args, repeats):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def functions(impl, chunk):
