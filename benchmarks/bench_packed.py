@@ -19,6 +19,8 @@ from bench import median_seconds  # this folder's bench.py (the script's folder 
 from jax_sdm import sdm_write_read
 from jax_sdm.testing import random_problem
 
+from bench import median_seconds  # benchmarks/bench.py, next to this script
+
 FLOATS = ("bank", "k_val", "v", "beta", "g", "q_val")
 
 

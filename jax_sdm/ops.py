@@ -130,8 +130,11 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
                                       f"(impl={impl!r}); use impl='xla' (the chunked form in pure JAX) or "
                                       "impl='reference' (the token loop)")
         seg, pad = segments.segment_numbers(segment_ids)
+        if check:  # the ids of padding tokens are not used: not checked
+            _check_inputs(dims.K, *(segments.drop_padding(a, pad, fill=0) for a in (k_idx, q_idx)),
+                          (bank, k_val, v, beta, g, q_val))
         k_idx, q_idx = segments.drop_padding(k_idx, pad), segments.drop_padding(q_idx, pad)
-    if check:
+    elif check:
         _check_inputs(dims.K, k_idx, q_idx, (bank, k_val, v, beta, g, q_val))
     if layout.is_empty(dims):
         y, final = layout.empty_result(bank, dims)

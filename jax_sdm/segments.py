@@ -31,9 +31,10 @@ def segment_numbers(segment_ids):
     return jnp.cumsum(~pad & changed, axis=1, dtype=jnp.int32), pad
 
 
-def drop_padding(idx, pad):
-    """Slot ids `[B, T, H, L]` with those of padding tokens (`pad [B, T]`) out of range: they touch no row."""
-    return jnp.where(pad[:, :, None, None], -1, idx)
+def drop_padding(idx, pad, fill=-1):
+    """Slot ids `[B, T, H, L]` with those of padding tokens (`pad [B, T]`) set to `fill` (out of range by default:
+    they touch no row)."""
+    return jnp.where(pad[:, :, None, None], fill, idx)
 
 
 def current_rows(bank, initial, stamp, rows, current):

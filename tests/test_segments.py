@@ -111,3 +111,14 @@ def test_segment_ids_errors():
     for impl in ("auto", "ffi"):
         with pytest.raises(NotImplementedError, match="segment_ids.*impl='xla'"):
             sdm_write_read(**p, impl=impl, segment_ids=good)
+
+
+def test_check_mode_ignores_padding_ids():
+    p = random_problem(1, B=1, T=6, H=1, K=8, D=4, W=2, R=2)
+    ids = np.array([[0, 0, 0, 0, -1, -1]], np.int32)
+    p["k_idx"][:, 4:] = -7  # padding tokens: their ids are not used, nor checked
+    y, _ = sdm_write_read(**p, impl="reference", segment_ids=ids, check=True)
+    assert np.all(np.asarray(y)[:, 4:] == 0)
+    p["k_idx"][:, 1] = 8
+    with pytest.raises(Exception, match=r"write slot ids \(k_idx\) outside \[0, K=8\)"):
+        sdm_write_read(**p, impl="reference", segment_ids=ids, check=True)
