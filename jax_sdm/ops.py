@@ -40,7 +40,8 @@ def _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, seg=None):
 
 def _check_inputs(num_slots, k_idx, q_idx, floats, op="sdm_write_read"):
     """The run-time checks of `check=True`: slot ids outside `[0, K)`, non-finite inputs (`floats`, in the order of
-    `CHECKED_FLOATS`) and gates `g > 0`; `op` names the function in the messages.
+    `CHECKED_FLOATS`; for the gates only NaN, since `g = -inf` is a hard reset) and gates `g > 0`; `op` names the
+    function in the messages.
 
     Each is a `jax.experimental.checkify.check`: run eagerly it raises `checkify.JaxRuntimeError` (a `ValueError`);
     under `checkify.checkify(f)` the first failing one is the returned error (`err.get()` is its message,
@@ -49,7 +50,10 @@ def _check_inputs(num_slots, k_idx, q_idx, floats, op="sdm_write_read"):
     out_of_range = lambda idx: jnp.sum(~layout.in_range(idx, num_slots, jnp))
     problems = [(out_of_range(k_idx), f"write slot ids (k_idx) outside [0, K={num_slots})"),
                 (out_of_range(q_idx), f"read slot ids (q_idx) outside [0, K={num_slots})")]
-    problems += [(jnp.sum(~jnp.isfinite(a)), f"non-finite values in `{name}`")
+    # g = -inf is in the domain (a hard reset of the written row): the gates' only non-finite error is NaN (+inf
+    # is caught as g > 0).
+    nonfinite = lambda name, a: jnp.isnan(a) if name == "g" else ~jnp.isfinite(a)
+    problems += [(jnp.sum(nonfinite(name, a)), f"non-finite values in `{name}`")
                  for name, a in zip(CHECKED_FLOATS, floats)]
     problems.append((jnp.sum(floats[CHECKED_FLOATS.index("g")] > 0), "gates `g` > 0 (the domain is g <= 0, a decay)"))
     for count, what in problems:

@@ -173,6 +173,18 @@ def test_check_reports_positive_gates():
     jax.block_until_ready(sdm_write_read(**dict(p, g=g), impl="xla", check=True))
 
 
+@pytest.mark.parametrize("impl", ("reference",) + CHUNKED)
+def test_check_accepts_hard_resets_and_reports_nan_gates(impl):
+    """g = -inf (a hard reset) is in the domain: check=True passes it; a NaN gate is reported."""
+    p = random_problem(5, B=1, T=6, H=1, K=8, D=2, W=2, R=2)
+    g = p["g"].copy()
+    g[0, 2, 0] = -np.inf
+    jax.block_until_ready(sdm_write_read(**dict(p, g=g), impl=impl, check=True))
+    g[0, 4, 0] = np.nan
+    with pytest.raises(Exception, match="1 non-finite values in `g`"):
+        jax.block_until_ready(sdm_write_read(**dict(p, g=g), impl=impl, check=True))
+
+
 # ---------------------------------------------------------------------------
 # Empty dimensions
 # ---------------------------------------------------------------------------
