@@ -152,10 +152,14 @@ def test_ids_of_every_integer_type(dtype):
 
 
 def test_check_reports_wide_ids():
-    wide, _, n_k, n_q = wide_id_problem(6)
+    """Each check reports on its own (checkify raises the first that fails): the write ids, then the read ids."""
+    wide, narrow, n_k, n_q = wide_id_problem(6)
     with jax.enable_x64(True):
-        with pytest.raises(Exception, match=f"{n_k} write slot ids .*{n_q} read slot ids"):
+        with pytest.raises(Exception, match=f"{n_k} write slot ids"):
             jax.block_until_ready(sdm_write_read(**dict(wide, k_idx=jnp.asarray(wide["k_idx"]),
+                                                        q_idx=jnp.asarray(wide["q_idx"])), impl="xla", check=True))
+        with pytest.raises(Exception, match=f"{n_q} read slot ids"):
+            jax.block_until_ready(sdm_write_read(**dict(wide, k_idx=jnp.asarray(np.maximum(narrow["k_idx"], 0)),
                                                         q_idx=jnp.asarray(wide["q_idx"])), impl="xla", check=True))
 
 
