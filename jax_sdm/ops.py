@@ -12,20 +12,27 @@ IMPLS = ("auto", "ffi", "xla", "reference")
 
 
 def _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
-    """The chunked form in pure JAX (SPEC 1.2), in kernel layout."""
+    """The chunked form in pure JAX (SPEC 1.2), one stream at a time under `vmap` over `B` and `H`: the streams'
+    axes stay apart and are never scanned over, so under `jit` with inputs sharded along `B` / `H` every device
+    keeps its own streams (no all-gather)."""
     f32 = jnp.promote_types(bank.dtype, jnp.float32)
-    units = lambda a, fill=0: layout.to_units(a, dims, fill)
-    k_idx_u = units(k_idx.astype(jnp.int32), -1)
-    q_idx_u = units(q_idx.astype(jnp.int32), -1)
-    p1 = phase1_xla(k_idx_u, units(k_val.astype(f32)), units(layout.lane_gates(g, dims).astype(f32)),
-                    q_idx_u, units(q_val.astype(f32)), dims.K)
-    beta_u = units(beta.astype(f32))
-    minv = solve_xla(p1.A, beta_u)
-    bank = layout.batch_banks(bank, dims)
-    y, final = chunk_loop_xla(bank.reshape(dims.P, dims.K, dims.D), k_idx_u, q_idx_u, units(v.astype(f32)),
-                              beta_u, p1, minv)
-    return (layout.from_units(y, dims).astype(bank.dtype), final.reshape(dims.B, dims.H, dims.K, dims.D),
-            jnp.sum(p1.repeats))
+    units = lambda a, fill=0: layout.to_stream_units(a, dims, fill)  # [NC, B, H, C, ...]
+
+    def one_stream(bank_s, k_idx_s, k_val_s, x_s, v_s, beta_s, q_idx_s, q_val_s):
+        p1 = phase1_xla(k_idx_s, k_val_s, x_s, q_idx_s, q_val_s, dims.K)
+        minv = solve_xla(p1.A, beta_s)
+        one = lambda a: a[:, None]  # [NC, C, ...] -> [NC, P = 1, C, ...]
+        y, final = chunk_loop_xla(bank_s[None], one(k_idx_s), one(q_idx_s), one(v_s), one(beta_s),
+                                  type(p1)(*map(one, p1)), one(minv))
+        return y[:, 0], final[0], jnp.sum(p1.repeats)
+
+    per_head = jax.vmap(one_stream, in_axes=(0,) + (1,) * 7, out_axes=(1, 0, 0))
+    per_stream = jax.vmap(per_head, in_axes=(0,) + (1,) * 7, out_axes=(1, 0, 0))
+    y, final, repeats = per_stream(
+        layout.batch_banks(bank, dims), units(k_idx, -1), units(k_val.astype(f32)),
+        units(layout.lane_gates(g, dims).astype(f32)), units(v.astype(f32)), units(beta.astype(f32)),
+        units(q_idx, -1), units(q_val.astype(f32)))
+    return layout.from_stream_units(y, dims).astype(bank.dtype), final, jnp.sum(repeats)
 
 
 def _sdm_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots, save=True):

@@ -182,7 +182,7 @@ EMPTY = {"B": dict(B=0), "T": dict(T=0), "H": dict(H=0), "K": dict(K=0), "D": di
 
 def empty_problem(seed, shared_bank=False, per_write_gates=False, **zero):
     """A random problem with one dimension (B, T, H, K, D, W or R) set to 0."""
-    dims = dict(B=2, T=5, H=3, K=4, D=3, W=2, R=2, **zero)
+    dims = {**dict(B=2, T=5, H=3, K=4, D=3, W=2, R=2), **zero}
     full = random_problem(seed, **{k: max(v, 1) for k, v in dims.items()}, shared_bank=shared_bank,
                           per_write_gates=per_write_gates, distinct=False)
     B, T, H, K, D, W, R = (dims[k] for k in "BTHKDWR")
