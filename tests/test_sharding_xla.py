@@ -15,10 +15,10 @@ N_DEVICES = 4
 FLOATS = ("bank", "k_val", "v", "beta", "g", "q_val")
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
 # name: (mesh shape, mesh axes, spec of the tokens [B, T, H, ...], spec of the bank [B, H, K, D])
+# (Each case compiles the xla path's forward and gradient for 4 devices: tens of seconds on a 2-core machine.)
 CASES = {
-    "B over 4": ((4,), ("b",), ("b",), ("b",)),
-    "H over 4": ((4,), ("h",), (None, None, "h"), (None, "h")),
     "(B, H) over 2x2": ((2, 2), ("b", "h"), ("b", None, "h"), ("b", "h")),
+    "H over 4": ((4,), ("h",), (None, None, "h"), (None, "h")),
 }
 
 
@@ -72,7 +72,7 @@ def report():
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                                       f" --xla_force_host_platform_device_count={N_DEVICES}").strip(),
                JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
