@@ -16,17 +16,44 @@ DIFFERENTIABLE = layout.differentiable_ordered_broadcast  # the pure-JAX path se
 
 
 def _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, seg=None):
-    """The chunked form in pure JAX (docs/MATH.md "Chunked form"), in kernel layout; `seg`: the tokens' segment
-    counters of packed sequences (`segments.segment_numbers`, padding already dropped), or None."""
+    """The chunked form in pure JAX (docs/MATH.md "Chunked form"); `seg`: the tokens' segment counters of packed
+    sequences (`segments.segment_numbers`, padding already dropped), or None.
+
+    Without packed sequences it runs one stream at a time under `vmap` over `B` and `H`: the streams' axes stay
+    apart and are never scanned over, so under `jit` with inputs sharded along `B` / `H` every device keeps its own
+    streams (no all-gather). Packed sequences run the streams merged (`_sdm_xla_packed`)."""
+    if seg is not None:
+        return _sdm_xla_packed(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, seg)
+    f32 = jnp.promote_types(bank.dtype, jnp.float32)
+    units = lambda a, fill=0: layout.to_stream_units(a, dims, fill)  # [NC, B, H, C, ...]
+
+    def one_stream(bank_s, k_idx_s, k_val_s, x_s, v_s, beta_s, q_idx_s, q_val_s):
+        p1 = phase1_xla(k_idx_s, k_val_s, x_s, q_idx_s, q_val_s, dims.K)
+        minv = solve_xla(p1.A, beta_s)
+        one = lambda a: a[:, None]  # [NC, C, ...] -> [NC, P = 1, C, ...]
+        y, final = chunk_loop_xla(bank_s[None], one(k_idx_s), one(q_idx_s), one(v_s), one(beta_s),
+                                  type(p1)(*map(one, p1)), one(minv))
+        return y[:, 0], final[0], jnp.sum(p1.repeats)
+
+    per_head = jax.vmap(one_stream, in_axes=(0,) + (1,) * 7, out_axes=(1, 0, 0))
+    per_stream = jax.vmap(per_head, in_axes=(0,) + (1,) * 7, out_axes=(1, 0, 0))
+    y, final, repeats = per_stream(
+        layout.batch_banks(bank, dims, DIFFERENTIABLE), units(k_idx, -1), units(k_val.astype(f32)),
+        units(layout.lane_gates(g, dims, DIFFERENTIABLE).astype(f32)), units(v.astype(f32)),
+        units(beta.astype(f32)), units(q_idx, -1), units(q_val.astype(f32)))
+    return layout.from_stream_units(y, dims).astype(bank.dtype), final, jnp.sum(repeats)
+
+
+def _sdm_xla_packed(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, seg):
+    """The chunked form in pure JAX for packed sequences, in kernel layout (the `P = B*H` streams merged)."""
     f32 = jnp.promote_types(bank.dtype, jnp.float32)
     units = lambda a, fill=0: layout.to_units(a, dims, fill)
     k_idx_u = units(k_idx.astype(jnp.int32), -1)
     q_idx_u = units(q_idx.astype(jnp.int32), -1)
-    packed, p1_k_idx, p1_q_idx, p1_slots = None, k_idx_u, q_idx_u, dims.K
-    if seg is not None:  # Phase 1 sees each segment of a chunk on its own slots
-        packed = segments.chunk_segments(seg, dims, layout.to_units)
-        p1_slots = segments.checked_virtual_slot_count(dims)
-        p1_k_idx, p1_q_idx = (segments.virtual_slots(a, packed[1], dims.K) for a in (k_idx_u, q_idx_u))
+    # Phase 1 sees each segment of a chunk on its own (virtual) slots.
+    packed = segments.chunk_segments(seg, dims, layout.to_units)
+    p1_slots = segments.checked_virtual_slot_count(dims)
+    p1_k_idx, p1_q_idx = (segments.virtual_slots(a, packed[1], dims.K) for a in (k_idx_u, q_idx_u))
     p1 = phase1_xla(p1_k_idx, units(k_val.astype(f32)), units(layout.lane_gates(g, dims, DIFFERENTIABLE).astype(f32)),
                     p1_q_idx, units(q_val.astype(f32)), p1_slots)
     beta_u = units(beta.astype(f32))

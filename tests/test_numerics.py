@@ -198,7 +198,7 @@ EMPTY = {"B": dict(B=0), "T": dict(T=0), "H": dict(H=0), "K": dict(K=0), "D": di
 
 def empty_problem(seed, shared_bank=False, per_write_gates=False, **zero):
     """A random problem with one dimension (B, T, H, K, D, W or R) set to 0."""
-    dims = dict(B=2, T=5, H=3, K=4, D=3, W=2, R=2, **zero)
+    dims = {**dict(B=2, T=5, H=3, K=4, D=3, W=2, R=2), **zero}
     full = random_problem(seed, **{k: max(v, 1) for k, v in dims.items()}, shared_bank=shared_bank,
                           per_write_gates=per_write_gates, distinct=False)
     B, T, H, K, D, W, R = (dims[k] for k in "BTHKDWR")
@@ -240,12 +240,13 @@ def test_no_write_or_no_read_lanes(impl, lanes):
     """W = 0: tokens write nothing (no decay either), the readings read the initial bank; R = 0: the readings
     are zeros and the bank evolves as with reads. Both equal the full problem with those lanes' ids out of
     range, and so do the gradients."""
-    per_write = True
-    p = empty_problem(2, per_write_gates=per_write, **{k: 0 for k in lanes})
-    full = empty_problem(2, per_write_gates=per_write)
+    full = empty_problem(2, per_write_gates=True)
+    p = dict(full)
     if "W" in lanes:
+        p.update(k_idx=full["k_idx"][..., :0], k_val=full["k_val"][..., :0], g=full["g"][..., :0])
         full["k_idx"] = np.full_like(full["k_idx"], -1)
     if "R" in lanes:
+        p.update(q_idx=full["q_idx"][..., :0], q_val=full["q_val"][..., :0])
         full["q_idx"] = np.full_like(full["q_idx"], -1)
     dy, dbank = cotangents(0, full)
     y, final, grads = outputs_and_grads(sdm_write_read, p, dy, dbank, impl=impl, chunk_size=4)
