@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from . import kernel_path, layout, segments
+from . import kernel_path, layout, segments, sharding
 from .reference import sdm_reference
 from .xla import chunk_loop_xla, phase1_xla, solve_xla
 
@@ -172,6 +172,11 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
         return (y, final, jnp.int32(0)) if return_repeats else (y, final)
     k_idx, q_idx = layout.slot_ids(k_idx, dims.K), layout.slot_ids(q_idx, dims.K)
     k_idx, k_val, g, q_idx, q_val, dims = layout.one_lane_if_none(k_idx, k_val, g, q_idx, q_val, dims)
+    # Inside `shard_map`: every input varies along the manual axes along which any does (a bank shared by the
+    # devices is updated per device; the transpose of this cast sums its gradient over them).
+    axes = sharding.varying_axes(bank, k_idx, k_val, v, beta, g, q_idx, q_val)
+    bank, k_idx, k_val, v, beta, g, q_idx, q_val = (sharding.to_varying(a, axes)
+                                                    for a in (bank, k_idx, k_val, v, beta, g, q_idx, q_val))
     if impl == "reference":
         y, final = sdm_reference(bank, k_idx, k_val, v, beta, g, q_idx, q_val, segment_ids=segment_ids)
         repeats = _count_repeats(k_idx, dims.K) if return_repeats else None

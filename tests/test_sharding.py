@@ -150,6 +150,8 @@ def _shard_map_cases():
         "own bank, (B, H) over 2x2": ((2, 2), ("b", "h"), ("b", None, "h"), ("b", "h"), {}),
         "shared bank, B over 4": ((4,), ("b",), ("b",), (), dict(shared_bank=True)),
         "shared bank, (B, H) over 2x2": ((2, 2), ("b", "h"), ("b", None, "h"), ("h",), dict(shared_bank=True)),
+        "shared bank, B over 4, impl=xla": ((4,), ("b",), ("b",), (), dict(shared_bank=True, impl="xla")),
+        "shared bank, B over 4, impl=reference": ((4,), ("b",), ("b",), (), dict(shared_bank=True, impl="reference")),
     }
 
 
@@ -160,10 +162,17 @@ def _shard_map_checks(op, loss, compare):
     import numpy as np
     from jax.sharding import Mesh, PartitionSpec
 
+    from jax_sdm import sdm_write_read
     from jax_sdm.testing import random_problem
 
     results = {}
+    ffi_op, ffi_loss = op, loss
     for name, (mesh_shape, axis_names, token_spec, bank_spec, kw) in _shard_map_cases().items():
+        kw = dict(kw)
+        impl = kw.pop("impl", "ffi")
+        op = ffi_op if impl == "ffi" else (lambda a, impl=impl: sdm_write_read(**a, chunk_size=4, impl=impl))
+        loss = ffi_loss if impl == "ffi" else (lambda f, i, dy, dfinal, op=op: sum(
+            jnp.sum(o * c) for o, c in zip(op({**f, **i}), (dy, dfinal))))
         args = random_problem(11, B=4, T=9, H=2 * mesh_shape[-1], K=8, D=4, W=2, R=3, distinct=False, **kw)
         floats = {k: args[k] for k in FLOATS}
         ints = {k: v for k, v in args.items() if k not in FLOATS}
