@@ -1,5 +1,4 @@
 """The Flax NNX layer `jax_sdm.nn.SparseDeltaMemory` and its addressing (`jax_sdm.nn.addressing`)."""
-import inspect
 import math
 import subprocess
 import sys
@@ -183,6 +182,19 @@ def test_prefill_then_decode_equals_one_call(impl, variant):
     assert rel_err(state, bank_all) < 1e-5
 
 
+def test_one_token_with_a_state_is_the_inference_only_decode_step():
+    """T == 1 with a state runs `sdm_step`, which refuses derivatives; a longer call with a state trains."""
+    seed = fresh_seed()
+    model = layer(seed)
+    x = inputs(seed + 1, T=2)
+    state = model.init_state(2)
+    step_loss = lambda m, x: jnp.sum(m(x, state=state)[0] ** 2)
+    with pytest.raises(TypeError, match="sdm_step is inference only"):
+        nnx.grad(step_loss)(model, x[:, :1])
+    grads = nnx.grad(step_loss)(model, x)
+    assert np.any(np.asarray(grads.value_proj.kernel[...]) != 0)
+
+
 def test_state_none_equals_init_state():
     seed = fresh_seed()
     model = layer(seed)
@@ -294,18 +306,12 @@ def test_orbax_round_trip(tmp_path):
 
 
 def test_segment_ids():
-    """A packed row equals the separate runs and a padded row the shorter sequence, where the op serves
-    `segment_ids` (the token loop); otherwise the layer says it needs them."""
+    """A packed row equals the separate runs and a padded row the shorter sequence (on the token loop)."""
     seed = fresh_seed()
     model = layer(seed, impl="reference")
     x = inputs(seed + 1, B=2, T=10)
     seg = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1, 1, 1], [3, 3, 3, 3, 3, 3, 3, -1, -1, -1]], jnp.int32)
-    call = nnx.jit(lambda m, x, seg: m(x, segment_ids=seg))
-    if "segment_ids" not in inspect.signature(jax_sdm.sdm_write_read).parameters:
-        with pytest.raises(NotImplementedError, match="segment_ids"):
-            call(model, x, seg)
-        return
-    y, final = call(model, x, seg)
+    y, final = nnx.jit(lambda m, x, seg: m(x, segment_ids=seg))(model, x, seg)
     whole = nnx.jit(lambda m, x: m(x))
     first, _ = whole(model, x[:1, :4])
     second, second_final = whole(model, x[:1, 4:])
