@@ -47,6 +47,19 @@ def test_import_jax_sdm_does_not_import_flax():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+def test_without_flax_jax_sdm_works_and_nn_names_the_extra():
+    code = ("import sys; sys.modules['flax'] = None  # as if flax were not installed\n"
+            "import numpy as np, jax_sdm\n"
+            "from jax_sdm.testing import random_problem\n"
+            "p = random_problem(0, B=1, T=3, H=1, K=8, D=2, W=2, R=2)\n"
+            "jax_sdm.sdm_write_read(*(p[n] for n in ('bank', 'k_idx', 'k_val', 'v', 'beta', 'g', 'q_idx', "
+            "'q_val')), impl='reference')\n"
+            "try:\n    jax_sdm.nn\nexcept ImportError as err:\n    print(err)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert 'pip install "jax_sdm[nn]"' in out.stdout, out.stdout
+
+
 def test_missing_attribute_is_attribute_error():
     assert not hasattr(jax_sdm, "no_such_thing")
 
