@@ -1,5 +1,4 @@
 """The Flax NNX layer `jax_sdm.nn.SparseDeltaMemory` and its addressing (`jax_sdm.nn.addressing`)."""
-import inspect
 import math
 import subprocess
 import sys
@@ -46,6 +45,19 @@ def test_import_jax_sdm_does_not_import_flax():
             "assert 'flax' in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_without_flax_jax_sdm_works_and_nn_names_the_extra():
+    code = ("import sys; sys.modules['flax'] = None  # as if flax were not installed\n"
+            "import numpy as np, jax_sdm\n"
+            "from jax_sdm.testing import random_problem\n"
+            "p = random_problem(0, B=1, T=3, H=1, K=8, D=2, W=2, R=2)\n"
+            "jax_sdm.sdm_write_read(*(p[n] for n in ('bank', 'k_idx', 'k_val', 'v', 'beta', 'g', 'q_idx', "
+            "'q_val')), impl='reference')\n"
+            "try:\n    jax_sdm.nn\nexcept ImportError as err:\n    print(err)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert 'pip install "jax_sdm[nn]"' in out.stdout, out.stdout
 
 
 def test_missing_attribute_is_attribute_error():
@@ -183,6 +195,19 @@ def test_prefill_then_decode_equals_one_call(impl, variant):
     assert rel_err(state, bank_all) < 1e-5
 
 
+def test_one_token_with_a_state_is_the_inference_only_decode_step():
+    """T == 1 with a state runs `sdm_step`, which refuses derivatives; a longer call with a state trains."""
+    seed = fresh_seed()
+    model = layer(seed)
+    x = inputs(seed + 1, T=2)
+    state = model.init_state(2)
+    step_loss = lambda m, x: jnp.sum(m(x, state=state)[0] ** 2)
+    with pytest.raises(TypeError, match="sdm_step is inference only"):
+        nnx.grad(step_loss)(model, x[:, :1])
+    grads = nnx.grad(step_loss)(model, x)
+    assert np.any(np.asarray(grads.value_proj.kernel[...]) != 0)
+
+
 def test_state_none_equals_init_state():
     seed = fresh_seed()
     model = layer(seed)
@@ -294,18 +319,12 @@ def test_orbax_round_trip(tmp_path):
 
 
 def test_segment_ids():
-    """A packed row equals the separate runs and a padded row the shorter sequence, where the op serves
-    `segment_ids` (the token loop); otherwise the layer says it needs them."""
+    """A packed row equals the separate runs and a padded row the shorter sequence (on the token loop)."""
     seed = fresh_seed()
     model = layer(seed, impl="reference")
     x = inputs(seed + 1, B=2, T=10)
     seg = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1, 1, 1], [3, 3, 3, 3, 3, 3, 3, -1, -1, -1]], jnp.int32)
-    call = nnx.jit(lambda m, x, seg: m(x, segment_ids=seg))
-    if "segment_ids" not in inspect.signature(jax_sdm.sdm_write_read).parameters:
-        with pytest.raises(NotImplementedError, match="segment_ids"):
-            call(model, x, seg)
-        return
-    y, final = call(model, x, seg)
+    y, final = nnx.jit(lambda m, x, seg: m(x, segment_ids=seg))(model, x, seg)
     whole = nnx.jit(lambda m, x: m(x))
     first, _ = whole(model, x[:1, :4])
     second, second_final = whole(model, x[:1, 4:])

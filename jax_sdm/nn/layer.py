@@ -1,6 +1,5 @@
 """`SparseDeltaMemory`: the SDM sequence mixer as a Flax NNX layer (projections, sparse addressing, gates,
 learned initial bank, decode state)."""
-import inspect
 import math
 
 import jax
@@ -67,7 +66,8 @@ class SparseDeltaMemory(nnx.Module):
     initial bank; `state` (from `init_state` or a previous call) is the bank `[B, H, K, D]` to continue from, and
     the returned state is the bank after the last token. A call with one token (`T == 1`) and a state is a decode
     step: it runs `jax_sdm.sdm_step` (inference only: not differentiable). `segment_ids [B, T]` (packed and padded
-    sequences) go to `sdm_write_read`.
+    sequences: a new id starts again from the initial bank or `state`, a negative id pads) go to
+    `sdm_write_read`, with the `impl`s that serve them.
     """
 
     def __init__(self, d_model, *, num_heads, slots_per_head, num_writes, num_reads, head_dim=None,
@@ -201,30 +201,9 @@ class SparseDeltaMemory(nnx.Module):
         bank = self.initial_bank() if state is None else state.astype(self.dtype)
         args = self.memory_inputs(x)
         if state is not None and T == 1 and segment_ids is None:
-            y, bank = _decode_step(bank, *args, impl=self.impl)
+            y, bank = jax_sdm.sdm_step(bank, *(a[:, 0] for a in args), impl=self.impl)
+            y = y[:, None]
         else:
-            y, bank = _write_read(bank, *args, chunk_size=self.chunk_size, impl=self.impl,
-                                  segment_ids=segment_ids)
+            y, bank = jax_sdm.sdm_write_read(bank, *args, chunk_size=self.chunk_size, impl=self.impl,
+                                             segment_ids=segment_ids)
         return self.readout(x, y), bank
-
-
-def _write_read(bank, *args, chunk_size, impl, segment_ids):
-    """`jax_sdm.sdm_write_read`, with `segment_ids` passed only when given."""
-    extra = {}
-    if segment_ids is not None:
-        if "segment_ids" not in inspect.signature(jax_sdm.sdm_write_read).parameters:
-            raise NotImplementedError("SparseDeltaMemory: `segment_ids` needs sdm_write_read(..., segment_ids=...), "
-                                      "which this version of jax_sdm does not have")
-        extra["segment_ids"] = segment_ids
-    return jax_sdm.sdm_write_read(bank, *args, chunk_size=chunk_size, impl=impl, **extra)
-
-
-def _decode_step(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, impl):
-    """One token for every stream: `jax_sdm.sdm_step` on the token's arrays (`[B, H, ...]`), or, where this
-    version lacks it, `sdm_write_read` on a one-token sequence (the same result)."""
-    if not hasattr(jax_sdm, "sdm_step"):
-        return _write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, chunk_size=1, impl=impl,
-                           segment_ids=None)
-    token = lambda a: a[:, 0]
-    y, bank = jax_sdm.sdm_step(bank, *map(token, (k_idx, k_val, v, beta, g, q_idx, q_val)), impl=impl)
-    return y[:, None], bank
