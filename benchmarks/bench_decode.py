@@ -7,7 +7,7 @@
   returned bank back in and cycling through 16 different tokens, then waits for the result. The table shows the
   median over `--repeats` runs of the wall time per step, in microseconds (after one warm-up run). This is what a
   decoding loop pays per token: dispatch, the kernel, and no copy of the bank.
-* Tokens follow SPEC 6's recipe: distinct slots `a + n*b mod K` per token, l2-normalised weights, `v` standard
+* Tokens follow the benchmarks' recipe: distinct slots `a + n*b mod K` per token, l2-normalised weights, `v` standard
   normal, `beta = sigmoid(randn)`, `g = -0.5 * softplus(randn)`; the bank is `0.1 * randn`.
 * The default `--max-log-k` is 20 on a GPU and 16 on the CPU (a float32 bank of `B*H*K*D` values takes 8 GiB at
   K = 2^20 and the default shape). An implementation that raises `NotImplementedError` shows as "n/a".

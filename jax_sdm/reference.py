@@ -56,7 +56,7 @@ def _segment_step(num_slots):
 
 
 def sdm_reference(bank, k_idx, k_val, v, beta, g, q_idx, q_val, segment_ids=None):
-    """Token-loop SDM in the public layout (SPEC 2); returns `(y, final_bank)`.
+    """Token-loop SDM in the public layout (`[B, T, H, ...]`, README "API"); returns `(y, final_bank)`.
 
     Arithmetic runs in the bank's dtype promoted to at least float32 (float64 under `jax_enable_x64` with a
     float64 bank); `y` and `final_bank` come back in the bank's dtype. With `segment_ids` `[B, T]`, each row holds

@@ -57,7 +57,7 @@ def _group_map(slot_key, ids, num):
 
 
 def _phase1_unit(k_idx, k_val, x, q_idx, q_val, num_slots):
-    """Phase 1 of one unit (`[C, W]` / `[C, R]`) by a slot sort and segmented scans (SPEC 1.3)."""
+    """Phase 1 of one unit (`[C, W]` / `[C, R]`) by a slot sort and segmented scans (docs/MATH.md "Phase 1")."""
     C, W = k_idx.shape
     R = q_idx.shape[1]
     E = C * (W + R)
@@ -173,7 +173,8 @@ def _gather_rows(bank, idx, dtype):
 
 
 def _write_groups(bank, k_idx, p1, delta, packed=None):
-    """Decay-and-write of one chunk: each written row once, `cpe * S0[s] + sum_e w[e] delta[t_e]` (SPEC 1.2).
+    """Decay-and-write of one chunk: each written row once, `cpe * S0[s] + sum_e w[e] delta[t_e]` (docs/MATH.md
+    "Chunked form").
 
     With `packed = (initial, stamp, seg0, local)` (packed sequences, jax_sdm/segments.py) a group's `S0[s]` is the
     row at the start of its token's segment, and only the groups of the chunk's last segment are stored (the

@@ -1,4 +1,4 @@
-// The fused decode step (`jax_sdm.sdm_step`): one token of the token recurrence (SPEC 1.1) for every stream,
+// The fused decode step (`jax_sdm.sdm_step`): one token of the token recurrence (docs/MATH.md) for every stream,
 // with the bank updated in place. Plain C++ / CUDA on raw pointers.
 //
 // Layout: S independent streams; the bank is [S, K, D] (stream s's rows at s*K), per-token arrays are [S, W]
