@@ -44,7 +44,7 @@ run_pytest() {  # name, then pytest arguments
 
 if has tests; then
   run_pytest gpu_tests "$REPO"/tests/test_gpu_*.py "$REPO"/tests/test_ffi_op.py "$REPO"/tests/test_oracles.py \
-    "$REPO"/tests/test_grad_bank.py "$REPO"/tests/test_step.py ${GPU_TEST_EXTRA:-}
+    "$REPO"/tests/test_grad_bank.py "$REPO"/tests/test_step.py "$REPO"/tests/test_nn.py ${GPU_TEST_EXTRA:-}
 fi
 if has determinism; then
   # Three processes must agree bit for bit: command buffers (CUDA graphs) on, on again, and off.
