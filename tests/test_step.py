@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 from jax_sdm import sdm_step, sdm_write_read
 from jax_sdm.testing import assert_one_kernel_call, entry_ops_of_shape, random_problem, rel_err
@@ -167,13 +168,19 @@ def test_kernel_is_deterministic():
 
 
 def test_check_mode():
+    """`check=True` makes checkify checks, as `sdm_write_read` does: under `checkify.checkify` of the jitted step the
+    error value names `sdm_step` and the problem."""
     p = token(random_problem(fresh_seed(13), T=1, B=1, H=2, K=8, D=4, W=3, R=2, distinct=False), 0)
-    op = jax.jit(lambda a: sdm_step(**a, check=True))
-    jax.block_until_ready(op(p))  # good data passes
-    with pytest.raises(Exception, match=r"sdm_step\(check=True\): .*write slot ids \(k_idx\) outside \[0, K=8\)"):
-        jax.block_until_ready(op(dict(p, k_idx=np.full_like(p["k_idx"], 8))))
-    with pytest.raises(Exception, match="non-finite values in `v`"):
-        jax.block_until_ready(op(dict(p, v=np.full_like(p["v"], np.nan))))
+    op = jax.jit(checkify.checkify(lambda a: sdm_step(**a, check=True)))
+    err, out = op(p)
+    err.throw()  # good data passes
+    jax.block_until_ready(out)
+    err, _ = op(dict(p, k_idx=np.full_like(p["k_idx"], 8)))
+    with pytest.raises(ValueError, match=r"sdm_step\(check=True\): .*write slot ids \(k_idx\) outside \[0, K=8\)"):
+        err.throw()
+    err, _ = op(dict(p, v=np.full_like(p["v"], np.nan)))
+    with pytest.raises(ValueError, match="non-finite values in `v`"):
+        err.throw()
 
 
 def test_bad_arguments():
