@@ -228,3 +228,20 @@ def entry_ops_of_shape(hlo, shape):
     entry = entry[:entry.index("\n}")]
     dims = re.escape("[" + ",".join(map(str, shape)) + "]")
     return re.findall(rf"= [a-z0-9]+{dims}\S* ([\w-]+)\(", entry)
+
+
+def run_on_host_devices(script, n_devices, timeout):
+    """Run `python script` in a fresh process whose CPU backend has `n_devices` devices (XLA's host-platform device
+    count is fixed when jax starts, so a test needing several devices runs its body there); return the JSON object
+    on the last line of its output."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    flags = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n_devices}").strip()
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=timeout)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -9,11 +9,10 @@ inside `jax.shard_map` (default `check_vma=True`), with own and shared banks. It
 final JSON line that the test asserts on.
 """
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from jax_sdm.testing import run_on_host_devices
 
 N_DEVICES = 4
 FLOATS = ("bank", "k_val", "v", "beta", "g", "q_val")
@@ -203,13 +202,7 @@ def _shard_map_checks(op, loss, compare):
 
 @pytest.fixture(scope="module")
 def report():
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
-                                      f" --xla_force_host_platform_device_count={N_DEVICES}").strip(),
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
-    print(proc.stdout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_on_host_devices(__file__, N_DEVICES, timeout=600)
 
 
 CASES = list(_cases())

@@ -5,11 +5,10 @@ Run in a subprocess (this file as a script) on 4 CPU devices, which must be set 
 prints one JSON line that the tests assert on.
 """
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from jax_sdm.testing import run_on_host_devices
 
 N_DEVICES = 4
 FLOATS = ("bank", "k_val", "v", "beta", "g", "q_val")
@@ -69,12 +68,7 @@ def _run_checks():
 
 @pytest.fixture(scope="module")
 def report():
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
-                                      f" --xla_force_host_platform_device_count={N_DEVICES}").strip(),
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_on_host_devices(__file__, N_DEVICES, timeout=1200)
 
 
 @pytest.mark.parametrize("case", list(CASES))
