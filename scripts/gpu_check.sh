@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
 #
-#   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,profile,sanitize
-#                                          (default: build,tests,determinism,bench)
+#   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,memory,profile,
+#                                          sanitize (default: build,tests,determinism,bench)
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
 # metadata, so the commit the logs name is taken from SDM_COMMIT when set.
-# Environment: PYTEST_ARGS (extra pytest arguments, e.g. "-k golden"), BENCH_ARGS (extra bench.py arguments).
+# Environment: PYTEST_ARGS (extra pytest arguments, e.g. "-k golden"), BENCH_ARGS (extra bench.py arguments),
+# GPU_TEST_FILES (replaces the GPU test list), BENCH_SHAPES, BENCH_CHUNKS, PROFILE_SHAPES, PROFILE_CHUNKS,
+# PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/sdm_out}
@@ -43,8 +45,12 @@ run_pytest() {  # name, then pytest arguments
 }
 
 if has tests; then
-  run_pytest gpu_tests "$REPO"/tests/test_gpu_*.py "$REPO"/tests/test_ffi_op.py "$REPO"/tests/test_oracles.py \
-    "$REPO"/tests/test_grad_bank.py "$REPO"/tests/test_step.py "$REPO"/tests/test_nn.py ${GPU_TEST_EXTRA:-}
+  if [ -n "${GPU_TEST_FILES:-}" ]; then
+    run_pytest gpu_tests $(for f in $GPU_TEST_FILES; do echo "$REPO/tests/$f"; done)
+  else
+    run_pytest gpu_tests "$REPO"/tests/test_gpu_*.py "$REPO"/tests/test_ffi_op.py "$REPO"/tests/test_oracles.py \
+      "$REPO"/tests/test_grad_bank.py "$REPO"/tests/test_step.py "$REPO"/tests/test_nn.py ${GPU_TEST_EXTRA:-}
+  fi
 fi
 if has determinism; then
   # Three processes must agree bit for bit: command buffers (CUDA graphs) on, on again, and off.
@@ -70,7 +76,7 @@ fi
 if has sanitize; then
   # compute-sanitizer on every jax_sdm kernel (kernel names in namespace sdm), one tool per process.
   for tool in memcheck racecheck synccheck initcheck; do
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${SANITIZE_TIMEOUT:-200} compute-sanitizer --tool "$tool" --error-exitcode 3 \
       --kernel-regex kns=sdm python3 "$REPO/scripts/sanitize_case.py" > "$OUT/sanitize_$tool.log" 2>&1
     summary "sanitize $tool rc=$?: $(grep -E "ERROR SUMMARY|results," "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
   done
@@ -88,9 +94,24 @@ if has profile; then
       python3 "$REPO/scripts/ncu_summary.py" "$OUT/ncu_${shape}_$chunk.csv" | tee "$OUT/ncu_${shape}_$chunk.txt" | head -30
     done
   done
-  # The decode step against K (issue 9's target: at most 20 us per step for K from 2^12 to 2^20).
-  timeout 400 python3 "$REPO/benchmarks/bench_decode.py" --impls ffi,xla >> "$OUT/bench_decode.log" 2>&1
-  summary "bench_decode rc=$?: $(grep "^| 2^20" "$OUT/bench_decode.log" | tail -1)"
+  if [ -n "${PROFILE_KERNELS:-}" ]; then
+    # Stall reasons, occupancy and memory throughput of one launch (the PROFILE_INVOCATION-th, default 30) of each
+    # kernel whose name matches (flagship chunk 64).
+    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 \
+    timeout 300 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \
+      --section MemoryWorkloadAnalysis --section LaunchStats --kernel-id "::regex:$PROFILE_KERNELS:${PROFILE_INVOCATION:-30}" \
+      python3 "$REPO/scripts/profile_steps.py" flagship 64 \
+      > "$OUT/ncu_detail.txt" 2>> "$OUT/ncu_err.log"
+    summary "profile detail rc=$?"
+  fi
+fi
+if has memory; then
+  # XLA's buffer assignment for the no-grad forward and the one-jit forward + backward at each anchor shape.
+  for shape in ${BENCH_SHAPES:-small mid flagship}; do
+    timeout 200 python3 "$REPO/benchmarks/memory.py" --shape "$shape" >> "$OUT/memory.log" 2>&1
+    summary "memory $shape rc=$?"
+  done
+  grep -E "^ |on gpu|on cuda" "$OUT/memory.log" | tee -a "$OUT/summary.txt"
 fi
 cat "$OUT/summary.txt"
 exit $status

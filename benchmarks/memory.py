@@ -1,0 +1,56 @@
+"""Compiled memory of the op at an anchor shape: XLA's buffer assignment (`compile().memory_analysis()`) for the
+no-grad forward and the one-jit forward + backward of `bench.py`, in GiB. Compiles only (runs nothing), so it
+works on any backend for any shape:
+
+    python benchmarks/memory.py [--shape flagship] [--chunk 64] [--impl ffi] [--hlo DIR]
+
+`peak` is arguments + outputs + temporaries - aliased bytes: what the call holds at most on the device besides
+the runtime's own buffers.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import SHAPES, make_functions  # noqa: E402
+
+
+def abstract_inputs(shape):
+    dt = jnp.bfloat16 if shape["dtype"] == "bfloat16" else jnp.float32
+    B, T, H, K, D, W, R = (shape[k] for k in ("B", "T", "H", "K", "D", "W", "R"))
+    S = jax.ShapeDtypeStruct
+    args = [S((B, H, K, D), dt), S((B, T, H, W), jnp.int32), S((B, T, H, W), dt), S((B, T, H, D), dt),
+            S((B, T, H), jnp.float32), S((B, T, H), jnp.float32), S((B, T, H, R), jnp.int32), S((B, T, H, R), dt)]
+    return args, jnp.zeros(args[3].shape, dt), jnp.zeros(args[0].shape, dt)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="flagship", choices=sorted(SHAPES))
+    ap.add_argument("--chunk", type=int)
+    ap.add_argument("--impl", default="ffi")
+    ap.add_argument("--hlo", help="write each compiled module's text here")
+    a = ap.parse_args(argv)
+    shape = dict(SHAPES[a.shape])
+    chunk = a.chunk or shape["chunk"]
+    args, dy, dbank = abstract_inputs(shape)
+    fwd, grad = make_functions(a.impl, chunk, dy, dbank)
+    gib = 2.0**30
+    print(f"{a.impl} {a.shape} chunk {chunk} on {jax.devices()[0].platform}")
+    for name, fn in (("no-grad fwd", fwd), ("fwd+bwd (one jit)", grad)):
+        compiled = fn.lower(*args).compile()
+        m = compiled.memory_analysis()
+        peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+        print(f"  {name:18s} args {m.argument_size_in_bytes / gib:6.3f}  out {m.output_size_in_bytes / gib:6.3f}  "
+              f"temp {m.temp_size_in_bytes / gib:6.3f}  alias {m.alias_size_in_bytes / gib:6.3f}  "
+              f"peak {peak / gib:6.3f} GiB")
+        if a.hlo:
+            Path(a.hlo).mkdir(parents=True, exist_ok=True)
+            (Path(a.hlo) / f"{a.shape}_{name.split()[0]}.txt").write_text(compiled.as_text())
+
+
+if __name__ == "__main__":
+    main()
