@@ -13,18 +13,23 @@
 //             phase A (stream, write group = one warp): dcpe, dw, dk_eff dots, the gradient row, the restore
 //             read side (stream, read group = one warp): dS0 += q_w dy, dq_w on the restored rows
 //             after the loop, all chunks at once:
-//             dots   (unit, token row): dA, dQK rows and dbeta (full-width dots, fixed reduction trees), dv = beta du
+//             dots   (unit, tile of 32 token rows): dA, dQK and dbeta from dots staged through shared memory,
+//                    dv = beta du
 //
 // The gradient bank is float32 or, for bfloat16 banks, bfloat16 (GT): its rows are read into float32 and
 // rounded once where a kernel writes them.
 //
 // One writer per bank row, gradient row and output cell; every sum in a fixed order (lanes in sorted or lane
 // order, warp shuffles in a fixed xor tree): bitwise reproducible, no atomics. Rows are read and written VEC
-// columns per thread (16 bytes of bfloat16 when D allows), chosen from the shapes.
+// columns per thread (16 bytes of bfloat16 when D allows), chosen from the shapes. The kernels that walk bank and
+// gradient rows are bound by memory latency: each thread loads several rows (or row segments) before using the
+// first, and their register budgets (__launch_bounds__) are set for the blocks per SM that keep enough loads in
+// flight.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/bf16_cuda.cuh"
 #include "kernels/steps.h"
@@ -34,9 +39,12 @@ namespace {
 
 constexpr int kSlice = 32;          // columns per block of the solve kernels
 constexpr int kSolveThreads = 1024;  // the solve kernels are latency-bound: many warps per SM
-constexpr int kDotsThreads = 256;
-constexpr int kRowThreadsMax = 256;  // threads per block of the per-token row kernels
+constexpr int kRowThreadsMax = 256;  // column threads (x) per block of the per-token row kernels
+constexpr int kRowThreadsCap = 512;  // threads (x times parts) per block of the per-token row kernels
+constexpr int kRowBlocksPerSM = 2;   // their register budget: 2 blocks of 512 threads per SM (64 registers)
 constexpr int kGroupWarps = 8;      // warps (= groups) per block of the group kernels
+constexpr int kGroupBlocksPerSM = 3;   // register budget of the forward's group kernel: 3 blocks per SM (80 registers)
+constexpr int kTwoRowBlocksPerSM = 2;  // Phase A and the read side hold two rows per segment: 2 blocks (128 registers)
 constexpr int kInlineEntries = 4;   // Phase A handles groups of up to this many entries in one pass over the row
 
 __device__ __forceinline__ float to_f(float x) { return x; }
@@ -94,6 +102,43 @@ __device__ __forceinline__ void copy_cols(const T* src, T* dst) {
   }
 }
 
+// VEC consecutive columns of a row held in the row's own dtype (VEC * sizeof(T) bytes of registers, half those of
+// floats for bfloat16): the row kernels load several of these before using the first (more loads in flight per
+// thread, the kernels are latency-bound) and widen each column to float where it is used.
+template <int VEC, typename T>
+struct Cols {
+  static constexpr int kBytes = VEC * static_cast<int>(sizeof(T));
+  static constexpr bool kWide = kBytes % 16 == 0;
+  alignas(kWide ? 16 : alignof(T)) T v[VEC];
+  __device__ __forceinline__ void load(const T* p) {
+    if constexpr (kWide) {
+#pragma unroll
+      for (int k = 0; k < kBytes / 16; ++k) reinterpret_cast<uint4*>(v)[k] = reinterpret_cast<const uint4*>(p)[k];
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) v[i] = p[i];
+    }
+  }
+  __device__ __forceinline__ void store(T* p) const {
+    if constexpr (kWide) {
+#pragma unroll
+      for (int k = 0; k < kBytes / 16; ++k) reinterpret_cast<uint4*>(p)[k] = reinterpret_cast<const uint4*>(v)[k];
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) p[i] = v[i];
+    }
+  }
+  __device__ __forceinline__ float operator[](int i) const { return to_f(v[i]); }
+};
+
+// Row segments (VEC columns each, 32 * VEC apart) a lane of a group kernel loads before using the first: 64 bytes
+// of the row per lane, 2 KB per warp, at most 4 segments.
+template <int VEC, typename T>
+__host__ __device__ constexpr int row_segs() {
+  constexpr int n = 64 / (VEC * static_cast<int>(sizeof(T)));
+  return n < 1 ? 1 : n > 4 ? 4 : n;
+}
+
 __device__ __forceinline__ int64_t unit_of(const StepDims& dm, int64_t s, int64_t c) {
   return ((s / dm.P) * dm.NC + c) * dm.P + s % dm.P;
 }
@@ -138,7 +183,7 @@ template <int VEC, typename T>
 __device__ __forceinline__ void gather_row(const T* __restrict__ rows, const int32_t* idx, const float* weight,
                                            int64_t lanes, int64_t K, int64_t D, float* __restrict__ out,
                                            float* partial) {
-  constexpr int kInFlight = 4;  // independent row loads issued before the first is used
+  constexpr int kInFlight = sizeof(T) == 2 ? 6 : 4;  // independent row loads issued before the first is used
   const int64_t per_part = (lanes + blockDim.y - 1) / blockDim.y;
   const int64_t n_lo = threadIdx.y * per_part, n_hi = min(lanes, n_lo + per_part);
   const int64_t tile = static_cast<int64_t>(blockDim.x) * VEC;
@@ -146,21 +191,20 @@ __device__ __forceinline__ void gather_row(const T* __restrict__ rows, const int
     const int64_t d = d0 + static_cast<int64_t>(threadIdx.x) * VEC;
     float acc[VEC] = {};
     if (d < D) {
+#pragma unroll 1
       for (int64_t n0 = n_lo; n0 < n_hi; n0 += kInFlight) {
-        float x[kInFlight][VEC];
+        Cols<VEC, T> x[kInFlight];
+        bool ok[kInFlight];
 #pragma unroll
         for (int j = 0; j < kInFlight; ++j) {
           const int32_t slot = n0 + j < n_hi ? idx[n0 + j] : -1;
-          if (slot >= 0 && slot < K) {
-            load_cols<VEC>(rows + slot * D + d, x[j]);
-          } else {
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) x[j][i] = 0.f;
-          }
+          ok[j] = slot >= 0 && slot < K;  // an out-of-range id touches no row
+          if (ok[j]) x[j].load(rows + slot * D + d);
         }
 #pragma unroll
         for (int j = 0; j < kInFlight; ++j) {  // lanes in order within the part
-          const float wgt = n0 + j < n_hi ? weight[n0 + j] : 0.f;
+          if (!ok[j]) continue;
+          const float wgt = weight[n0 + j];
 #pragma unroll
           for (int i = 0; i < VEC; ++i) acc[i] += wgt * x[j][i];
         }
@@ -185,7 +229,7 @@ __device__ __forceinline__ void gather_row(const T* __restrict__ rows, const int
 // One block per (stream, token, side): side 0 gathers the write lanes' G row, side 1 the read lanes' Q0 row (two
 // blocks rather than one doing both in turn: twice the rows in flight per chunk).
 template <int VEC, typename T>
-__global__ void fwd_gather_kernel(StepDims dm, StepPhase1 p1, const T* __restrict__ bank, int64_t c, ChunkRows rows) {
+__global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) fwd_gather_kernel(StepDims dm, StepPhase1 p1, const T* __restrict__ bank, int64_t c, ChunkRows rows) {
   extern __shared__ float partial[];
   const int64_t s = blockIdx.x, t = blockIdx.y;
   const int64_t u = unit_of(dm, s, c);
@@ -278,8 +322,8 @@ __device__ __forceinline__ void group_row(const T* row, float scale, const int32
 }
 
 template <int VEC, typename T>
-__global__ void fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, T* __restrict__ bank, int64_t c,
-                                 ChunkRows rows) {
+__global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
+    fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, T* __restrict__ bank, int64_t c, ChunkRows rows) {
   Group gr;
   if (!warp_group(dm, c, p1.w_order, p1.w_group, p1.k_idx, dm.W, &gr)) return;
   const int64_t C = dm.C, W = dm.W, D = dm.D, s = gr.s, u = gr.u, g = gr.g;
@@ -291,11 +335,32 @@ __global__ void fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, T* __
   const float* w = p1.w + u * C * W;
   const float cpe = p1.cpe[u * C * W + order[lo]];
   const float* delta = rows.delta + rows.at(dm, u, s);
-  for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
-    if (snap) copy_cols<VEC>(row + d, snap + d);
-    float acc[VEC];
-    group_row<VEC>(row + d, cpe, order, lo, hi, w, delta + d, W, D, acc);
-    store_cols<VEC>(row + d, acc);
+  // The row in batches of S segments per lane, all loaded before the first is used; the row becomes
+  // cpe * S0 + sum over the group's entries (sorted order) of w[e] * delta[t_e] (group_row's sum, same order).
+  constexpr int S = row_segs<VEC, T>();
+  constexpr int64_t kStep = 32 * VEC;
+  for (int64_t d0 = static_cast<int64_t>(lane) * VEC; d0 < D; d0 += S * kStep) {
+    Cols<VEC, T> x[S];
+#pragma unroll
+    for (int k = 0; k < S; ++k)
+      if (d0 + k * kStep < D) x[k].load(row + d0 + k * kStep);
+#pragma unroll
+    for (int k = 0; k < S; ++k) {
+      const int64_t d = d0 + k * kStep;
+      if (d >= D) break;
+      if (snap) x[k].store(snap + d);
+      float acc[VEC];
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] = cpe * x[k][i];
+      for (int32_t j = lo; j < hi; ++j) {
+        const int32_t e = order[j];
+        float dl[VEC];
+        load_cols<VEC>(delta + (e / W) * D + d, dl);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[i] += w[e] * dl[i];
+      }
+      store_cols<VEC>(row + d, acc);
+    }
   }
 }
 
@@ -344,7 +409,7 @@ __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
 }
 
 template <int VEC, typename GT>
-__global__ void bwd_gwr_kernel(StepDims dm, StepPhase1 p1, const GT* __restrict__ dbank, int64_t c, BackRows rows) {
+__global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) bwd_gwr_kernel(StepDims dm, StepPhase1 p1, const GT* __restrict__ dbank, int64_t c, BackRows rows) {
   extern __shared__ float partial[];
   const int64_t s = blockIdx.x, t = blockIdx.y;
   const int64_t u = unit_of(dm, s, c);
@@ -372,48 +437,93 @@ __global__ void bwd_solve_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int6
   }
 }
 
-// After the loop, every unit at once, one block per (unit, token row i): dA[i, :], dQK[i, :], dbeta_i, and
-// dv_i = beta_i du_i in place of du_i (this block is du_i's only reader).
-template <int VEC>
-__global__ void bwd_dots_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
-  __shared__ float red[kDotsThreads];
+// After the loop, every unit at once, one block per (unit, tile of kDotsTile token rows i): with
+// a_ij = <du_i, delta_j> and q_ij = <dy_i, delta_j> (each one thread's sum over d ascending),
+//   dA[i, j] = -beta_i a_ij (j < i),  dQK[i, j] = q_ij (j <= i),  0 elsewhere,
+//   dbeta_i = <du_i, v_i - G_i> - sum_{j < i} A[i, j] a_ij   (= <du_i, v_i - G_i - (A delta)_i>),
+// and dv_i = beta_i du_i in place of du_i once every read of it is done (only this block reads these rows).
+// Rows and columns are staged in shared memory kDotsTile columns at a time; thread (ti, tj) computes the kDotsPer
+// cells (ti, tj * kDotsPer + q) of each kDotsTile x kDotsTile tile. Every sum runs in a fixed order.
+constexpr int kDotsTile = 32;
+constexpr int kDotsPer = 4;                                   // cells per thread and tile
+constexpr int kDotsThreads = kDotsTile * kDotsTile / kDotsPer;  // 256
+constexpr int kDotsParts = kDotsTile / kDotsPer;               // threads per tile row: 8
+
+__global__ void __launch_bounds__(kDotsThreads) bwd_dots_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
+  __shared__ float sdu[kDotsTile][kDotsTile + 1], sdy[kDotsTile][kDotsTile + 1], sdl[kDotsTile][kDotsTile + 1];
+  __shared__ float red[kDotsTile][kDotsParts];
   const int64_t C = dm.C, D = dm.D;
-  const int64_t u = blockIdx.x, i = blockIdx.y;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const int64_t u = blockIdx.x, i0 = static_cast<int64_t>(blockIdx.y) * kDotsTile;
+  const int t = threadIdx.x, ti = t / kDotsParts, tj = t % kDotsParts;
+  const int64_t i = i0 + ti;
+  const float* du = io.dv + u * C * D;  // du until the end of this kernel
+  const float* dy = io.dy + u * C * D;
   const float* delta = io.delta + u * C * D;
-  float* du_i = io.dv + (u * C + i) * D;
-  const float* dy_i = io.dy + (u * C + i) * D;
-  const float beta_i = io.beta[u * C + i];
-  for (int64_t j = warp; j < C; j += warps) {
-    const float a = j < i ? -beta_i * warp_dot<VEC>(du_i, delta + j * D, D, lane) : 0.f;
-    const float q = j <= i ? warp_dot<VEC>(dy_i, delta + j * D, D, lane) : 0.f;
-    if (lane == 0) {
-      io.dA[(u * C + i) * C + j] = a;
-      io.dQK[(u * C + i) * C + j] = q;
+  const float beta_i = i < C ? io.beta[u * C + i] : 0.f;
+  // <du_i, v_i - G_i>: part tj sums the columns d = tj (mod kDotsParts), ascending.
+  float part = 0.f;
+  if (i < C) {
+    const int64_t k = (u * C + i) * D;
+    for (int64_t d = tj; d < D; d += kDotsParts) part += du[i * D + d] * (io.v[k + d] - io.G[k + d]);
+  }
+  const float* A = p1.A + (u * C + (i < C ? i : 0)) * C;
+  // Stage columns [d0, d0 + kDotsTile) of rows [r0, r0 + kDotsTile) of `rows` (zero past C or D).
+  auto stage = [&](const float* rows, int64_t r0, int64_t d0, float (*out)[kDotsTile + 1]) {
+    for (int idx = t; idx < kDotsTile * kDotsTile; idx += kDotsThreads) {
+      const int r = idx / kDotsTile, dd = idx % kDotsTile;
+      out[r][dd] = r0 + r < C && d0 + dd < D ? rows[(r0 + r) * D + d0 + dd] : 0.f;
+    }
+  };
+  for (int64_t j0 = 0; j0 < C; j0 += kDotsTile) {
+    float a[kDotsPer] = {}, q[kDotsPer] = {};
+    if (j0 <= i0 + kDotsTile - 1) {  // else every cell of the tile is masked
+      for (int64_t d0 = 0; d0 < D; d0 += kDotsTile) {
+        stage(du, i0, d0, sdu);
+        stage(dy, i0, d0, sdy);
+        stage(delta, j0, d0, sdl);
+        __syncthreads();
+#pragma unroll 8
+        for (int dd = 0; dd < kDotsTile; ++dd) {
+          const float x = sdu[ti][dd], z = sdy[ti][dd];
+#pragma unroll
+          for (int c = 0; c < kDotsPer; ++c) {
+            const float l = sdl[tj * kDotsPer + c][dd];
+            a[c] += x * l;
+            q[c] += z * l;
+          }
+        }
+        __syncthreads();
+      }
+    }
+    if (i < C) {
+#pragma unroll
+      for (int c = 0; c < kDotsPer; ++c) {
+        const int64_t j = j0 + tj * kDotsPer + c;
+        if (j >= C) break;
+        io.dA[(u * C + i) * C + j] = j < i ? -beta_i * a[c] : 0.f;
+        io.dQK[(u * C + i) * C + j] = j <= i ? q[c] : 0.f;
+        if (j < i) part -= A[j] * a[c];
+      }
     }
   }
-  // dbeta_i = <du_i, v_i - G_i - (A delta)_i>
-  const float* A = p1.A + (u * C + i) * C;
-  float part = 0.f;
-  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
-    float ad = 0.f;
-    for (int64_t j = 0; j < i; ++j) ad += A[j] * delta[j * D + d];
-    const int64_t k = (u * C + i) * D + d;
-    part += du_i[d] * (io.v[k] - io.G[k] - ad);
-  }
-  red[threadIdx.x] = part;
+  red[ti][tj] = part;
   __syncthreads();
-  for (int o = blockDim.x / 2; o > 0; o >>= 1) {
-    if (threadIdx.x < o) red[threadIdx.x] += red[threadIdx.x + o];
-    __syncthreads();
+  if (tj == 0 && i < C) {
+    float x = red[ti][0];
+    for (int k = 1; k < kDotsParts; ++k) x += red[ti][k];
+    io.dbeta[u * C + i] = x;
   }
-  if (threadIdx.x == 0) io.dbeta[u * C + i] = red[0];
-  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) du_i[d] *= beta_i;  // every read of du_i is done
+  // dv_i = beta_i du_i: every read of these du rows is done (the barrier above).
+  for (int idx = t; idx < kDotsTile * D; idx += kDotsThreads) {
+    const int64_t r = i0 + idx / D, d = idx % D;
+    if (r < C) io.dv[(u * C + r) * D + d] = io.beta[u * C + r] * du[r * D + d];
+  }
 }
 
 template <int VEC, typename T, typename GT>
-__global__ void bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T* __restrict__ bank,
-                                   GT* __restrict__ dbank, int64_t c, BackRows rows) {
+__global__ void __launch_bounds__(kGroupWarps * 32, kTwoRowBlocksPerSM)
+    bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T* __restrict__ bank, GT* __restrict__ dbank,
+                       int64_t c, BackRows rows) {
   Group gr;
   if (!warp_group(dm, c, p1.w_order, p1.w_group, p1.k_idx, dm.W, &gr)) return;
   const int64_t C = dm.C, W = dm.W, D = dm.D, K = dm.K, s = gr.s, u = gr.u, g = gr.g;
@@ -429,45 +539,59 @@ __global__ void bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T*
   const float* k_eff = p1.k_eff + u * C * W;
   T* row = bank + (s * K + slot) * D;
   if (hi - lo <= kInlineEntries) {
-    // One pass over the row: the dots (as per-lane partial sums, reduced in the fixed xor tree afterwards, the
-    // same order as warp_dot), the gradient row and the restore.
+    // One pass over the row, in batches of S segments per lane loaded before the first is used: the dots (as
+    // per-lane partial sums over the lane's columns in increasing order, reduced in the fixed xor tree afterwards:
+    // warp_dot's order), the gradient row and the restore.
     const int32_t n = hi - lo;
     float p_cpe = 0.f, p_w[kInlineEntries] = {}, p_k[kInlineEntries] = {};
-    for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
-      float ds[VEC], sv[VEC], acc[VEC];
-      load_cols<VEC>(drow + d, ds);
-      load_cols<VEC>(s0 + d, sv);
+    constexpr int S = row_segs<VEC, std::conditional_t<(sizeof(GT) >= sizeof(T)), GT, T>>();
+    constexpr int64_t kStep = 32 * VEC;
+    for (int64_t d0 = static_cast<int64_t>(lane) * VEC; d0 < D; d0 += S * kStep) {
+      Cols<VEC, GT> ds[S];
+      Cols<VEC, T> sv[S];
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        p_cpe += ds[i] * sv[i];
-        acc[i] = cpe * ds[i];
+      for (int k = 0; k < S; ++k) {
+        if (d0 + k * kStep >= D) break;
+        ds[k].load(drow + d0 + k * kStep);
+        sv[k].load(s0 + d0 + k * kStep);
       }
 #pragma unroll
-      for (int k = 0; k < kInlineEntries; ++k) {
-        if (k >= n) break;
-        const int32_t e = order[lo + k];
-        float dl[VEC], dg[VEC];
-        load_cols<VEC>(delta + (e / W) * D + d, dl);
-        load_cols<VEC>(dG + (e / W) * D + d, dg);
+      for (int k = 0; k < S; ++k) {
+        const int64_t d = d0 + k * kStep;
+        if (d >= D) break;
+        float acc[VEC];
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          p_w[k] += dl[i] * ds[i];
-          p_k[k] += dg[i] * sv[i];
-          acc[i] += k_eff[e] * dg[i];
+          p_cpe += ds[k][i] * sv[k][i];
+          acc[i] = cpe * ds[k][i];
         }
+#pragma unroll
+        for (int j = 0; j < kInlineEntries; ++j) {
+          if (j >= n) break;
+          const int32_t e = order[lo + j];
+          float dl[VEC], dg[VEC];
+          load_cols<VEC>(delta + (e / W) * D + d, dl);
+          load_cols<VEC>(dG + (e / W) * D + d, dg);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            p_w[j] += dl[i] * ds[k][i];
+            p_k[j] += dg[i] * sv[k][i];
+            acc[i] += k_eff[e] * dg[i];
+          }
+        }
+        store_cols<VEC>(drow + d, acc);
+        sv[k].store(row + d);
       }
-      store_cols<VEC>(drow + d, acc);
-      copy_cols<VEC>(s0 + d, row + d);
     }
     const float dcpe = warp_sum(p_cpe);
     if (lane == 0) io.dcpe[e0] = dcpe;
 #pragma unroll
-    for (int k = 0; k < kInlineEntries; ++k) {
-      if (k >= n) break;
-      const float dw = warp_sum(p_w[k]), dk = warp_sum(p_k[k]);
+    for (int j = 0; j < kInlineEntries; ++j) {
+      if (j >= n) break;
+      const float dw = warp_sum(p_w[j]), dk = warp_sum(p_k[j]);
       if (lane == 0) {
-        io.dw[u * C * W + order[lo + k]] = dw;
-        io.dk_eff[u * C * W + order[lo + k]] = dk;
+        io.dw[u * C * W + order[lo + j]] = dw;
+        io.dk_eff[u * C * W + order[lo + j]] = dk;
       }
     }
     return;
@@ -492,8 +616,9 @@ __global__ void bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T*
 }
 
 template <int VEC, typename T, typename GT>
-__global__ void bwd_read_side_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const T* __restrict__ bank,
-                                     GT* __restrict__ dbank, int64_t c) {
+__global__ void __launch_bounds__(kGroupWarps * 32, kTwoRowBlocksPerSM)
+    bwd_read_side_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const T* __restrict__ bank,
+                         GT* __restrict__ dbank, int64_t c) {
   Group gr;
   if (!warp_group(dm, c, p1.r_order, p1.r_group, p1.q_idx, dm.R, &gr)) return;
   const int64_t C = dm.C, R = dm.R, D = dm.D, K = dm.K, s = gr.s, u = gr.u;
@@ -504,6 +629,52 @@ __global__ void bwd_read_side_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, 
   const T* row = bank + (s * K + slot) * D;
   const float* dy = io.dy + u * C * D;
   const float* q_w = p1.q_w + u * C * R;
+  if (hi - lo <= kInlineEntries) {
+    // One pass over the row in batches of S segments per lane (row and gradient row loaded before the first is
+    // used): dq_w as per-lane partials (warp_dot's order) and the gradient row += q_w dy.
+    const int32_t n = hi - lo;
+    float p_q[kInlineEntries] = {};
+    constexpr int S = row_segs<VEC, std::conditional_t<(sizeof(GT) >= sizeof(T)), GT, T>>();
+    constexpr int64_t kStep = 32 * VEC;
+    for (int64_t d0 = static_cast<int64_t>(lane) * VEC; d0 < D; d0 += S * kStep) {
+      Cols<VEC, T> x[S];
+      Cols<VEC, GT> ds[S];
+#pragma unroll
+      for (int k = 0; k < S; ++k) {
+        if (d0 + k * kStep >= D) break;
+        x[k].load(row + d0 + k * kStep);
+        ds[k].load(drow + d0 + k * kStep);
+      }
+#pragma unroll
+      for (int k = 0; k < S; ++k) {
+        const int64_t d = d0 + k * kStep;
+        if (d >= D) break;
+        float acc[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[i] = ds[k][i];
+#pragma unroll
+        for (int j = 0; j < kInlineEntries; ++j) {
+          if (j >= n) break;
+          const int32_t r = order[lo + j];
+          float z[VEC];
+          load_cols<VEC>(dy + (r / R) * D + d, z);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            p_q[j] += z[i] * x[k][i];
+            acc[i] += q_w[r] * z[i];
+          }
+        }
+        store_cols<VEC>(drow + d, acc);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kInlineEntries; ++j) {
+      if (j >= n) break;
+      const float dq = warp_sum(p_q[j]);
+      if (lane == 0) io.dq_w[u * C * R + order[lo + j]] = dq;
+    }
+    return;
+  }
   for (int32_t k = lo; k < hi; ++k) {
     const int32_t r = order[k];
     const float dq = warp_dot<VEC>(dy + (r / R) * D, row, D, lane);
@@ -543,7 +714,7 @@ struct RowBlock {
 inline RowBlock row_block(int64_t D, int vec) {
   const int64_t t = (D + vec - 1) / vec;
   const int x = static_cast<int>(std::min<int64_t>(kRowThreadsMax, std::max<int64_t>(32, (t + 31) / 32 * 32)));
-  const int y = std::max(1, std::min(4, 512 / x));
+  const int y = std::max(1, std::min(4, kRowThreadsCap / x));
   return RowBlock{dim3(x, y), static_cast<size_t>(x) * y * vec * sizeof(float)};
 }
 
@@ -585,7 +756,6 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const dim3 read_grid(dm.streams(), (dm.C * dm.R + kGroupWarps - 1) / kGroupWarps);
   // Gradient rows read 16 bytes per thread: 8 bfloat16 or 4 float32 columns.
   constexpr int kGVec = sizeof(GT) == 2 ? VEC : (VEC >= 4 ? 4 : 1);
-  constexpr int kFVec = VEC >= 4 ? 4 : 1;  // float32 rows (delta, du, dy)
   const RowBlock rb = row_block(dm.D, kGVec);
   if (!rc) rc = smem_attribute(bwd_gwr_kernel<kGVec, GT>, rb.smem);
   if (!rc) {
@@ -603,7 +773,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
     rc = launched(rc);
   }
   if (!rc) {
-    bwd_dots_kernel<kFVec><<<dim3(dm.units(), dm.C), kDotsThreads, 0, stream>>>(dm, p1, io);
+    bwd_dots_kernel<<<dim3(dm.units(), (dm.C + kDotsTile - 1) / kDotsTile), kDotsThreads, 0, stream>>>(dm, p1, io);
     rc = launched(rc);
   }
   return rc;

@@ -14,7 +14,7 @@ for r in rows[1:]:
     except ValueError:
         continue
     launch = per_launch[r[col["ID"]]]
-    name = r[col["Kernel Name"]].replace("(anonymous namespace)::", "").replace("void ", "")
+    name = r[col["Kernel Name"]].replace("(anonymous namespace)::", "").replace("<unnamed>::", "").replace("void ", "")
     launch["name"] = name.split("(")[0].split("<")[0]
     launch[r[col["Metric Name"]]] = value
 time_ns = collections.defaultdict(float)
