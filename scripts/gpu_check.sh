@@ -68,8 +68,8 @@ if has bench; then
       summary "bench $shape rc=$?: $(grep "^| ffi" "$OUT/bench.log" | tail -1)"
     done
   done
-  # The decode step: wall time per donated step against K.
-  timeout 300 python3 "$REPO/benchmarks/bench_decode.py" --impls ffi > "$OUT/bench_decode.log" 2>&1
+  # The decode step: wall time per donated step against K (BENCH_DECODE=0 skips it).
+  [ "${BENCH_DECODE:-1}" = 0 ] || timeout 300 python3 "$REPO/benchmarks/bench_decode.py" --impls ffi > "$OUT/bench_decode.log" 2>&1
   summary "bench_decode rc=$?"
   grep "^|" "$OUT/bench_decode.log" | tee -a "$OUT/summary.txt"
 fi
