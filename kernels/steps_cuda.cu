@@ -441,59 +441,62 @@ __global__ void bwd_solve_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int6
 // a_ij = <du_i, delta_j> and q_ij = <dy_i, delta_j> (each one thread's sum over d ascending),
 //   dA[i, j] = -beta_i a_ij (j < i),  dQK[i, j] = q_ij (j <= i),  0 elsewhere,
 //   dbeta_i = <du_i, v_i - G_i> - sum_{j < i} A[i, j] a_ij   (= <du_i, v_i - G_i - (A delta)_i>),
-// and dv_i = beta_i du_i in place of du_i once every read of it is done (only this block reads these rows).
-// Rows and columns are staged in shared memory kDotsTile columns at a time; thread (ti, tj) computes the kDotsPer
-// cells (ti, tj * kDotsPer + q) of each kDotsTile x kDotsTile tile. Every sum runs in a fixed order.
+// and dv_i = beta_i du_i in place of du_i. Rows are staged in shared memory kDotsCols columns at a time (no other
+// global loads in the loop: the kernel is bound by their latency); thread (ti, tj) computes the kDotsPer cells
+// (ti, tj * kDotsPer + c) of each kDotsTile x kDotsTile tile of (i, j). The diagonal tile (j0 = i0) is the last
+// one a block computes: while staging it, each thread also writes dv = beta du over the du element it loaded (its
+// last read) and adds its columns' share of <du_i, v_i - G_i>. Every sum runs in a fixed order.
 constexpr int kDotsTile = 32;
-constexpr int kDotsPer = 4;                                   // cells per thread and tile
+constexpr int kDotsCols = 64;                                   // columns staged per step
+constexpr int kDotsPer = 4;                                     // cells per thread and tile
 constexpr int kDotsThreads = kDotsTile * kDotsTile / kDotsPer;  // 256
-constexpr int kDotsParts = kDotsTile / kDotsPer;               // threads per tile row: 8
+constexpr int kDotsParts = kDotsTile / kDotsPer;                // threads per tile row: 8
 
 __global__ void __launch_bounds__(kDotsThreads) bwd_dots_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
-  __shared__ float sdu[kDotsTile][kDotsTile + 1], sdy[kDotsTile][kDotsTile + 1], sdl[kDotsTile][kDotsTile + 1];
+  __shared__ float sdu[kDotsTile][kDotsCols + 1], sdy[kDotsTile][kDotsCols + 1], sdl[kDotsTile][kDotsCols + 1];
+  __shared__ float svg[kDotsTile][kDotsCols + 1];  // v - G on the diagonal tile
   __shared__ float red[kDotsTile][kDotsParts];
   const int64_t C = dm.C, D = dm.D;
   const int64_t u = blockIdx.x, i0 = static_cast<int64_t>(blockIdx.y) * kDotsTile;
   const int t = threadIdx.x, ti = t / kDotsParts, tj = t % kDotsParts;
   const int64_t i = i0 + ti;
-  const float* du = io.dv + u * C * D;  // du until the end of this kernel
-  const float* dy = io.dy + u * C * D;
-  const float* delta = io.delta + u * C * D;
+  const int64_t base = u * C * D;
   const float beta_i = i < C ? io.beta[u * C + i] : 0.f;
-  // <du_i, v_i - G_i>: part tj sums the columns d = tj (mod kDotsParts), ascending.
-  float part = 0.f;
-  if (i < C) {
-    const int64_t k = (u * C + i) * D;
-    for (int64_t d = tj; d < D; d += kDotsParts) part += du[i * D + d] * (io.v[k + d] - io.G[k + d]);
-  }
   const float* A = p1.A + (u * C + (i < C ? i : 0)) * C;
-  // Stage columns [d0, d0 + kDotsTile) of rows [r0, r0 + kDotsTile) of `rows` (zero past C or D).
-  auto stage = [&](const float* rows, int64_t r0, int64_t d0, float (*out)[kDotsTile + 1]) {
-    for (int idx = t; idx < kDotsTile * kDotsTile; idx += kDotsThreads) {
-      const int r = idx / kDotsTile, dd = idx % kDotsTile;
-      out[r][dd] = r0 + r < C && d0 + dd < D ? rows[(r0 + r) * D + d0 + dd] : 0.f;
-    }
-  };
-  for (int64_t j0 = 0; j0 < C; j0 += kDotsTile) {
+  float part = 0.f;  // this thread's share of dbeta_i
+  for (int64_t j0 = 0; j0 <= i0; j0 += kDotsTile) {  // j0 > i0: every cell masked
+    const bool diag = j0 == i0;
     float a[kDotsPer] = {}, q[kDotsPer] = {};
-    if (j0 <= i0 + kDotsTile - 1) {  // else every cell of the tile is masked
-      for (int64_t d0 = 0; d0 < D; d0 += kDotsTile) {
-        stage(du, i0, d0, sdu);
-        stage(dy, i0, d0, sdy);
-        stage(delta, j0, d0, sdl);
-        __syncthreads();
-#pragma unroll 8
-        for (int dd = 0; dd < kDotsTile; ++dd) {
-          const float x = sdu[ti][dd], z = sdy[ti][dd];
-#pragma unroll
-          for (int c = 0; c < kDotsPer; ++c) {
-            const float l = sdl[tj * kDotsPer + c][dd];
-            a[c] += x * l;
-            q[c] += z * l;
-          }
+    for (int64_t d0 = 0; d0 < D; d0 += kDotsCols) {
+      for (int idx = t; idx < kDotsTile * kDotsCols; idx += kDotsThreads) {
+        const int r = idx / kDotsCols, dd = idx % kDotsCols;
+        const int64_t d = d0 + dd;
+        const bool in_i = i0 + r < C && d < D, in_j = j0 + r < C && d < D;
+        const int64_t ki = base + (i0 + r) * D + d, kj = base + (j0 + r) * D + d;
+        const float du = in_i ? io.dv[ki] : 0.f;  // du until written back as dv below
+        sdu[r][dd] = du;
+        sdy[r][dd] = in_i ? io.dy[ki] : 0.f;
+        sdl[r][dd] = in_j ? io.delta[kj] : 0.f;
+        if (diag) {
+          svg[r][dd] = in_i ? io.v[ki] - io.G[ki] : 0.f;
+          if (in_i) io.dv[ki] = io.beta[u * C + i0 + r] * du;
         }
-        __syncthreads();
       }
+      __syncthreads();
+#pragma unroll 8
+      for (int dd = 0; dd < kDotsCols; ++dd) {
+        const float x = sdu[ti][dd], z = sdy[ti][dd];
+#pragma unroll
+        for (int c = 0; c < kDotsPer; ++c) {
+          const float l = sdl[tj * kDotsPer + c][dd];
+          a[c] += x * l;
+          q[c] += z * l;
+        }
+      }
+      if (diag) {
+        for (int dd = tj; dd < kDotsCols; dd += kDotsParts) part += sdu[ti][dd] * svg[ti][dd];
+      }
+      __syncthreads();
     }
     if (i < C) {
 #pragma unroll
@@ -506,17 +509,18 @@ __global__ void __launch_bounds__(kDotsThreads) bwd_dots_kernel(StepDims dm, Ste
       }
     }
   }
+  if (i < C) {  // the tiles past the diagonal: every cell masked
+    for (int64_t j = i0 + kDotsTile + tj; j < C; j += kDotsParts) {
+      io.dA[(u * C + i) * C + j] = 0.f;
+      io.dQK[(u * C + i) * C + j] = 0.f;
+    }
+  }
   red[ti][tj] = part;
   __syncthreads();
   if (tj == 0 && i < C) {
     float x = red[ti][0];
     for (int k = 1; k < kDotsParts; ++k) x += red[ti][k];
     io.dbeta[u * C + i] = x;
-  }
-  // dv_i = beta_i du_i: every read of these du rows is done (the barrier above).
-  for (int idx = t; idx < kDotsTile * D; idx += kDotsThreads) {
-    const int64_t r = i0 + idx / D, d = idx % D;
-    if (r < C) io.dv[(u * C + r) * D + d] = io.beta[u * C + r] * du[r * D + d];
   }
 }
 

@@ -147,7 +147,11 @@ def test_check_mode_reports_bad_data_through_checkify(impl):
     checked = jax.jit(checkify.checkify(f))
     err, (y, _) = checked(args)
     assert err.get() is None  # good data passes
-    np.testing.assert_array_equal(y, jax.jit(lambda a: sdm_write_read(**a, chunk_size=4, impl=impl))(args)[0])
+    y_plain = jax.jit(lambda a: sdm_write_read(**a, chunk_size=4, impl=impl))(args)[0]
+    if impl == "ffi":  # the same kernels either way
+        np.testing.assert_array_equal(y, y_plain)
+    else:  # two XLA programs: the compiler may fuse (and round) them differently on a GPU
+        np.testing.assert_allclose(y, y_plain, rtol=1e-5, atol=1e-6)
     lanes = np.arange(3) == 1
     cases = {
         r"sdm_write_read\(check=True\): 48 write slot ids \(k_idx\) outside \[0, K=8\)":
