@@ -38,7 +38,7 @@ namespace sdm {
 namespace {
 
 constexpr int kSlice = 32;          // columns per block of the solve kernels
-constexpr int kSolveThreads = 1024;  // the solve kernels are latency-bound: many warps per SM
+constexpr int kSolveThreadsMax = 1024;  // threads per block of the solve kernels: one per (row, 4 columns)
 constexpr int kRowThreadsMax = 256;  // column threads (x) per block of the per-token row kernels
 constexpr int kRowThreadsCap = 512;  // threads (x times parts) per block of the per-token row kernels
 constexpr int kRowBlocksPerSM = 2;   // their register budget: 2 blocks of 512 threads per SM (64 registers)
@@ -68,6 +68,25 @@ __device__ __forceinline__ void load_cols(const T* p, float* out) {
   } else {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) out[i] = to_f(p[i]);
+  }
+}
+
+// load_cols for float32 rows that no kernel writes while it runs (delta, dG, dy): through the read-only path
+// (ld.global.nc), which also lets the compiler issue these loads ahead of the row stores before them.
+template <int VEC>
+__device__ __forceinline__ void load_cols_ro(const float* p, float* out) {
+  if constexpr (VEC % 4 == 0) {
+#pragma unroll
+    for (int k = 0; k < VEC / 4; ++k) {
+      const float4 x = __ldg(reinterpret_cast<const float4*>(p) + k);
+      out[4 * k] = x.x;
+      out[4 * k + 1] = x.y;
+      out[4 * k + 2] = x.z;
+      out[4 * k + 3] = x.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) out[i] = __ldg(p + i);
   }
 }
 
@@ -243,9 +262,43 @@ __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) fwd_gather_ke
   }
 }
 
+// The triangular products of the solve kernels on a [C, kSlice] shared-memory slice `cols`, for one row r and the
+// 4 columns [4q, 4q + 4): lower:     x = sum_{k = 0..r} M[r, k] cols[k]     (k ascending)
+//                      transposed: x = sum_{k = r..C-1} M[k, r] cols[k]   (k ascending).
+// Four columns per thread: each element of M (global, cached) feeds four multiply-adds, and the indices are 32-bit
+// (C * C < 2^31): the kernels were bound by instruction issue. Each column's sum runs in the same order as one
+// column at a time would.
+template <bool kTransposed>
+__device__ __forceinline__ float4 tri_quad(const float* __restrict__ M, const float* cols, int r, int q, int C) {
+  float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int lo = kTransposed ? r : 0, hi = kTransposed ? C : r + 1;
+  const float* m = kTransposed ? M + lo * C + r : M + r * C;
+  const int m_step = kTransposed ? C : 1;
+  const float4* c4 = reinterpret_cast<const float4*>(cols) + lo * (kSlice / 4) + q;
+  for (int k = lo; k < hi; ++k, m += m_step, c4 += kSlice / 4) {
+    const float mk = __ldg(m);
+    const float4 c = *c4;
+    x.x += mk * c.x;
+    x.y += mk * c.y;
+    x.z += mk * c.z;
+    x.w += mk * c.w;
+  }
+  return x;
+}
+
+// Four consecutive columns [d, d + 4) of a float32 row, as far as they lie below D.
+__device__ __forceinline__ void store_quad(float* row, int64_t d, int64_t D, float4 x) {
+  const float v[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    if (d + k < D) row[d + k] = v[k];
+}
+
+// One block per (stream, kSlice-column slice); thread (row r, quad q) in a loop over the C * kSlice / 4 quads.
 __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64_t c, ChunkRows rows) {
-  extern __shared__ float sh[];
-  const int64_t C = dm.C, D = dm.D;
+  extern __shared__ __align__(16) float sh[];
+  const int C = static_cast<int>(dm.C);
+  const int64_t D = dm.D;
   const int64_t s = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
   const int64_t u = unit_of(dm, s, c);
   float* su = sh;
@@ -258,22 +311,23 @@ __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64
   __syncthreads();
   const float* minv = p1.minv + u * C * C;
   float* delta = rows.delta + rows.at(dm, u, s);
-  for (int idx = threadIdx.x; idx < C * kSlice; idx += blockDim.x) {
-    const int64_t i = idx / kSlice, dd = idx % kSlice;
-    float x = 0.f;
-    for (int64_t j = 0; j <= i; ++j) x += minv[i * C + j] * su[j * kSlice + dd];
-    sdelta[idx] = x;
-    if (d0 + dd < D) delta[i * D + d0 + dd] = x;
+  for (int idx = threadIdx.x; idx < C * (kSlice / 4); idx += blockDim.x) {
+    const int i = idx / (kSlice / 4), q = idx % (kSlice / 4);
+    const float4 x = tri_quad<false>(minv, su, i, q, C);
+    reinterpret_cast<float4*>(sdelta + i * kSlice)[q] = x;
+    store_quad(delta + i * D, d0 + 4 * q, D, x);
   }
   __syncthreads();
   const float* QK = p1.QK + u * C * C;
   const float* Q0 = rows.Q0 + s * C * D;
-  for (int idx = threadIdx.x; idx < C * kSlice; idx += blockDim.x) {
-    const int64_t i = idx / kSlice, d = d0 + idx % kSlice;
-    if (d >= D) continue;
-    float y = 0.f;
-    for (int64_t j = 0; j <= i; ++j) y += QK[i * C + j] * sdelta[j * kSlice + idx % kSlice];
-    io.y[(u * C + i) * D + d] = y + Q0[i * D + d];
+  for (int idx = threadIdx.x; idx < C * (kSlice / 4); idx += blockDim.x) {
+    const int i = idx / (kSlice / 4), q = idx % (kSlice / 4);
+    const float4 x = tri_quad<false>(QK, sdelta, i, q, C);
+    const int64_t d = d0 + 4 * q;
+    const float v[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (d + k < D) io.y[(u * C + i) * D + d + k] = v[k] + Q0[i * D + d + k];
   }
 }
 
@@ -355,7 +409,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
       for (int32_t j = lo; j < hi; ++j) {
         const int32_t e = order[j];
         float dl[VEC];
-        load_cols<VEC>(delta + (e / W) * D + d, dl);
+        load_cols_ro<VEC>(delta + (e / W) * D + d, dl);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) acc[i] += w[e] * dl[i];
       }
@@ -371,14 +425,6 @@ struct BackRows {
   float* dG;
 };
 
-// x[j] = sum over i >= j of L[i, j] * cols[i] for one column of a [C, kSlice] shared-memory slice: the product
-// with the transpose of a lower triangular [C, C] matrix, i ascending.
-__device__ __forceinline__ float lower_t_col(const float* L, const float* cols, int64_t j, int64_t dd, int64_t C) {
-  float x = 0.f;
-  for (int64_t i = j; i < C; ++i) x += L[i * C + j] * cols[i * kSlice + dd];
-  return x;
-}
-
 // Stage columns [d0, d0 + kSlice) of rows [C, D] (zero past D) in shared memory.
 __device__ __forceinline__ void stage_slice(const float* rows, int64_t C, int64_t D, int64_t d0, float* out) {
   for (int idx = threadIdx.x; idx < C * kSlice; idx += blockDim.x) {
@@ -390,21 +436,24 @@ __device__ __forceinline__ void stage_slice(const float* rows, int64_t C, int64_
 // Before the loop, every unit at once: du = Minv^T (QK^T dy), the part of the adjoint that does not depend on
 // the bank; one block per (unit, column slice).
 __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
-  extern __shared__ float sh[];
-  const int64_t C = dm.C, D = dm.D;
+  extern __shared__ __align__(16) float sh[];
+  const int C = static_cast<int>(dm.C);
+  const int64_t D = dm.D;
   const int64_t u = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
   float* sdy = sh;
   float* sdd = sh + C * kSlice;
   stage_slice(io.dy + u * C * D, C, D, d0, sdy);
   __syncthreads();
   const float* QK = p1.QK + u * C * C;
-  for (int idx = threadIdx.x; idx < C * kSlice; idx += blockDim.x)
-    sdd[idx] = lower_t_col(QK, sdy, idx / kSlice, idx % kSlice, C);
+  for (int idx = threadIdx.x; idx < C * (kSlice / 4); idx += blockDim.x) {
+    const int j = idx / (kSlice / 4), q = idx % (kSlice / 4);
+    reinterpret_cast<float4*>(sdd + j * kSlice)[q] = tri_quad<true>(QK, sdy, j, q, C);
+  }
   __syncthreads();
   const float* minv = p1.minv + u * C * C;
-  for (int idx = threadIdx.x; idx < C * kSlice; idx += blockDim.x) {
-    const int64_t j = idx / kSlice, d = d0 + idx % kSlice;
-    if (d < D) io.dv[(u * C + j) * D + d] = lower_t_col(minv, sdd, j, idx % kSlice, C);
+  for (int idx = threadIdx.x; idx < C * (kSlice / 4); idx += blockDim.x) {
+    const int j = idx / (kSlice / 4), q = idx % (kSlice / 4);
+    store_quad(io.dv + (u * C + j) * D, d0 + 4 * q, D, tri_quad<true>(minv, sdd, j, q, C));
   }
 }
 
@@ -419,21 +468,29 @@ __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) bwd_gwr_kerne
 
 // In the loop: du += Minv^T gwr (the bank-dependent part), dG = -beta du.
 __global__ void bwd_solve_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackRows rows) {
-  extern __shared__ float sh[];
-  const int64_t C = dm.C, D = dm.D;
+  extern __shared__ __align__(16) float sh[];
+  const int C = static_cast<int>(dm.C);
+  const int64_t D = dm.D;
   const int64_t s = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
   const int64_t u = unit_of(dm, s, c);
   float* sg = sh;
   stage_slice(rows.gwr + s * C * D, C, D, d0, sg);
   __syncthreads();
   const float* minv = p1.minv + u * C * C;
-  for (int idx = threadIdx.x; idx < C * kSlice; idx += blockDim.x) {
-    const int64_t j = idx / kSlice, d = d0 + idx % kSlice;
-    if (d >= D) continue;
-    float* du = io.dv + (u * C + j) * D + d;
-    const float x = *du + lower_t_col(minv, sg, j, idx % kSlice, C);
-    *du = x;
-    rows.dG[(s * C + j) * D + d] = -io.beta[u * C + j] * x;
+  for (int idx = threadIdx.x; idx < C * (kSlice / 4); idx += blockDim.x) {
+    const int j = idx / (kSlice / 4), q = idx % (kSlice / 4);
+    const float4 x = tri_quad<true>(minv, sg, j, q, C);
+    const float v[4] = {x.x, x.y, x.z, x.w};
+    const float beta = io.beta[u * C + j];
+    const int64_t d = d0 + 4 * q;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (d + k >= D) break;
+      float* du = io.dv + (u * C + j) * D + d + k;
+      const float y = *du + v[k];
+      *du = y;
+      rows.dG[(s * C + j) * D + d + k] = -beta * y;
+    }
   }
 }
 
@@ -574,8 +631,8 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kTwoRowBlocksPerSM)
           if (j >= n) break;
           const int32_t e = order[lo + j];
           float dl[VEC], dg[VEC];
-          load_cols<VEC>(delta + (e / W) * D + d, dl);
-          load_cols<VEC>(dG + (e / W) * D + d, dg);
+          load_cols_ro<VEC>(delta + (e / W) * D + d, dl);
+          load_cols_ro<VEC>(dG + (e / W) * D + d, dg);
 #pragma unroll
           for (int i = 0; i < VEC; ++i) {
             p_w[j] += dl[i] * ds[k][i];
@@ -661,7 +718,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kTwoRowBlocksPerSM)
           if (j >= n) break;
           const int32_t r = order[lo + j];
           float z[VEC];
-          load_cols<VEC>(dy + (r / R) * D + d, z);
+          load_cols_ro<VEC>(dy + (r / R) * D + d, z);
 #pragma unroll
           for (int i = 0; i < VEC; ++i) {
             p_q[j] += z[i] * x[k][i];
@@ -706,6 +763,11 @@ int smem_attribute(Kernel kernel, size_t bytes) {
                                                static_cast<int>(bytes)));
 }
 
+// Threads per block of the solve kernels: one per (token row, 4 columns) of a slice, whole warps, at most 1024.
+inline int solve_threads(int64_t C) {
+  return static_cast<int>(std::min<int64_t>(kSolveThreadsMax, (C * (kSlice / 4) + 31) / 32 * 32));
+}
+
 // First error of the launches so far.
 inline int launched(int rc) { return rc ? rc : static_cast<int>(cudaGetLastError()); }
 
@@ -738,7 +800,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   for (int64_t c = 0; c < dm.NC && !rc; ++c) {
     fwd_gather_kernel<VEC, T><<<gather_grid, rb.threads, rb.smem, stream>>>(dm, p1, bank, c, rows);
     rc = launched(rc);
-    fwd_solve_kernel<<<slice_grid, kSolveThreads, smem, stream>>>(dm, p1, io, c, rows);
+    fwd_solve_kernel<<<slice_grid, solve_threads(dm.C), smem, stream>>>(dm, p1, io, c, rows);
     rc = launched(rc);
     fwd_write_kernel<VEC, T><<<group_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, c, rows);
     rc = launched(rc);
@@ -763,13 +825,13 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const RowBlock rb = row_block(dm.D, kGVec);
   if (!rc) rc = smem_attribute(bwd_gwr_kernel<kGVec, GT>, rb.smem);
   if (!rc) {
-    bwd_dy_kernel<<<dim3(dm.units(), (dm.D + kSlice - 1) / kSlice), kSolveThreads, smem, stream>>>(dm, p1, io);
+    bwd_dy_kernel<<<dim3(dm.units(), (dm.D + kSlice - 1) / kSlice), solve_threads(dm.C), smem, stream>>>(dm, p1, io);
     rc = launched(rc);
   }
   for (int64_t c = dm.NC - 1; c >= 0 && !rc; --c) {
     bwd_gwr_kernel<kGVec, GT><<<row_grid, rb.threads, rb.smem, stream>>>(dm, p1, dbank, c, rows);
     rc = launched(rc);
-    bwd_solve_kernel<<<slice_grid, kSolveThreads, smem / 2, stream>>>(dm, p1, io, c, rows);
+    bwd_solve_kernel<<<slice_grid, solve_threads(dm.C), smem / 2, stream>>>(dm, p1, io, c, rows);
     rc = launched(rc);
     bwd_phase_a_kernel<VEC, T, GT><<<write_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, dbank, c, rows);
     rc = launched(rc);
