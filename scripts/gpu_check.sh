@@ -74,11 +74,14 @@ if has bench; then
   grep "^|" "$OUT/bench_decode.log" | tee -a "$OUT/summary.txt"
 fi
 if has sanitize; then
-  # compute-sanitizer on every jax_sdm kernel (kernel names in namespace sdm), one tool per process.
-  for tool in memcheck racecheck synccheck initcheck; do
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${SANITIZE_TIMEOUT:-200} compute-sanitizer --tool "$tool" --error-exitcode 3 \
+  # compute-sanitizer on every jax_sdm kernel (kernel names in namespace sdm), one tool per process
+  # (SANITIZE_TOOLS, default all four). No XLA preallocation, autotuning or command buffers under the tools.
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
+    XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
+    timeout ${SANITIZE_TIMEOUT:-200} compute-sanitizer --tool "$tool" --error-exitcode 3 \
       --kernel-regex kns=sdm python3 "$REPO/scripts/sanitize_case.py" > "$OUT/sanitize_$tool.log" 2>&1
-    summary "sanitize $tool rc=$?: $(grep -E "ERROR SUMMARY|results," "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
+    summary "sanitize $tool rc=$?: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|results," "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
   done
 fi
 if has profile; then
@@ -114,4 +117,8 @@ if has memory; then
   grep -E "^ |on gpu|on cuda" "$OUT/memory.log" | tee -a "$OUT/summary.txt"
 fi
 cat "$OUT/summary.txt"
+if [ "${PACK_LOGS:-0}" = 1 ]; then  # the device tool brings back at most 8 files: one archive of the logs
+  (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz --exclude=summary.txt . && find . -type f ! -name logs.tgz \
+    ! -name summary.txt -delete)
+fi
 exit $status
