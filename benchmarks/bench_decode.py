@@ -9,6 +9,8 @@
   decoding loop pays per token: dispatch, the kernel, and no copy of the bank.
 * Tokens follow the benchmarks' recipe: distinct slots `a + n*b mod K` per token, l2-normalised weights, `v` standard
   normal, `beta = sigmoid(randn)`, `g = -0.5 * softplus(randn)`; the bank is `0.1 * randn`.
+* `--impls noop` times a jitted, donated call with the same arguments and results that computes nothing (`y = v`,
+  the bank passed through): the floor that dispatching a step costs.
 * The default `--max-log-k` is 20 on a GPU and 16 on the CPU (a float32 bank of `B*H*K*D` values takes 8 GiB at
   K = 2^20 and the default shape). An implementation that raises `NotImplementedError` shows as "n/a".
 """
@@ -51,7 +53,11 @@ def microseconds_per_step(impl, dtype, K, args):
     bank = jax.jit(lambda key: (0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype))(
         jax.random.PRNGKey(K))
     tokens = make_tokens(K, 16, args.B, args.H, K, args.D, args.W, args.R, dtype)
-    step = jax.jit(lambda bank, tok: sdm_step(bank, **tok, impl=impl), donate_argnums=0)
+    if impl == "noop":  # the dispatch floor: a jitted, donated call with the same arguments and results that
+        # computes nothing (y = v, the bank passed through)
+        step = jax.jit(lambda bank, tok: (tok["v"], bank), donate_argnums=0)
+    else:
+        step = jax.jit(lambda bank, tok: sdm_step(bank, **tok, impl=impl), donate_argnums=0)
 
     def run(bank):
         y = None
@@ -77,7 +83,9 @@ def microseconds_per_step(impl, dtype, K, args):
 def main():
     on_gpu = jax.default_backend() == "gpu"
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--impls", default="ffi,xla")
+    parser.add_argument("--impls", default="ffi,xla",
+                        help="comma list of ffi, xla, reference, and noop (a jitted donated call with the same arguments "
+                             "that computes nothing: what dispatching any step costs)")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--min-log-k", type=int, default=12)
     parser.add_argument("--max-log-k", type=int, default=20 if on_gpu else 16)
