@@ -236,7 +236,7 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save):
         "sdm_forward",
         (jax.ShapeDtypeStruct(bank.shape, bank.dtype), jax.ShapeDtypeStruct(tokens + (D,), f32),
          residual(tokens + (D,), f32), residual(tokens + (D,), f32),
-         residual(tokens[:-1] + (C * W, D), bank.dtype), _workspace(bank, C)),
+         residual(tokens[:-1] + (C * W, D), bank.dtype), _workspace(bank, k_idx, q_idx)),
         vmap_method="broadcast_all",
         input_output_aliases={0: 0},
     )
@@ -244,9 +244,13 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save):
                 p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.QK, p1.w_order, p1.w_group, minv)[:5]
 
 
-def _workspace(bank, C):
-    """The steps' scratch (kernels/steps.h `step_workspace_floats`): `3 * streams * C * D` floats."""
-    return jax.ShapeDtypeStruct((3 * math.prod(bank.shape[:-2]) * C * bank.shape[-1],), jnp.float32)
+def _workspace(bank, k_idx, q_idx):
+    """The steps' scratch (kernels/steps.h `step_workspace_floats`), float32: per problem (leading dims of the
+    bank `[..., P, K, D]`) `3 * P * C * D` floats rounded up to a multiple of 4, then 4 per slot group (`C * W`
+    write groups and `C * R` read groups per unit: `k_idx.size + q_idx.size`)."""
+    P, D, C = bank.shape[-3], bank.shape[-1], k_idx.shape[-2]
+    rows = math.prod(bank.shape[:-3]) * ((3 * P * C * D + 3) // 4 * 4)
+    return jax.ShapeDtypeStruct((rows + 4 * (k_idx.size + q_idx.size),), jnp.float32)
 
 
 def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snapshot):
@@ -265,7 +269,7 @@ def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, sna
         "sdm_backward",
         (like(bank), like(dbank), like(p1.k_eff), like(p1.w), like(p1.cpe),
          like(p1.q_w), like(p1.A), like(p1.QK), like(beta.astype(f32)), like(v.astype(f32)),
-         _workspace(bank, k_idx.shape[-2])),
+         _workspace(bank, k_idx, q_idx)),
         vmap_method="broadcast_all",
         input_output_aliases={0: 0, 1: 1},
     )

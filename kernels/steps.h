@@ -80,9 +80,14 @@ void backward_cpu(const StepDims& dims, const StepPhase1& p1, const BackwardIO& 
 
 // CUDA: the same loops, enqueued on `stream` (no allocation, no synchronisation; the launch configuration
 // depends on the shapes only). `workspace` holds step_workspace_floats(dims) floats (the handlers of both
-// platforms take it, so that their interfaces are the same). BankT is float or
-// __nv_bfloat16 (passed as sdm::bf16, same layout). Returns the first cudaError_t met, 0 on success.
-inline int64_t step_workspace_floats(const StepDims& dims) { return 3 * dims.streams() * dims.C * dims.D; }
+// platforms take it, so that their interfaces are the same): first three per-chunk rows [streams, C, D] of
+// float32 (step_rows_floats: per problem of the V, rounded up to 16 bytes), then a table of 16-byte entries, one
+// per slot group (C * W write groups and C * R read groups per unit). BankT is float or __nv_bfloat16 (passed as
+// sdm::bf16, same layout). Returns the first cudaError_t met, 0 on success.
+inline int64_t step_rows_floats(const StepDims& dims) { return dims.V * ((3 * dims.P * dims.C * dims.D + 3) / 4 * 4); }
+inline int64_t step_workspace_floats(const StepDims& dims) {
+  return step_rows_floats(dims) + 4 * dims.units() * dims.C * (dims.W + dims.R);
+}
 template <typename BankT>
 int forward_cuda(const StepDims& dims, const StepPhase1& p1, const ForwardIO& io, BankT* bank, float* workspace,
                  CUstream_st* stream);

@@ -331,31 +331,67 @@ __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64
   }
 }
 
+// One slot group of a chunk (DESIGN.md "Phase 1": a run of sorted entries [lo, hi) with one slot): its slot
+// (-1 when the warp has nothing to do: an empty group, padding, an out-of-range slot), its entries and the first
+// of them in sorted order. A table of these for every unit and group is built once per call (group_table_kernel)
+// so that a group kernel's warp finds its row with one 16-byte load instead of a chain of three dependent ones
+// (group offsets, then the sorted order, then the slot id) before its first row load can issue.
+struct alignas(16) GroupEntry {
+  int32_t slot, lo, hi, first;
+};
+
+// table[u * n + g] for every unit u and group g < n = C * lanes of a map of DESIGN.md (w_* with k_idx, or r_*
+// with q_idx; `lanes` its W or R).
+__global__ void group_table_kernel(StepDims dm, const int32_t* __restrict__ order, const int32_t* __restrict__ group,
+                                   const int32_t* __restrict__ idx, int64_t lanes, int64_t units,
+                                   GroupEntry* __restrict__ table) {
+  const int64_t n = dm.C * lanes, total = units * n;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t u = k / n, g = k % n;
+    GroupEntry e{-1, group[u * (n + 1) + g], group[u * (n + 1) + g + 1], -1};
+    if (e.lo < e.hi) {
+      const int32_t first = order[u * n + e.lo];
+      const int32_t slot = first >= 0 ? idx[u * n + first] : -1;
+      if (slot >= 0 && slot < dm.K) {
+        e.slot = slot;
+        e.first = first;
+      }
+    }
+    table[k] = e;
+  }
+}
+
 // The slot group of this warp (one warp per group; blockIdx.x the stream, blockIdx.y * kGroupWarps + warp the
-// group) in chunk c: its unit u, its sorted entries [lo, hi) and its slot. False when the warp has no group
-// (past the last one, empty, or an out-of-range slot). `order`, `group`, `idx` are a map of DESIGN.md (w_* with
-// k_idx, or r_* with q_idx) and `lanes` its W or R.
+// group) in chunk c: its unit u, its sorted entries [lo, hi), the first of them and its slot, from the call's
+// group table of a map with `lanes` lanes (W or R). False when the warp has no group.
 struct Group {
   int64_t s, u, g;
   int lane;
-  int32_t lo, hi, slot;
+  int32_t lo, hi, slot, first;
 };
 
-__device__ __forceinline__ bool warp_group(const StepDims& dm, int64_t c, const int32_t* order, const int32_t* group,
-                                           const int32_t* idx, int64_t lanes, Group* out) {
+__device__ __forceinline__ bool warp_group(const StepDims& dm, int64_t c, const GroupEntry* table, int64_t lanes,
+                                           Group* out) {
   const int64_t n = dm.C * lanes;
   out->s = blockIdx.x;
   out->g = static_cast<int64_t>(blockIdx.y) * kGroupWarps + threadIdx.x / 32;
   out->lane = threadIdx.x % 32;
   if (out->g >= n) return false;
   out->u = unit_of(dm, out->s, c);
-  order += out->u * n;
-  out->lo = group[out->u * (n + 1) + out->g];
-  out->hi = group[out->u * (n + 1) + out->g + 1];
-  if (out->lo >= out->hi || order[out->lo] < 0) return false;
-  out->slot = idx[out->u * n + order[out->lo]];
-  return out->slot >= 0 && out->slot < dm.K;
+  const int4 e = __ldg(reinterpret_cast<const int4*>(table + out->u * n + out->g));
+  out->slot = e.x;
+  out->lo = e.y;
+  out->hi = e.z;
+  out->first = e.w;
+  return out->slot >= 0;
 }
+
+// The call's group tables (in the workspace, after the per-chunk rows): write groups, and read groups (backward).
+struct GroupTables {
+  const GroupEntry* w;
+  const GroupEntry* r;
+};
 
 // acc = scale * row[0, VEC) + sum over the group's entries e = order[lo..hi) (sorted order) of
 // coef[e] * vecs[e / W][0, VEC) (vecs: rows of D floats, offset to the same columns as row): the written row of the
@@ -377,9 +413,10 @@ __device__ __forceinline__ void group_row(const T* row, float scale, const int32
 
 template <int VEC, typename T>
 __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
-    fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, T* __restrict__ bank, int64_t c, ChunkRows rows) {
+    fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, T* __restrict__ bank, int64_t c, ChunkRows rows,
+                     GroupTables tables) {
   Group gr;
-  if (!warp_group(dm, c, p1.w_order, p1.w_group, p1.k_idx, dm.W, &gr)) return;
+  if (!warp_group(dm, c, tables.w, dm.W, &gr)) return;
   const int64_t C = dm.C, W = dm.W, D = dm.D, s = gr.s, u = gr.u, g = gr.g;
   const int lane = gr.lane;
   const int32_t lo = gr.lo, hi = gr.hi;
@@ -387,7 +424,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
   T* row = bank + (s * dm.K + gr.slot) * D;
   T* snap = io.snapshot ? static_cast<T*>(io.snapshot) + (u * C * W + g) * D : nullptr;
   const float* w = p1.w + u * C * W;
-  const float cpe = p1.cpe[u * C * W + order[lo]];
+  const float cpe = p1.cpe[u * C * W + gr.first];
   const float* delta = rows.delta + rows.at(dm, u, s);
   // The row in batches of S segments per lane, all loaded before the first is used; the row becomes
   // cpe * S0 + sum over the group's entries (sorted order) of w[e] * delta[t_e] (group_row's sum, same order).
@@ -407,7 +444,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[i] = cpe * x[k][i];
       for (int32_t j = lo; j < hi; ++j) {
-        const int32_t e = order[j];
+        const int32_t e = j == lo ? gr.first : order[j];
         float dl[VEC];
         load_cols_ro<VEC>(delta + (e / W) * D + d, dl);
 #pragma unroll
@@ -584,16 +621,16 @@ __global__ void __launch_bounds__(kDotsThreads) bwd_dots_kernel(StepDims dm, Ste
 template <int VEC, typename T, typename GT>
 __global__ void __launch_bounds__(kGroupWarps * 32, kTwoRowBlocksPerSM)
     bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T* __restrict__ bank, GT* __restrict__ dbank,
-                       int64_t c, BackRows rows) {
+                       int64_t c, BackRows rows, GroupTables tables) {
   Group gr;
-  if (!warp_group(dm, c, p1.w_order, p1.w_group, p1.k_idx, dm.W, &gr)) return;
+  if (!warp_group(dm, c, tables.w, dm.W, &gr)) return;
   const int64_t C = dm.C, W = dm.W, D = dm.D, K = dm.K, s = gr.s, u = gr.u, g = gr.g;
   const int lane = gr.lane;
   const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
   const int32_t* order = p1.w_order + u * C * W;
   GT* drow = dbank + (s * K + slot) * D;
   const T* s0 = static_cast<const T*>(io.snapshot) + (u * C * W + g) * D;
-  const int64_t e0 = u * C * W + order[lo];
+  const int64_t e0 = u * C * W + gr.first;
   const float cpe = p1.cpe[e0];
   const float* delta = io.delta + u * C * D;
   const float* dG = rows.dG + s * C * D;
@@ -629,7 +666,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kTwoRowBlocksPerSM)
 #pragma unroll
         for (int j = 0; j < kInlineEntries; ++j) {
           if (j >= n) break;
-          const int32_t e = order[lo + j];
+          const int32_t e = j == 0 ? gr.first : order[lo + j];
           float dl[VEC], dg[VEC];
           load_cols_ro<VEC>(delta + (e / W) * D + d, dl);
           load_cols_ro<VEC>(dG + (e / W) * D + d, dg);
@@ -679,9 +716,9 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kTwoRowBlocksPerSM)
 template <int VEC, typename T, typename GT>
 __global__ void __launch_bounds__(kGroupWarps * 32, kTwoRowBlocksPerSM)
     bwd_read_side_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const T* __restrict__ bank,
-                         GT* __restrict__ dbank, int64_t c) {
+                         GT* __restrict__ dbank, int64_t c, GroupTables tables) {
   Group gr;
-  if (!warp_group(dm, c, p1.r_order, p1.r_group, p1.q_idx, dm.R, &gr)) return;
+  if (!warp_group(dm, c, tables.r, dm.R, &gr)) return;
   const int64_t C = dm.C, R = dm.R, D = dm.D, K = dm.K, s = gr.s, u = gr.u;
   const int lane = gr.lane;
   const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
@@ -716,7 +753,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kTwoRowBlocksPerSM)
 #pragma unroll
         for (int j = 0; j < kInlineEntries; ++j) {
           if (j >= n) break;
-          const int32_t r = order[lo + j];
+          const int32_t r = j == 0 ? gr.first : order[lo + j];
           float z[VEC];
           load_cols_ro<VEC>(dy + (r / R) * D + d, z);
 #pragma unroll
@@ -784,14 +821,32 @@ inline RowBlock row_block(int64_t D, int vec) {
   return RowBlock{dim3(x, y), static_cast<size_t>(x) * y * vec * sizeof(float)};
 }
 
+// The call's group tables after the per-chunk rows of the workspace (kernels/steps.h): the write groups' of every
+// unit, then (the backward's) the read groups'. Built once per call, before the chunk loop.
+inline GroupEntry* group_tables_at(const StepDims& dm, float* workspace) {
+  return reinterpret_cast<GroupEntry*>(workspace + step_rows_floats(dm));
+}
+
+inline int build_group_table(const StepDims& dm, const int32_t* order, const int32_t* group, const int32_t* idx,
+                             int64_t lanes, GroupEntry* table, cudaStream_t stream) {
+  const int64_t total = dm.units() * dm.C * lanes;
+  if (total == 0) return 0;
+  const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 4096));
+  group_table_kernel<<<blocks, 256, 0, stream>>>(dm, order, group, idx, lanes, dm.units(), table);
+  return static_cast<int>(cudaGetLastError());
+}
+
 template <int VEC, typename T>
 int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, T* bank, float* workspace,
                  cudaStream_t stream) {
   const int64_t n = dm.streams() * dm.C * dm.D;
   const bool save = io.delta != nullptr;
   const ChunkRows rows{save ? io.G : workspace, workspace + n, save ? io.delta : workspace + 2 * n, save};
+  GroupEntry* w_table = group_tables_at(dm, workspace);
+  const GroupTables tables{w_table, nullptr};
   const size_t smem = 2 * dm.C * kSlice * sizeof(float);
-  int rc = smem_attribute(fwd_solve_kernel, smem);
+  int rc = build_group_table(dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, w_table, stream);
+  if (!rc) rc = smem_attribute(fwd_solve_kernel, smem);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
   const dim3 group_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
   const RowBlock rb = row_block(dm.D, VEC);
@@ -802,7 +857,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
     rc = launched(rc);
     fwd_solve_kernel<<<slice_grid, solve_threads(dm.C), smem, stream>>>(dm, p1, io, c, rows);
     rc = launched(rc);
-    fwd_write_kernel<VEC, T><<<group_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, c, rows);
+    fwd_write_kernel<VEC, T><<<group_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, c, rows, tables);
     rc = launched(rc);
   }
   return rc;
@@ -813,8 +868,13 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
                   float* workspace, cudaStream_t stream) {
   const int64_t n = dm.streams() * dm.C * dm.D;
   const BackRows rows{workspace, workspace + n};
+  GroupEntry* w_table = group_tables_at(dm, workspace);
+  GroupEntry* r_table = w_table + dm.units() * dm.C * dm.W;
+  const GroupTables tables{w_table, r_table};
   const size_t smem = 2 * dm.C * kSlice * sizeof(float);
-  int rc = smem_attribute(bwd_dy_kernel, smem);
+  int rc = build_group_table(dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, w_table, stream);
+  if (!rc) rc = build_group_table(dm, p1.r_order, p1.r_group, p1.q_idx, dm.R, r_table, stream);
+  if (!rc) rc = smem_attribute(bwd_dy_kernel, smem);
   if (!rc) rc = smem_attribute(bwd_solve_kernel, smem / 2);
   const dim3 row_grid(dm.streams(), dm.C);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
@@ -833,9 +893,11 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
     rc = launched(rc);
     bwd_solve_kernel<<<slice_grid, solve_threads(dm.C), smem / 2, stream>>>(dm, p1, io, c, rows);
     rc = launched(rc);
-    bwd_phase_a_kernel<VEC, T, GT><<<write_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, dbank, c, rows);
+    bwd_phase_a_kernel<VEC, T, GT><<<write_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, dbank, c, rows,
+                                                                                 tables);
     rc = launched(rc);
-    bwd_read_side_kernel<VEC, T, GT><<<read_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, dbank, c);
+    bwd_read_side_kernel<VEC, T, GT><<<read_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, dbank, c,
+                                                                                   tables);
     rc = launched(rc);
   }
   if (!rc) {
