@@ -158,6 +158,30 @@ __host__ __device__ constexpr int row_segs() {
   return n < 1 ? 1 : n > 4 ? 4 : n;
 }
 
+// A lane of a one-warp-per-row kernel walks two rows `a` and `b` (D columns each, dtypes A and B) in batches of S
+// segments of VEC columns (32 * VEC apart), every segment of a batch loaded before the first is used, and calls
+// body(d, a_cols, b_cols) per segment in increasing column order d (the order of the lane's partial sums).
+template <int VEC, typename A, typename B, typename Body>
+__device__ __forceinline__ void walk_two_rows(const A* a, const B* b, int64_t D, int lane, Body body) {
+  constexpr int S = row_segs<VEC, std::conditional_t<(sizeof(A) >= sizeof(B)), A, B>>();
+  constexpr int64_t kStep = 32 * VEC;
+  for (int64_t d0 = static_cast<int64_t>(lane) * VEC; d0 < D; d0 += S * kStep) {
+    Cols<VEC, A> x[S];
+    Cols<VEC, B> y[S];
+#pragma unroll
+    for (int k = 0; k < S; ++k) {
+      if (d0 + k * kStep >= D) break;
+      x[k].load(a + d0 + k * kStep);
+      y[k].load(b + d0 + k * kStep);
+    }
+#pragma unroll
+    for (int k = 0; k < S; ++k) {
+      if (d0 + k * kStep >= D) break;
+      body(d0 + k * kStep, x[k], y[k]);
+    }
+  }
+}
+
 __device__ __forceinline__ int64_t unit_of(const StepDims& dm, int64_t s, int64_t c) {
   return ((s / dm.P) * dm.NC + c) * dm.P + s % dm.P;
 }
@@ -642,45 +666,30 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kTwoRowBlocksPerSM)
     // warp_dot's order), the gradient row and the restore.
     const int32_t n = hi - lo;
     float p_cpe = 0.f, p_w[kInlineEntries] = {}, p_k[kInlineEntries] = {};
-    constexpr int S = row_segs<VEC, std::conditional_t<(sizeof(GT) >= sizeof(T)), GT, T>>();
-    constexpr int64_t kStep = 32 * VEC;
-    for (int64_t d0 = static_cast<int64_t>(lane) * VEC; d0 < D; d0 += S * kStep) {
-      Cols<VEC, GT> ds[S];
-      Cols<VEC, T> sv[S];
+    walk_two_rows<VEC>(drow, s0, D, lane, [&](int64_t d, const Cols<VEC, GT>& ds, const Cols<VEC, T>& sv) {
+      float acc[VEC];
 #pragma unroll
-      for (int k = 0; k < S; ++k) {
-        if (d0 + k * kStep >= D) break;
-        ds[k].load(drow + d0 + k * kStep);
-        sv[k].load(s0 + d0 + k * kStep);
+      for (int i = 0; i < VEC; ++i) {
+        p_cpe += ds[i] * sv[i];
+        acc[i] = cpe * ds[i];
       }
 #pragma unroll
-      for (int k = 0; k < S; ++k) {
-        const int64_t d = d0 + k * kStep;
-        if (d >= D) break;
-        float acc[VEC];
+      for (int j = 0; j < kInlineEntries; ++j) {
+        if (j >= n) break;
+        const int32_t e = j == 0 ? gr.first : order[lo + j];
+        float dl[VEC], dg[VEC];
+        load_cols_ro<VEC>(delta + (e / W) * D + d, dl);
+        load_cols_ro<VEC>(dG + (e / W) * D + d, dg);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          p_cpe += ds[k][i] * sv[k][i];
-          acc[i] = cpe * ds[k][i];
+          p_w[j] += dl[i] * ds[i];
+          p_k[j] += dg[i] * sv[i];
+          acc[i] += k_eff[e] * dg[i];
         }
-#pragma unroll
-        for (int j = 0; j < kInlineEntries; ++j) {
-          if (j >= n) break;
-          const int32_t e = j == 0 ? gr.first : order[lo + j];
-          float dl[VEC], dg[VEC];
-          load_cols_ro<VEC>(delta + (e / W) * D + d, dl);
-          load_cols_ro<VEC>(dG + (e / W) * D + d, dg);
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) {
-            p_w[j] += dl[i] * ds[k][i];
-            p_k[j] += dg[i] * sv[k][i];
-            acc[i] += k_eff[e] * dg[i];
-          }
-        }
-        store_cols<VEC>(drow + d, acc);
-        sv[k].store(row + d);
       }
-    }
+      store_cols<VEC>(drow + d, acc);
+      sv.store(row + d);
+    });
     const float dcpe = warp_sum(p_cpe);
     if (lane == 0) io.dcpe[e0] = dcpe;
 #pragma unroll
@@ -732,39 +741,24 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kTwoRowBlocksPerSM)
     // used): dq_w as per-lane partials (warp_dot's order) and the gradient row += q_w dy.
     const int32_t n = hi - lo;
     float p_q[kInlineEntries] = {};
-    constexpr int S = row_segs<VEC, std::conditional_t<(sizeof(GT) >= sizeof(T)), GT, T>>();
-    constexpr int64_t kStep = 32 * VEC;
-    for (int64_t d0 = static_cast<int64_t>(lane) * VEC; d0 < D; d0 += S * kStep) {
-      Cols<VEC, T> x[S];
-      Cols<VEC, GT> ds[S];
+    walk_two_rows<VEC>(row, drow, D, lane, [&](int64_t d, const Cols<VEC, T>& x, const Cols<VEC, GT>& ds) {
+      float acc[VEC];
 #pragma unroll
-      for (int k = 0; k < S; ++k) {
-        if (d0 + k * kStep >= D) break;
-        x[k].load(row + d0 + k * kStep);
-        ds[k].load(drow + d0 + k * kStep);
-      }
+      for (int i = 0; i < VEC; ++i) acc[i] = ds[i];
 #pragma unroll
-      for (int k = 0; k < S; ++k) {
-        const int64_t d = d0 + k * kStep;
-        if (d >= D) break;
-        float acc[VEC];
+      for (int j = 0; j < kInlineEntries; ++j) {
+        if (j >= n) break;
+        const int32_t r = j == 0 ? gr.first : order[lo + j];
+        float z[VEC];
+        load_cols_ro<VEC>(dy + (r / R) * D + d, z);
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) acc[i] = ds[k][i];
-#pragma unroll
-        for (int j = 0; j < kInlineEntries; ++j) {
-          if (j >= n) break;
-          const int32_t r = j == 0 ? gr.first : order[lo + j];
-          float z[VEC];
-          load_cols_ro<VEC>(dy + (r / R) * D + d, z);
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) {
-            p_q[j] += z[i] * x[k][i];
-            acc[i] += q_w[r] * z[i];
-          }
+        for (int i = 0; i < VEC; ++i) {
+          p_q[j] += z[i] * x[i];
+          acc[i] += q_w[r] * z[i];
         }
-        store_cols<VEC>(drow + d, acc);
       }
-    }
+      store_cols<VEC>(drow + d, acc);
+    });
 #pragma unroll
     for (int j = 0; j < kInlineEntries; ++j) {
       if (j >= n) break;
