@@ -60,7 +60,8 @@ constexpr int kNoHead = -2;  // link of an entry that is not a run head
 // Per-unit sizes (all below 2^31: E <= kPhase1CudaMaxEntries).
 struct Shape {
   int C, W, R, S, E, CW, CR;
-  int passes;  // radix passes of 8 bits over the slots: ceil(bits(K - 1) / 8)
+  int passes;   // radix passes of 8 bits over the slots: ceil(bits(K - 1) / 8)
+  float inv_S;  // 1 / S rounded to float (0 when S = 0): seq / S by one multiply and a correction
   int64_t K;
 };
 
@@ -71,19 +72,22 @@ struct Ent {
   int id;  // t * W + n (write) or t * R + m (read)
 };
 
+// seq / S: seq < 2^23 is exact in float and the product is within 0.5 of the quotient (two roundings of
+// relative 2^-24 each on a value below 2^22), so the truncation is off by at most one, which one step fixes.
 __device__ __forceinline__ Ent decode(int seq, const Shape& s) {
   Ent e;
-  e.t = seq / s.S;
-  const int lane = seq - e.t * s.S;
+  e.t = static_cast<int>(static_cast<float>(seq) * s.inv_S);
+  int lane = seq - e.t * s.S;
+  if (lane < 0) {
+    --e.t;
+    lane += s.S;
+  } else if (lane >= s.S) {
+    ++e.t;
+    lane -= s.S;
+  }
   e.write = lane < s.W;
   e.id = e.write ? e.t * s.W + lane : e.t * s.R + (lane - s.W);
   return e;
-}
-
-// The gate index (into x) of a write entry's seq.
-__device__ __forceinline__ int write_id(int seq, const Shape& s) {
-  const int t = seq / s.S;
-  return t * s.W + (seq - t * s.S);
 }
 
 // exp in double, rounded once to float: almost always the correctly rounded value, like the CPU kernel's
@@ -130,11 +134,63 @@ __device__ __forceinline__ void block_scan(const int (&v)[kN], int (&off)[kN], i
   __syncthreads();  // sh is reused by the next scan
 }
 
-// Contiguous chunk [lo, hi) of [0, n) for this thread.
-__device__ __forceinline__ void chunk_of(int n, int& lo, int& hi) {
-  const int chunk = (n + static_cast<int>(blockDim.x) - 1) / static_cast<int>(blockDim.x);
-  lo = min(n, static_cast<int>(threadIdx.x) * chunk);
-  hi = min(n, lo + chunk);
+// This warp's contiguous slice [beg, end) of [0, n), a multiple of 32 long (but the last).
+__device__ __forceinline__ void warp_slice(int n, int& beg, int& end) {
+  const int per = ((n + kWarps - 1) / kWarps + 31) & ~31;
+  beg = min(n, static_cast<int>(threadIdx.x >> 5) * per);
+  end = min(n, beg + per);
+}
+
+// Ranks in position order of the positions q in [0, n) flagged by `flags(q, f)` (f[c] = 1: counted by counter c),
+// one rank sequence per counter: each warp takes its slice 32 positions at a time (consecutive lanes read
+// consecutive positions: no bank conflicts) and ranks them by ballots; the warps' counts are scanned in warp
+// order. Then `emit(q, f, rank, tot)` for every position. All threads must call it. Returns the counts in `tot`.
+template <int kN, typename Flags, typename Emit>
+__device__ __forceinline__ void ordered_ranks(int n, int* scan_sh, int (&tot)[kN], Flags flags, Emit emit) {
+  const int lane = threadIdx.x & 31;
+  const unsigned lower_lanes = (1u << lane) - 1u;
+  int beg, end;
+  warp_slice(n, beg, end);
+  int cnt[kN], off[kN];
+#pragma unroll
+  for (int c = 0; c < kN; ++c) cnt[c] = 0;
+  for (int b = beg; b < end; b += 32) {
+    int f[kN] = {};
+    if (b + lane < end) flags(b + lane, f);
+#pragma unroll
+    for (int c = 0; c < kN; ++c) cnt[c] += __popc(__ballot_sync(kFull, f[c] != 0));
+  }
+#pragma unroll
+  for (int c = 0; c < kN; ++c) cnt[c] = lane == 0 ? cnt[c] : 0;
+  block_scan<kN>(cnt, off, tot, scan_sh);
+#pragma unroll
+  for (int c = 0; c < kN; ++c) off[c] = __shfl_sync(kFull, off[c], 0);
+  for (int b = beg; b < end; b += 32) {
+    int f[kN] = {}, rank[kN];
+    if (b + lane < end) flags(b + lane, f);
+#pragma unroll
+    for (int c = 0; c < kN; ++c) {
+      const unsigned m = __ballot_sync(kFull, f[c] != 0);
+      rank[c] = off[c] + __popc(m & lower_lanes);
+      off[c] += __popc(m);
+    }
+    if (b + lane < end) emit(b + lane, f, rank, tot);
+  }
+}
+
+// Hint: bring [p, p + n) into L1 (kL1) or L2, one line per thread and step.
+template <bool kL1>
+__device__ __forceinline__ void prefetch(const float* p, int64_t n) {
+#ifdef __CUDA_ARCH__
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t o = static_cast<int64_t>(threadIdx.x) * 128; o < n * 4; o += static_cast<int64_t>(blockDim.x) * 128) {
+    if (kL1) {
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(c + o));
+    } else {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(c + o));
+    }
+  }
+#endif
 }
 
 // The scratch of one unit (kernels/phase1.h phase1_cuda_scratch_bytes: keep the two in sync).
@@ -174,8 +230,8 @@ __device__ void radix_pass(const int* in, int* out, int n, const int* slot_of, i
   int* own = counts + warp * 256;
   for (int d = lane; d < 256; d += 32) own[d] = 0;
   __syncwarp();
-  const int per = ((n + kWarps - 1) / kWarps + 31) & ~31;
-  const int beg = min(n, warp * per), end = min(n, beg + per);
+  int beg, end;
+  warp_slice(n, beg, end);
   const unsigned lower_lanes = (1u << lane) - 1u;
   // Counts per digit. A lane past the end gets a digit of its own (256 + lane) that matches no other.
   for (int b = beg; b < end; b += 32) {
@@ -223,24 +279,37 @@ __device__ void radix_pass(const int* in, int* out, int n, const int* slot_of, i
 template <typename OnInvalid>
 __device__ int sort_unit(const Scratch& sc, const int32_t* ki, const int32_t* qi, const Shape& s, int* scan_sh,
                          int*& sorted, int*& spare, OnInvalid on_invalid) {
-  for (int q = threadIdx.x; q < s.E; q += blockDim.x) {
-    const Ent e = decode(q, s);
-    const int32_t slot = e.write ? ki[e.id] : qi[e.id];
-    const bool ok = valid_slot(slot, s.K);
-    sc.slot_of[q] = ok ? slot : -1;
-    if (!ok) on_invalid(e.write, e.id);
+  // Loads in batches of kBatch per thread, all issued before their results are used.
+  constexpr int kBatch = 8;
+  for (int q0 = threadIdx.x; q0 < s.E; q0 += kBatch * blockDim.x) {
+    Ent e[kBatch];
+    int32_t slot[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int q = q0 + k * blockDim.x;
+      if (q < s.E) {
+        e[k] = decode(q, s);
+        slot[k] = e[k].write ? ki[e[k].id] : qi[e[k].id];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int q = q0 + k * blockDim.x;
+      if (q < s.E) {
+        const bool ok = valid_slot(slot[k], s.K);
+        sc.slot_of[q] = ok ? slot[k] : -1;
+        if (!ok) on_invalid(e[k].write, e[k].id);
+      }
+    }
   }
   __syncthreads();
   // Compact the valid seqs in seq order.
-  int lo, hi;
-  chunk_of(s.E, lo, hi);
-  int n_valid[1] = {0};
-  for (int q = lo; q < hi; ++q) n_valid[0] += sc.slot_of[q] >= 0 ? 1 : 0;
-  int off[1], tot[1];
-  block_scan<1>(n_valid, off, tot, scan_sh);
-  for (int q = lo; q < hi; ++q) {
-    if (sc.slot_of[q] >= 0) sc.buf0[off[0]++] = q;
-  }
+  int tot[1];
+  ordered_ranks<1>(
+      s.E, scan_sh, tot, [&](int q, int(&f)[1]) { f[0] = sc.slot_of[q] >= 0; },
+      [&](int q, const int(&f)[1], const int(&rank)[1], const int(&)[1]) {
+        if (f[0]) sc.buf0[rank[0]] = q;
+      });
   __syncthreads();
   const int n = tot[0];
   sorted = sc.buf0;
@@ -314,6 +383,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   for (int64_t u = blockIdx.x; u < N; u += gridDim.x) {
     const Phase1Arrays a = all.unit(u, C, W, s.R);
+    // The inputs that steps 2 and 3 gather in sorted order.
+    prefetch<true>(a.k_val, CW);
+    prefetch<true>(a.x, CW);
+    prefetch<true>(a.q_val, CR);
 
     // 1. Sorted seqs; the values of invalid entries.
     int *sorted, *link;
@@ -330,69 +403,58 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     });
 
-    // Orders and repeats: counts over contiguous chunks of the sorted list, scanned. The slot of each ordered
-    // entry is parked in `link` (free until step 2) for the group offsets.
-    int n_w = 0, n_r = 0;
+    // Orders and repeats, ranked over the sorted list. The slot of each ordered entry is parked in `link`
+    // (free until step 2) for the group offsets.
+    int n_w, n_r;
     {
-      int lo, hi;
-      chunk_of(n, lo, hi);
-      int cnt[3] = {0, 0, 0};  // writes, reads, repeats
-      for (int pass = 0; pass < 2; ++pass) {
-        int off[3] = {0, 0, 0}, tot[3] = {0, 0, 0};
-        if (pass == 1) block_scan<3>(cnt, off, tot, scan_sh);
-        int prev_slot = -1;
-        Ent prev{};
-        if (lo > 0 && lo < hi) {
-          prev_slot = slot_of[sorted[lo - 1]];
-          prev = decode(sorted[lo - 1], s);
-        }
-        for (int q = lo; q < hi; ++q) {
-          const int seq = sorted[q], slot = slot_of[seq];
-          const Ent e = decode(seq, s);
-          const bool repeat = e.write && prev.write && slot == prev_slot && e.t == prev.t;
-          if (pass == 0) {
-            cnt[0] += e.write ? 1 : 0;
-            cnt[1] += e.write ? 0 : 1;
-            cnt[2] += repeat ? 1 : 0;
-          } else if (e.write) {
-            link[off[0]] = slot;
-            a.w_order[off[0]++] = e.id;
-          } else {
-            link[tot[0] + off[1]] = slot;
-            a.r_order[off[1]++] = e.id;
-          }
-          prev_slot = slot;
-          prev = e;
-        }
-        if (pass == 1) {
-          n_w = tot[0];
-          n_r = tot[1];
-          if (tid == 0) *a.repeats = tot[2];
-        }
-      }
+      int tot[3];  // writes, reads, repeats
+      ordered_ranks<3>(
+          n, scan_sh, tot,
+          [&](int q, int(&f)[3]) {
+            const int seq = sorted[q];
+            const Ent e = decode(seq, s);
+            f[0] = e.write;
+            f[1] = !e.write;
+            if (e.write && q > 0) {
+              const int prev = sorted[q - 1];
+              const Ent pe = decode(prev, s);
+              f[2] = pe.write && pe.t == e.t && slot_of[prev] == slot_of[seq];
+            }
+          },
+          [&](int q, const int(&f)[3], const int(&rank)[3], const int(&count)[3]) {
+            const int seq = sorted[q];
+            const Ent e = decode(seq, s);
+            if (f[0]) {
+              link[rank[0]] = slot_of[seq];
+              a.w_order[rank[0]] = e.id;
+            } else {
+              link[count[0] + rank[1]] = slot_of[seq];
+              a.r_order[rank[1]] = e.id;
+            }
+          });
+      n_w = tot[0];
+      n_r = tot[1];
+      if (tid == 0) *a.repeats = tot[2];
       for (int c = n_w + tid; c < CW; c += T) a.w_order[c] = -1;
       for (int c = n_r + tid; c < CR; c += T) a.r_order[c] = -1;
     }
     __syncthreads();
 
-    // Group offsets: a write (read) group starts where the slot of the ordered entries changes.
+    // Group offsets: a write (read) group starts where the slot of the ordered entries changes; the writes'
+    // slots are link[0, n_w), the reads' link[n_w, n).
     {
-      const int* w_slot = link;
-      const int* r_slot = link + n_w;
-      int wlo, whi, rlo, rhi;
-      chunk_of(n_w, wlo, whi);
-      chunk_of(n_r, rlo, rhi);
-      int cnt[2] = {0, 0};
-      for (int c = wlo; c < whi; ++c) cnt[0] += (c == 0 || w_slot[c - 1] != w_slot[c]) ? 1 : 0;
-      for (int c = rlo; c < rhi; ++c) cnt[1] += (c == 0 || r_slot[c - 1] != r_slot[c]) ? 1 : 0;
-      int off[2], tot[2];
-      block_scan<2>(cnt, off, tot, scan_sh);
-      for (int c = wlo; c < whi; ++c) {
-        if (c == 0 || w_slot[c - 1] != w_slot[c]) a.w_group[off[0]++] = c;
-      }
-      for (int c = rlo; c < rhi; ++c) {
-        if (c == 0 || r_slot[c - 1] != r_slot[c]) a.r_group[off[1]++] = c;
-      }
+      int tot[2];
+      ordered_ranks<2>(
+          n, scan_sh, tot,
+          [&](int c, int(&f)[2]) {
+            const bool starts = c == 0 || c == n_w || link[c - 1] != link[c];
+            f[0] = c < n_w && starts;
+            f[1] = c >= n_w && starts;
+          },
+          [&](int c, const int(&f)[2], const int(&rank)[2], const int(&)[2]) {
+            if (f[0]) a.w_group[rank[0]] = c;
+            if (f[1]) a.r_group[rank[1]] = c - n_w;
+          });
       for (int g = tot[0] + tid; g <= CW; g += T) a.w_group[g] = n_w;
       for (int g = tot[1] + tid; g <= CR; g += T) a.r_group[g] = n_r;
     }
@@ -448,7 +510,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             float x = write ? a.x[i * W + l] : 0.0f;
             for (int b = link[seq]; b >= 0; b = link[b]) {
               row[b / S] += as * run_sum[b] * exp_f(x);
-              x += a.x[write_id(b, s)];
+              x += a.x[decode(b, s).id];
             }
           }
           __syncwarp();
@@ -484,6 +546,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   for (int64_t u = blockIdx.x; u < N; u += gridDim.x) {
     const Phase1GradArrays a = all.unit(u, C, s.W, s.R);
+    // What steps 2 to 4 gather in sorted order: the inputs of the walks in L1, the rest in L2.
+    prefetch<true>(a.k_val, s.CW);
+    prefetch<true>(a.q_val, s.CR);
+    prefetch<true>(a.x, s.CW);
+    for (const float* p : {a.log_k, a.rex, a.cpe, a.dk_eff, a.dw, a.dcpe}) prefetch<false>(p, s.CW);
+    for (const float* p : {a.log_q, a.dq_w}) prefetch<false>(p, s.CR);
+    prefetch<false>(a.dA, static_cast<int64_t>(C) * C);
+    prefetch<false>(a.dQK, static_cast<int64_t>(C) * C);
 
     // 1. Sorted seqs; invalid entries get zero gradients.
     int *sorted, *link;
@@ -521,7 +591,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float ce = c_row[b / s.S] * exp_f(x);
         dsum += ce * bs;
         dlog += ce * as * bs;
-        x += a.x[write_id(b, s)];
+        x += a.x[decode(b, s).id];
       }
       if (e.write) {
         // As the earlier write run: the later heads of the group (writes and reads) in sorted order.
@@ -615,6 +685,7 @@ Shape make_shape(const Phase1Dims& d) {
   s.CW = static_cast<int>(d.C * d.W);
   s.CR = static_cast<int>(d.C * d.R);
   s.K = d.K;
+  s.inv_S = s.S > 0 ? 1.0f / static_cast<float>(s.S) : 0.0f;
   int bits = 0;  // of the largest valid slot, K - 1
   for (int64_t v = d.K - 1; v > 0; v >>= 1) ++bits;
   s.passes = (bits + 7) / 8;
