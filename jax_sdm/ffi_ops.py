@@ -73,7 +73,7 @@ def _phase1_dims(op, k_idx, k_val, x, q_idx, q_val, num_slots):
 # kernels/phase1.h: kPhase1CudaSharedBytes, kPhase1CudaGlobalBlocks, kPhase1CudaWarps, phase1_cuda_scratch_bytes.
 _PHASE1_CUDA_SHARED_BYTES = 200 * 1024
 _PHASE1_CUDA_GLOBAL_BLOCKS = 128
-_PHASE1_CUDA_WARPS = 16
+_PHASE1_CUDA_WARPS = 32
 
 
 def _phase1_workspace(batch, C, W, R, backward):

@@ -135,7 +135,7 @@ namespace sdm {
 constexpr int64_t kPhase1CudaSharedBytes = 200 * 1024;
 constexpr int64_t kPhase1CudaGlobalBlocks = 128;
 // Warps per block of the CUDA kernels (32 * kPhase1CudaWarps threads).
-constexpr int64_t kPhase1CudaWarps = 16;
+constexpr int64_t kPhase1CudaWarps = 32;
 // Largest C * (W + R) the CUDA kernels take.
 constexpr int64_t kPhase1CudaMaxEntries = int64_t{1} << 22;
 

@@ -280,7 +280,7 @@ template <typename OnInvalid>
 __device__ int sort_unit(const Scratch& sc, const int32_t* ki, const int32_t* qi, const Shape& s, int* scan_sh,
                          int*& sorted, int*& spare, OnInvalid on_invalid) {
   // Loads in batches of kBatch per thread, all issued before their results are used.
-  constexpr int kBatch = 8;
+  constexpr int kBatch = 4;
   for (int q0 = threadIdx.x; q0 < s.E; q0 += kBatch * blockDim.x) {
     Ent e[kBatch];
     int32_t slot[kBatch];
