@@ -509,8 +509,9 @@ __global__ void __launch_bounds__(kThreads, 1)
             const float as = run_sum[seq];
             float x = write ? a.x[i * W + l] : 0.0f;
             for (int b = link[seq]; b >= 0; b = link[b]) {
-              row[b / S] += as * run_sum[b] * exp_f(x);
-              x += a.x[decode(b, s).id];
+              const Ent eb = decode(b, s);
+              row[eb.t] += as * run_sum[b] * exp_f(x);
+              x += a.x[eb.id];
             }
           }
           __syncwarp();
@@ -581,6 +582,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int seq = sorted[p];
       if (link[seq] == kNoHead) continue;
       const Ent e = decode(seq, s);
+      // The weight gradient of an entry through k_eff and w (q_w); the head's is loaded first, to overlap the
+      // walks below.
+      const auto chain = [&](const Ent& en) {
+        return en.write ? a.dk_eff[en.id] * exp_f(a.log_k[en.id]) + a.dw[en.id] * exp_f(a.rex[en.id])
+                        : a.dq_w[en.id] * exp_f(a.log_q[en.id]);
+      };
+      const float head_chain = chain(e);
       const float as = run_sum[seq];
       const float* c_row = (e.write ? a.dA : a.dQK) + static_cast<int64_t>(e.t) * C;
       float dsum = 0.0f, dlog = 0.0f;
@@ -588,7 +596,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       float x = e.write ? a.x[e.id] : 0.0f;
       for (int b = link[seq]; b >= 0; b = link[b]) {
         const float bs = run_sum[b];
-        const float ce = c_row[b / s.S] * exp_f(x);
+        const float ce = c_row[decode(b, s).t] * exp_f(x);
         dsum += ce * bs;
         dlog += ce * as * bs;
         x += a.x[decode(b, s).id];
@@ -611,35 +619,37 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       run_dlog[seq] = dlog;
-      // The run's entries (the head, then the entries up to the next head): the chain rule through k_eff and
-      // w (q_w), plus the pair part.
-      for (int q = p; q < n; ++q) {
+      // The run's entries (the head, then the entries up to the next head): the chain rule plus the pair part.
+      (e.write ? a.dk_val : a.dq_val)[e.id] = head_chain + dsum;
+      for (int q = p + 1; q < n; ++q) {
         const int entry = sorted[q];
-        if (q > p && link[entry] != kNoHead) break;
+        if (link[entry] != kNoHead) break;
         const Ent en = decode(entry, s);
-        if (en.write) {
-          a.dk_val[en.id] = a.dk_eff[en.id] * exp_f(a.log_k[en.id]) + a.dw[en.id] * exp_f(a.rex[en.id]) + dsum;
-        } else {
-          a.dq_val[en.id] = a.dq_w[en.id] * exp_f(a.log_q[en.id]) + dsum;
-        }
+        (en.write ? a.dk_val : a.dq_val)[en.id] = chain(en) + dsum;
       }
     }
     __syncthreads();
 
     // 4. Gates, one thread per group: dx of a head = (suffix of the log gradients from it) + (prefix of the rex
-    //    gradients before it) + (gradient of the group total); repeats get 0.
+    //    gradients before it) + (gradient of the group total); repeats get 0. A forward walk sums the total and
+    //    parks each write's prefix in run_sum (free after step 3), a backward walk sums the suffixes and writes
+    //    dx: two passes over the gathered inputs, none over dx.
+    float* rex_prefix = run_sum;
     for (int p = tid; p < n; p += T) {
       if (!group_start(p, sorted, slot_of)) continue;
       const int slot = slot_of[sorted[p]];
-      float dtotal = 0.0f;
+      float dtotal = 0.0f, prefix = 0.0f;
       int end = p;
       for (; end < n; ++end) {
         const int seq = sorted[end];
         if (slot_of[seq] != slot) break;
         const Ent e = decode(seq, s);
-        if (e.write) dtotal += a.dcpe[e.id] * a.cpe[e.id];
+        if (e.write) {
+          dtotal += a.dcpe[e.id] * a.cpe[e.id];
+          rex_prefix[seq] = prefix;
+          prefix += a.dw[e.id] * (a.k_val[e.id] * exp_f(a.rex[e.id]));
+        }
       }
-      // Suffix sums, from the group's end; parked in dx of the write heads.
       float suffix = 0.0f;
       for (int q = end - 1; q >= p; --q) {
         const int seq = sorted[q];
@@ -655,16 +665,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         if (head) dl = dl + run_dlog[seq];
         suffix += dl;
-        if (e.write && head) a.dx[e.id] = suffix;
-      }
-      // Prefix sums of the rex gradients, and dx.
-      float prefix = 0.0f;
-      for (int q = p; q < end; ++q) {
-        const int seq = sorted[q];
-        const Ent e = decode(seq, s);
-        if (!e.write) continue;
-        a.dx[e.id] = link[seq] != kNoHead ? a.dx[e.id] + prefix + dtotal : 0.0f;
-        prefix += a.dw[e.id] * (a.k_val[e.id] * exp_f(a.rex[e.id]));
+        if (e.write) a.dx[e.id] = head ? suffix + rex_prefix[seq] + dtotal : 0.0f;
       }
     }
     __syncthreads();  // the scratch is reused by the next unit
