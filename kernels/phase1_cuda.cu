@@ -29,8 +29,8 @@
 //     run), then, for a write head, the later heads of its group in sorted order (as the earlier write run): the
 //     CPU's accumulation order (the exponents of the second kind are summed from b up to a, the CPU's from a
 //     down to b: they may differ in the last bit). It writes dk_val / dq_val of its run's entries.
-//  4. Backward gates: one thread per group: the total's gradient (forward), the suffix sums of the log
-//     gradients (backward walk), the prefix sums of the rex gradients and dx (forward walk).
+//  4. Backward gates: one thread per group: the total's gradient and the prefix sums of the rex gradients
+//     (forward walk), the suffix sums of the log gradients and dx (backward walk).
 // Integer maps (orders, group offsets, repeats) come from block-wide exclusive scans of per-thread counts over
 // contiguous chunks of the sorted list: exact and independent of the thread count.
 //
@@ -246,6 +246,7 @@ __device__ void radix_pass(const int* in, int* out, int n, const int* slot_of, i
   // Start of each (digit, warp) in the output: the counts scanned in (digit, warp) order.
   int digit_total[1] = {0};
   if (threadIdx.x < 256) {
+#pragma unroll
     for (int w = 0; w < kWarps; ++w) {
       const int c = counts[w * 256 + threadIdx.x];
       counts[w * 256 + threadIdx.x] = digit_total[0];
@@ -255,6 +256,7 @@ __device__ void radix_pass(const int* in, int* out, int n, const int* slot_of, i
   int digit_start[1], total[1];
   block_scan<1>(digit_total, digit_start, total, scan_sh);
   if (threadIdx.x < 256) {
+#pragma unroll
     for (int w = 0; w < kWarps; ++w) counts[w * 256 + threadIdx.x] += digit_start[0];
   }
   __syncthreads();
