@@ -56,6 +56,9 @@ constexpr int kWarps = static_cast<int>(kPhase1CudaWarps);
 constexpr int kThreads = 32 * kWarps;
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kNoHead = -2;  // link of an entry that is not a run head
+// The backward marks the sorted positions that start a group in their seq's bit 30 (seq < 2^22).
+constexpr int kGroupStart = 1 << 30;
+constexpr int kSeqMask = kGroupStart - 1;
 
 // Per-unit sizes (all below 2^31: E <= kPhase1CudaMaxEntries).
 struct Shape {
@@ -577,39 +580,44 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
 
-    // 3. Pair gradients, one thread per run head; then the weight gradients of its run's entries.
-    //    Pair (a later run, b earlier write run), cotangent c: ce = c exp(X_ab) (X_ab = L_a - L_b, summed),
-    //    d sum_a += ce sum_b, d sum_b += ce sum_a, d L_a += ce sum_a sum_b, d L_b -= ce sum_a sum_b.
+    // The group starts, marked in `sorted` (kGroupStart): slot_of is free from here on and holds the runs'
+    // weight gradients (at their heads' seqs). Every thread runs the same number of rounds (barriers).
+    for (int q0 = 0; q0 < n; q0 += T) {
+      const int q = q0 + tid;
+      const bool start = q < n && (q == 0 || slot_of[sorted[q - 1] & kSeqMask] != slot_of[sorted[q]]);
+      __syncthreads();
+      if (start) sorted[q] |= kGroupStart;
+      __syncthreads();
+    }
+    float* run_dsum = reinterpret_cast<float*>(sc.slot_of);
+
+    // 3. Pair gradients, one thread per run head: the gradients of its run's weight sum (run_dsum) and log value
+    //    (run_dlog). Pair (a later run, b earlier write run), cotangent c: ce = c exp(X_ab) (X_ab = L_a - L_b,
+    //    summed), d sum_a += ce sum_b, d sum_b += ce sum_a, d L_a += ce sum_a sum_b, d L_b -= ce sum_a sum_b.
     for (int p = tid; p < n; p += T) {
-      const int seq = sorted[p];
+      const int seq = sorted[p] & kSeqMask;
       if (link[seq] == kNoHead) continue;
       const Ent e = decode(seq, s);
-      // The weight gradient of an entry through k_eff and w (q_w); the head's is loaded first, to overlap the
-      // walks below.
-      const auto chain = [&](const Ent& en) {
-        return en.write ? a.dk_eff[en.id] * exp_f(a.log_k[en.id]) + a.dw[en.id] * exp_f(a.rex[en.id])
-                        : a.dq_w[en.id] * exp_f(a.log_q[en.id]);
-      };
-      const float head_chain = chain(e);
       const float as = run_sum[seq];
       const float* c_row = (e.write ? a.dA : a.dQK) + static_cast<int64_t>(e.t) * C;
       float dsum = 0.0f, dlog = 0.0f;
       // As the later run: the earlier write heads of the group, nearest first.
       float x = e.write ? a.x[e.id] : 0.0f;
       for (int b = link[seq]; b >= 0; b = link[b]) {
+        const Ent eb = decode(b, s);
         const float bs = run_sum[b];
-        const float ce = c_row[decode(b, s).t] * exp_f(x);
+        const float ce = c_row[eb.t] * exp_f(x);
         dsum += ce * bs;
         dlog += ce * as * bs;
-        x += a.x[decode(b, s).id];
+        x += a.x[eb.id];
       }
       if (e.write) {
         // As the earlier write run: the later heads of the group (writes and reads) in sorted order.
-        const int slot = slot_of[seq];
         float x_later = 0.0f;  // the gates of the write heads after this one, up to the later run
         for (int q = p + 1; q < n; ++q) {
-          const int later = sorted[q];
-          if (slot_of[later] != slot) break;
+          const int marked = sorted[q];
+          if (marked & kGroupStart) break;
+          const int later = marked & kSeqMask;
           if (link[later] == kNoHead) continue;
           const Ent el = decode(later, s);
           const float a_sum = run_sum[later];
@@ -620,54 +628,49 @@ __global__ void __launch_bounds__(kThreads, 1)
           dlog -= ce * a_sum * as;
         }
       }
+      run_dsum[seq] = dsum;
       run_dlog[seq] = dlog;
-      // The run's entries (the head, then the entries up to the next head): the chain rule plus the pair part.
-      (e.write ? a.dk_val : a.dq_val)[e.id] = head_chain + dsum;
-      for (int q = p + 1; q < n; ++q) {
-        const int entry = sorted[q];
-        if (link[entry] != kNoHead) break;
-        const Ent en = decode(entry, s);
-        (en.write ? a.dk_val : a.dq_val)[en.id] = chain(en) + dsum;
-      }
     }
     __syncthreads();
 
-    // 4. Gates, one thread per group: dx of a head = (suffix of the log gradients from it) + (prefix of the rex
-    //    gradients before it) + (gradient of the group total); repeats get 0. A forward walk sums the total and
-    //    parks each write's prefix in run_sum (free after step 3), a backward walk sums the suffixes and writes
-    //    dx: two passes over the gathered inputs, none over dx.
+    // 4. Entries and gates, one thread per group. Forward walk: each entry's weight gradient (through k_eff and
+    //    w, or q_w, plus its run's pair part), its log gradient (plus its run's, at the head) in place of
+    //    run_dlog, the group total's gradient, and each write's exclusive prefix of the rex gradients (in
+    //    run_sum, free after step 3). Backward walk: the suffix sums of the log gradients and dx of a head =
+    //    (suffix from it) + (prefix before it) + (total); repeats get 0.
     float* rex_prefix = run_sum;
     for (int p = tid; p < n; p += T) {
-      if (!group_start(p, sorted, slot_of)) continue;
-      const int slot = slot_of[sorted[p]];
-      float dtotal = 0.0f, prefix = 0.0f;
+      if (!(sorted[p] & kGroupStart)) continue;
+      float dtotal = 0.0f, prefix = 0.0f, dsum = 0.0f;
       int end = p;
       for (; end < n; ++end) {
-        const int seq = sorted[end];
-        if (slot_of[seq] != slot) break;
+        const int marked = sorted[end];
+        if (end > p && (marked & kGroupStart)) break;
+        const int seq = marked & kSeqMask;
         const Ent e = decode(seq, s);
+        const bool head = link[seq] != kNoHead;
+        if (head) dsum = run_dsum[seq];
+        float dl;
         if (e.write) {
+          const float el = exp_f(a.log_k[e.id]), er = exp_f(a.rex[e.id]), k = a.k_val[e.id];
+          a.dk_val[e.id] = a.dk_eff[e.id] * el + a.dw[e.id] * er + dsum;
+          dl = a.dk_eff[e.id] * (k * el);
           dtotal += a.dcpe[e.id] * a.cpe[e.id];
           rex_prefix[seq] = prefix;
-          prefix += a.dw[e.id] * (a.k_val[e.id] * exp_f(a.rex[e.id]));
+          prefix += a.dw[e.id] * (k * er);
+        } else {
+          const float el = exp_f(a.log_q[e.id]);
+          a.dq_val[e.id] = a.dq_w[e.id] * el + dsum;
+          dl = a.dq_w[e.id] * (a.q_val[e.id] * el);
         }
+        run_dlog[seq] = head ? dl + run_dlog[seq] : dl;
       }
       float suffix = 0.0f;
       for (int q = end - 1; q >= p; --q) {
-        const int seq = sorted[q];
+        const int seq = sorted[q] & kSeqMask;
+        suffix += run_dlog[seq];
         const Ent e = decode(seq, s);
-        const bool head = link[seq] != kNoHead;
-        float dl;
-        if (e.write) {
-          const float el = exp_f(a.log_k[e.id]);
-          dl = a.dk_eff[e.id] * (a.k_val[e.id] * el);
-        } else {
-          const float el = exp_f(a.log_q[e.id]);
-          dl = a.dq_w[e.id] * (a.q_val[e.id] * el);
-        }
-        if (head) dl = dl + run_dlog[seq];
-        suffix += dl;
-        if (e.write) a.dx[e.id] = head ? suffix + rex_prefix[seq] + dtotal : 0.0f;
+        if (e.write) a.dx[e.id] = link[seq] != kNoHead ? suffix + rex_prefix[seq] + dtotal : 0.0f;
       }
     }
     __syncthreads();  // the scratch is reused by the next unit
