@@ -329,8 +329,8 @@ __device__ int sort_unit(const Scratch& sc, const int32_t* ki, const int32_t* qi
 }
 
 // Step 2's walk of the group starting at sorted position p (n valid entries): links and run sums as in the
-// header comment; `on_entry(e, head)` is called for each entry in sorted order (head: it starts a run). Returns
-// the group's end.
+// header comment; `on_entry(e, head, weight)` is called for each entry in sorted order (head: it starts a run).
+// Returns the group's end.
 template <typename OnEntry>
 __device__ __forceinline__ int walk_runs(int p, int n, const int* sorted, const int* slot_of, int* link,
                                          float* run_sum, const float* k_val, const float* q_val, const Shape& s,
@@ -356,7 +356,7 @@ __device__ __forceinline__ int walk_runs(int p, int n, const int* sorted, const 
       sum += val;
       link[seq] = kNoHead;
     }
-    on_entry(e, is_head);
+    on_entry(e, is_head, val);
     prev = e;
   }
   if (head >= 0) run_sum[head] = sum;
@@ -468,19 +468,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     // 2. Group walks, one thread per group: log values, weights, links and run sums; then rex, w, cpe.
     for (int p = tid; p < n; p += T) {
       if (!group_start(p, sorted, slot_of)) continue;
-      float run = 0.0f;
+      float run = 0.0f, decay = 1.0f;  // decay: exp of the run at the last entry, the group total's
       const int end = walk_runs(p, n, sorted, slot_of, link, run_sum, a.k_val, a.q_val, s,
-                                [&](const Ent& e, bool head) {
+                                [&](const Ent& e, bool head, float weight) {
+                                  if (e.write) run += head ? a.x[e.id] : 0.0f;
+                                  decay = exp_f(run);
                                   if (e.write) {
-                                    run += head ? a.x[e.id] : 0.0f;
                                     a.log_k[e.id] = run;
-                                    a.k_eff[e.id] = a.k_val[e.id] * exp_f(run);
+                                    a.k_eff[e.id] = weight * decay;
                                   } else {
                                     a.log_q[e.id] = run;
-                                    a.q_w[e.id] = a.q_val[e.id] * exp_f(run);
+                                    a.q_w[e.id] = weight * decay;
                                   }
                                 });
-      const float decay = exp_f(run);
       float suffix = 0.0f;
       for (int q = end - 1; q >= p; --q) {
         const int seq = sorted[q];
@@ -575,7 +575,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // 2. Links and run sums, one thread per group.
     for (int p = tid; p < n; p += T) {
       if (group_start(p, sorted, slot_of)) {
-        walk_runs(p, n, sorted, slot_of, link, run_sum, a.k_val, a.q_val, s, [](const Ent&, bool) {});
+        walk_runs(p, n, sorted, slot_of, link, run_sum, a.k_val, a.q_val, s, [](const Ent&, bool, float) {});
       }
     }
     __syncthreads();
