@@ -7,8 +7,8 @@
 // number seq = t * (W + R) + lane (write lanes 0..W-1, then read lanes W..W+R-1). Per unit:
 //  1. Sort: slot_of[seq] is the entry's slot (-1 when invalid); the valid seqs are compacted in seq order and
 //     sorted by slot with a stable LSD radix sort (8-bit digits, ceil(bits(K - 1) / 8) passes; per pass each
-//     warp ranks a contiguous slice 32 entries at a time with __match_any_sync, the per-(digit, warp) counts are
-//     scanned in (digit, warp) order). Stable from seq order, so the order is (slot, token, write-before-read,
+//     warp ranks a contiguous slice 32 entries at a time by ballots, the per-(digit, warp) counts are scanned in
+//     (digit, warp) order). Stable from seq order, so the order is (slot, token, write-before-read,
 //     lane): the stable order of MATH.md "Phase 1". No barrier per compare-exchange as a bitonic sort has.
 //  2. A *group* is the sorted entries of one slot, a *run* a maximal block of them of one token and kind. A
 //     write run is a first occurrence (its head) followed by the repeats of that slot in that token; log_k is
@@ -223,10 +223,22 @@ __device__ __forceinline__ Scratch carve(unsigned char* base, const Shape& s) {
   return sc;
 }
 
+// The active lanes whose 8-bit digit equals this lane's (meaningful for an active lane): one ballot per bit, which
+// costs a fixed 9 votes where __match_any_sync's cost is not documented.
+__device__ __forceinline__ unsigned same_digit_lanes(unsigned d, bool active) {
+  unsigned peers = __ballot_sync(kFull, active);
+#pragma unroll
+  for (int bit = 0; bit < 8; ++bit) {
+    const unsigned ones = __ballot_sync(kFull, (d >> bit) & 1u);
+    peers &= (d >> bit) & 1u ? ones : ~ones;
+  }
+  return peers;
+}
+
 // One stable pass of the radix sort: the n seqs of `in`, ordered by the 8-bit digit of their slot at `shift`,
 // into `out`. Warp w ranks the contiguous slice [w * L, (w + 1) * L) of `in`, 32 entries at a time in order:
-// lanes with equal digits find each other with __match_any_sync, the lowest one updates the warp's count of that
-// digit (no atomics). All threads must call it; ends synchronised.
+// lanes with equal digits find each other by ballots, the lowest one updates the warp's count of that digit (no
+// atomics). All threads must call it; ends synchronised.
 __device__ void radix_pass(const int* in, int* out, int n, const int* slot_of, int shift, int* counts,
                            int* scan_sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -236,12 +248,12 @@ __device__ void radix_pass(const int* in, int* out, int n, const int* slot_of, i
   int beg, end;
   warp_slice(n, beg, end);
   const unsigned lower_lanes = (1u << lane) - 1u;
-  // Counts per digit. A lane past the end gets a digit of its own (256 + lane) that matches no other.
+  // Counts per digit.
   for (int b = beg; b < end; b += 32) {
     const int q = b + lane;
     const bool active = q < end;
-    const unsigned d = active ? (static_cast<unsigned>(slot_of[in[q]]) >> shift) & 255u : 256u + lane;
-    const unsigned peers = __match_any_sync(kFull, d);
+    const unsigned d = active ? (static_cast<unsigned>(slot_of[in[q]]) >> shift) & 255u : 0u;
+    const unsigned peers = same_digit_lanes(d, active);
     if (active && lane == __ffs(peers) - 1) own[d] += __popc(peers);
     __syncwarp();
   }
@@ -268,8 +280,8 @@ __device__ void radix_pass(const int* in, int* out, int n, const int* slot_of, i
     const int q = b + lane;
     const bool active = q < end;
     const int seq = active ? in[q] : 0;
-    const unsigned d = active ? (static_cast<unsigned>(slot_of[seq]) >> shift) & 255u : 256u + lane;
-    const unsigned peers = __match_any_sync(kFull, d);
+    const unsigned d = active ? (static_cast<unsigned>(slot_of[seq]) >> shift) & 255u : 0u;
+    const unsigned peers = same_digit_lanes(d, active);
     const int first = active ? own[d] : 0;
     __syncwarp();
     if (active && lane == __ffs(peers) - 1) own[d] = first + __popc(peers);
