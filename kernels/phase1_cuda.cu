@@ -15,8 +15,8 @@
 //     constant over it, and so is log_q over a read run. One thread per group walks it in sorted order, as the
 //     CPU does (inclusive prefix of the gates, the exclusive suffix for rex by its own backward walk), and
 //     records per entry seq: link[seq] = the seq of the nearest earlier write head of its group (-1: none) for a
-//     run head, -2 for any other entry; run_sum[head seq] = the sum of its run's weights in lane order. The
-//     links chain a head to all earlier write heads of its group, nearest first, with no search.
+//     run head, -2 - (its head's seq) for any other entry; run_sum[head seq] = the sum of its run's weights in
+//     lane order. The links chain a head to all earlier write heads of its group, nearest first, with no search.
 //  3. Forward pairs: one warp per token row i of A and QK. The lanes look up the row's heads (write lanes, then
 //     read lanes, in lane order) in parallel; the heads with earlier write heads then walk their links one lane
 //     at a time, in lane order, adding K_a K_b exp(X_ab) to the warp's copy of the row in shared memory: one
@@ -28,8 +28,9 @@
 //     over the pairs it is part of: first the earlier write heads along its links, nearest first (as the later
 //     run), then, for a write head, the later heads of its group in sorted order (as the earlier write run): the
 //     CPU's accumulation order (the exponents of the second kind are summed from b up to a, the CPU's from a
-//     down to b: they may differ in the last bit). It writes dk_val / dq_val of its run's entries.
-//  4. Backward gates: one thread per group: the total's gradient and the prefix sums of the rex gradients
+//     down to b: they may differ in the last bit).
+//  4. Backward entries, in seq order (coalesced): dk_val / dq_val, the log and rex gradients of each entry.
+//     Backward gates: one thread per group: the total's gradient and the prefix sums of the rex gradients
 //     (forward walk), the suffix sums of the log gradients and dx (backward walk).
 // Integer maps (orders, group offsets, repeats) come from block-wide exclusive scans of per-thread counts over
 // contiguous chunks of the sorted list: exact and independent of the thread count.
@@ -55,7 +56,9 @@ namespace {
 constexpr int kWarps = static_cast<int>(kPhase1CudaWarps);
 constexpr int kThreads = 32 * kWarps;
 constexpr unsigned kFull = 0xffffffffu;
-constexpr int kNoHead = -2;  // link of an entry that is not a run head
+// The link of an entry that is not a run head is -2 - (its head's seq): at most -2.
+__device__ __forceinline__ bool is_head(int link) { return link >= -1; }
+__device__ __forceinline__ int head_of(int seq, int link) { return is_head(link) ? seq : -2 - link; }
 // The backward marks the sorted positions that start a group in their seq's bit 30 (seq < 2^22).
 constexpr int kGroupStart = 1 << 30;
 constexpr int kSeqMask = kGroupStart - 1;
@@ -366,7 +369,7 @@ __device__ __forceinline__ int walk_runs(int p, int n, const int* sorted, const 
       if (e.write) last_write = seq;
     } else {
       sum += val;
-      link[seq] = kNoHead;
+      link[seq] = -2 - head;
     }
     on_entry(e, is_head, val);
     prev = e;
@@ -501,7 +504,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         a.rex[e.id] = suffix;
         a.w[e.id] = a.k_val[e.id] * exp_f(suffix);
         a.cpe[e.id] = decay;
-        suffix += link[seq] != kNoHead ? a.x[e.id] : 0.0f;
+        suffix += is_head(link[seq]) ? a.x[e.id] : 0.0f;
       }
     }
     __syncthreads();
@@ -608,7 +611,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     //    summed), d sum_a += ce sum_b, d sum_b += ce sum_a, d L_a += ce sum_a sum_b, d L_b -= ce sum_a sum_b.
     for (int p = tid; p < n; p += T) {
       const int seq = sorted[p] & kSeqMask;
-      if (link[seq] == kNoHead) continue;
+      if (!is_head(link[seq])) continue;
       const Ent e = decode(seq, s);
       const float as = run_sum[seq];
       const float* c_row = (e.write ? a.dA : a.dQK) + static_cast<int64_t>(e.t) * C;
@@ -630,7 +633,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int marked = sorted[q];
           if (marked & kGroupStart) break;
           const int later = marked & kSeqMask;
-          if (link[later] == kNoHead) continue;
+          if (!is_head(link[later])) continue;
           const Ent el = decode(later, s);
           const float a_sum = run_sum[later];
           if (el.write) x_later += a.x[el.id];
@@ -645,44 +648,55 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
 
-    // 4. Entries and gates, one thread per group. Forward walk: each entry's weight gradient (through k_eff and
-    //    w, or q_w, plus its run's pair part), its log gradient (plus its run's, at the head) in place of
-    //    run_dlog, the group total's gradient, and each write's exclusive prefix of the rex gradients (in
-    //    run_sum, free after step 3). Backward walk: the suffix sums of the log gradients and dx of a head =
-    //    (suffix from it) + (prefix before it) + (total); repeats get 0.
-    float* rex_prefix = run_sum;
+    // 4. Per entry, in seq order (coalesced; validity from the ids, slot_of now holds run_dsum): the weight
+    //    gradient (through k_eff and w, or q_w, plus its run's pair part), its log gradient (plus its run's, at
+    //    the head) in place of run_dlog, and a write's rex gradient (in run_sum, free after step 3).
+    float* drex = run_sum;
+    for (int seq = tid; seq < s.E; seq += T) {
+      const Ent e = decode(seq, s);
+      if (!valid_slot(e.write ? a.k_idx[e.id] : a.q_idx[e.id], s.K)) continue;
+      const int l = link[seq];
+      const float dsum = run_dsum[head_of(seq, l)];
+      float dl;
+      if (e.write) {
+        const float el = exp_f(a.log_k[e.id]), er = exp_f(a.rex[e.id]), k = a.k_val[e.id];
+        a.dk_val[e.id] = a.dk_eff[e.id] * el + a.dw[e.id] * er + dsum;
+        dl = a.dk_eff[e.id] * (k * el);
+        drex[seq] = a.dw[e.id] * (k * er);
+      } else {
+        const float el = exp_f(a.log_q[e.id]);
+        a.dq_val[e.id] = a.dq_w[e.id] * el + dsum;
+        dl = a.dq_w[e.id] * (a.q_val[e.id] * el);
+      }
+      run_dlog[seq] = is_head(l) ? dl + run_dlog[seq] : dl;
+    }
+    __syncthreads();
+
+    // 5. Gates, one thread per group. Forward walk: the group total's gradient, and each write's exclusive prefix
+    //    of the rex gradients in place of its own. Backward walk: the suffix sums of the log gradients, and dx of
+    //    a head = (suffix from it) + (prefix before it) + (total); repeats get 0.
     for (int p = tid; p < n; p += T) {
       if (!(sorted[p] & kGroupStart)) continue;
-      float dtotal = 0.0f, prefix = 0.0f, dsum = 0.0f;
+      float dtotal = 0.0f, prefix = 0.0f;
       int end = p;
       for (; end < n; ++end) {
         const int marked = sorted[end];
         if (end > p && (marked & kGroupStart)) break;
         const int seq = marked & kSeqMask;
         const Ent e = decode(seq, s);
-        const bool head = link[seq] != kNoHead;
-        if (head) dsum = run_dsum[seq];
-        float dl;
         if (e.write) {
-          const float el = exp_f(a.log_k[e.id]), er = exp_f(a.rex[e.id]), k = a.k_val[e.id];
-          a.dk_val[e.id] = a.dk_eff[e.id] * el + a.dw[e.id] * er + dsum;
-          dl = a.dk_eff[e.id] * (k * el);
           dtotal += a.dcpe[e.id] * a.cpe[e.id];
-          rex_prefix[seq] = prefix;
-          prefix += a.dw[e.id] * (k * er);
-        } else {
-          const float el = exp_f(a.log_q[e.id]);
-          a.dq_val[e.id] = a.dq_w[e.id] * el + dsum;
-          dl = a.dq_w[e.id] * (a.q_val[e.id] * el);
+          const float own = drex[seq];
+          drex[seq] = prefix;
+          prefix += own;
         }
-        run_dlog[seq] = head ? dl + run_dlog[seq] : dl;
       }
       float suffix = 0.0f;
       for (int q = end - 1; q >= p; --q) {
         const int seq = sorted[q] & kSeqMask;
         suffix += run_dlog[seq];
         const Ent e = decode(seq, s);
-        if (e.write) a.dx[e.id] = link[seq] != kNoHead ? suffix + rex_prefix[seq] + dtotal : 0.0f;
+        if (e.write) a.dx[e.id] = is_head(link[seq]) ? suffix + drex[seq] + dtotal : 0.0f;
       }
     }
     __syncthreads();  // the scratch is reused by the next unit
