@@ -17,6 +17,7 @@
 //     records per entry seq: link[seq] = the seq of the nearest earlier write head of its group (-1: none) for a
 //     run head, -2 - (its head's seq) for any other entry; run_sum[head seq] = the sum of its run's weights in
 //     lane order. The links chain a head to all earlier write heads of its group, nearest first, with no search.
+//     The weights k_eff, w, q_w follow from the stored log values and rex in seq order (coalesced).
 //  3. Forward pairs: one warp per token row i of A and QK. The lanes look up the row's heads (write lanes, then
 //     read lanes, in lane order) in parallel; the heads with earlier write heads then walk their links one lane
 //     at a time, in lane order, adding K_a K_b exp(X_ab) to the warp's copy of the row in shared memory: one
@@ -480,34 +481,45 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();  // `link` is overwritten next
 
-    // 2. Group walks, one thread per group: log values, weights, links and run sums; then rex, w, cpe.
+    // 2. Group walks, one thread per group: log values, links and run sums; then rex and cpe.
     for (int p = tid; p < n; p += T) {
       if (!group_start(p, sorted, slot_of)) continue;
-      float run = 0.0f, decay = 1.0f;  // decay: exp of the run at the last entry, the group total's
+      float run = 0.0f;
       const int end = walk_runs(p, n, sorted, slot_of, link, run_sum, a.k_val, a.q_val, s,
-                                [&](const Ent& e, bool head, float weight) {
-                                  if (e.write) run += head ? a.x[e.id] : 0.0f;
-                                  decay = exp_f(run);
+                                [&](const Ent& e, bool head, float) {
                                   if (e.write) {
+                                    run += head ? a.x[e.id] : 0.0f;
                                     a.log_k[e.id] = run;
-                                    a.k_eff[e.id] = weight * decay;
                                   } else {
                                     a.log_q[e.id] = run;
-                                    a.q_w[e.id] = weight * decay;
                                   }
                                 });
+      const float decay = exp_f(run);
       float suffix = 0.0f;
       for (int q = end - 1; q >= p; --q) {
         const int seq = sorted[q];
         const Ent e = decode(seq, s);
         if (!e.write) continue;
         a.rex[e.id] = suffix;
-        a.w[e.id] = a.k_val[e.id] * exp_f(suffix);
         a.cpe[e.id] = decay;
         suffix += is_head(link[seq]) ? a.x[e.id] : 0.0f;
       }
     }
     __syncthreads();
+
+    // The weights, in seq order (coalesced), from the log values and rex just written (visible to the block
+    // after the barrier).
+    for (int seq = tid; seq < s.E; seq += T) {
+      if (slot_of[seq] < 0) continue;
+      const Ent e = decode(seq, s);
+      if (e.write) {
+        const float k = a.k_val[e.id];
+        a.k_eff[e.id] = k * exp_f(a.log_k[e.id]);
+        a.w[e.id] = k * exp_f(a.rex[e.id]);
+      } else {
+        a.q_w[e.id] = a.q_val[e.id] * exp_f(a.log_q[e.id]);
+      }
+    }
 
     // 3. Pair sums, one warp per token row i, summed in the warp's copy of the row: its write heads (lanes
     //    ascending) meet the earlier write heads of their group (A, j < i), then its read heads (QK, j <= i).
