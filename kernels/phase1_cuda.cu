@@ -200,6 +200,24 @@ __device__ __forceinline__ void prefetch(const float* p, int64_t n) {
 #endif
 }
 
+// For every entry seq in [0, E), in seq order over the threads (coalesced): v = load(seq), then store(seq, v).
+// Each thread loads kBatch entries before it stores any, so that their loads are in flight together (a store
+// may alias a later load, which would otherwise keep the compiler from moving the loads up).
+template <int kBatch, typename Load, typename Store>
+__device__ __forceinline__ void for_each_entry(int E, Load load, Store store) {
+  for (int q0 = threadIdx.x; q0 < E; q0 += kBatch * blockDim.x) {
+    decltype(load(0)) v[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      if (q0 + k * static_cast<int>(blockDim.x) < E) v[k] = load(q0 + k * blockDim.x);
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      if (q0 + k * static_cast<int>(blockDim.x) < E) store(q0 + k * blockDim.x, v[k]);
+    }
+  }
+}
+
 // The scratch of one unit (kernels/phase1.h phase1_cuda_scratch_bytes: keep the two in sync).
 struct Scratch {
   int* warp_area;  // kWarps * max(256, 2C): radix counters, then each warp's rows of A and QK
@@ -300,29 +318,21 @@ __device__ void radix_pass(const int* in, int* out, int n, const int* slot_of, i
 template <typename OnInvalid>
 __device__ int sort_unit(const Scratch& sc, const int32_t* ki, const int32_t* qi, const Shape& s, int* scan_sh,
                          int*& sorted, int*& spare, OnInvalid on_invalid) {
-  // Loads in batches of kBatch per thread, all issued before their results are used.
-  constexpr int kBatch = 4;
-  for (int q0 = threadIdx.x; q0 < s.E; q0 += kBatch * blockDim.x) {
-    Ent e[kBatch];
-    int32_t slot[kBatch];
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-      const int q = q0 + k * blockDim.x;
-      if (q < s.E) {
-        e[k] = decode(q, s);
-        slot[k] = e[k].write ? ki[e[k].id] : qi[e[k].id];
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-      const int q = q0 + k * blockDim.x;
-      if (q < s.E) {
-        const bool ok = valid_slot(slot[k], s.K);
-        sc.slot_of[q] = ok ? slot[k] : -1;
-        if (!ok) on_invalid(e[k].write, e[k].id);
-      }
-    }
-  }
+  struct Slot {
+    Ent e;
+    int32_t slot;
+  };
+  for_each_entry<4>(
+      s.E,
+      [&](int q) {
+        const Ent e = decode(q, s);
+        return Slot{e, e.write ? ki[e.id] : qi[e.id]};
+      },
+      [&](int q, const Slot& v) {
+        const bool ok = valid_slot(v.slot, s.K);
+        sc.slot_of[q] = ok ? v.slot : -1;
+        if (!ok) on_invalid(v.e.write, v.e.id);
+      });
   __syncthreads();
   // Compact the valid seqs in seq order.
   int tot[1];
@@ -509,17 +519,30 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // The weights, in seq order (coalesced), from the log values and rex just written (visible to the block
     // after the barrier).
-    for (int seq = tid; seq < s.E; seq += T) {
-      if (slot_of[seq] < 0) continue;
-      const Ent e = decode(seq, s);
-      if (e.write) {
-        const float k = a.k_val[e.id];
-        a.k_eff[e.id] = k * exp_f(a.log_k[e.id]);
-        a.w[e.id] = k * exp_f(a.rex[e.id]);
-      } else {
-        a.q_w[e.id] = a.q_val[e.id] * exp_f(a.log_q[e.id]);
-      }
-    }
+    struct Weight {
+      Ent e;
+      float val, log, rex;  // rex: writes only
+    };
+    for_each_entry<4>(
+        s.E,
+        [&](int seq) {
+          Weight v{decode(seq, s), 0.0f, 0.0f, 0.0f};
+          if (slot_of[seq] >= 0) {
+            v.val = v.e.write ? a.k_val[v.e.id] : a.q_val[v.e.id];
+            v.log = v.e.write ? a.log_k[v.e.id] : a.log_q[v.e.id];
+            if (v.e.write) v.rex = a.rex[v.e.id];
+          }
+          return v;
+        },
+        [&](int seq, const Weight& v) {
+          if (slot_of[seq] < 0) return;
+          if (v.e.write) {
+            a.k_eff[v.e.id] = v.val * exp_f(v.log);
+            a.w[v.e.id] = v.val * exp_f(v.rex);
+          } else {
+            a.q_w[v.e.id] = v.val * exp_f(v.log);
+          }
+        });
 
     // 3. Pair sums, one warp per token row i, summed in the warp's copy of the row: its write heads (lanes
     //    ascending) meet the earlier write heads of their group (A, j < i), then its read heads (QK, j <= i).
@@ -664,24 +687,47 @@ __global__ void __launch_bounds__(kThreads, 1)
     //    gradient (through k_eff and w, or q_w, plus its run's pair part), its log gradient (plus its run's, at
     //    the head) in place of run_dlog, and a write's rex gradient (in run_sum, free after step 3).
     float* drex = run_sum;
-    for (int seq = tid; seq < s.E; seq += T) {
-      const Ent e = decode(seq, s);
-      if (!valid_slot(e.write ? a.k_idx[e.id] : a.q_idx[e.id], s.K)) continue;
-      const int l = link[seq];
-      const float dsum = run_dsum[head_of(seq, l)];
-      float dl;
-      if (e.write) {
-        const float el = exp_f(a.log_k[e.id]), er = exp_f(a.rex[e.id]), k = a.k_val[e.id];
-        a.dk_val[e.id] = a.dk_eff[e.id] * el + a.dw[e.id] * er + dsum;
-        dl = a.dk_eff[e.id] * (k * el);
-        drex[seq] = a.dw[e.id] * (k * er);
-      } else {
-        const float el = exp_f(a.log_q[e.id]);
-        a.dq_val[e.id] = a.dq_w[e.id] * el + dsum;
-        dl = a.dq_w[e.id] * (a.q_val[e.id] * el);
-      }
-      run_dlog[seq] = is_head(l) ? dl + run_dlog[seq] : dl;
-    }
+    struct EntryGrad {
+      Ent e;
+      bool valid;
+      int link;
+      float dsum, val, log, dlog_w, rex, dw;  // (dk_eff, log_k, k_val, rex, dw) or (dq_w, log_q, q_val)
+    };
+    for_each_entry<2>(
+        s.E,
+        [&](int seq) {
+          EntryGrad v{};
+          v.e = decode(seq, s);
+          v.valid = valid_slot(v.e.write ? a.k_idx[v.e.id] : a.q_idx[v.e.id], s.K);
+          if (v.valid) {
+            v.link = link[seq];
+            v.dsum = run_dsum[head_of(seq, v.link)];
+            const int id = v.e.id;
+            v.val = v.e.write ? a.k_val[id] : a.q_val[id];
+            v.log = v.e.write ? a.log_k[id] : a.log_q[id];
+            v.dlog_w = v.e.write ? a.dk_eff[id] : a.dq_w[id];
+            if (v.e.write) {
+              v.rex = a.rex[id];
+              v.dw = a.dw[id];
+            }
+          }
+          return v;
+        },
+        [&](int seq, const EntryGrad& v) {
+          if (!v.valid) return;
+          const float el = exp_f(v.log);
+          float dl;
+          if (v.e.write) {
+            const float er = exp_f(v.rex);
+            a.dk_val[v.e.id] = v.dlog_w * el + v.dw * er + v.dsum;
+            dl = v.dlog_w * (v.val * el);
+            drex[seq] = v.dw * (v.val * er);
+          } else {
+            a.dq_val[v.e.id] = v.dlog_w * el + v.dsum;
+            dl = v.dlog_w * (v.val * el);
+          }
+          run_dlog[seq] = is_head(v.link) ? dl + run_dlog[seq] : dl;
+        });
     __syncthreads();
 
     // 5. Gates, one thread per group. Forward walk: the group total's gradient, and each write's exclusive prefix
