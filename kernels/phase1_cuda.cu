@@ -8,8 +8,8 @@
 //  1. Sort: slot_of[seq] is the entry's slot (-1 when invalid); the valid seqs are compacted in seq order and
 //     sorted by slot with a stable LSD radix sort (8-bit digits, ceil(bits(K - 1) / 8) passes; per pass each
 //     warp ranks a contiguous slice 32 entries at a time by ballots, the per-(digit, warp) counts are scanned in
-//     (digit, warp) order). Stable from seq order, so the order is (slot, token, write-before-read,
-//     lane): the stable order of MATH.md "Phase 1". No barrier per compare-exchange as a bitonic sort has.
+//     (digit, warp) order). Stable from seq order, so the order is (slot, token, write-before-read, lane): the
+//     stable order of MATH.md "Phase 1". No barrier per compare-exchange as a bitonic sort has.
 //  2. A *group* is the sorted entries of one slot, a *run* a maximal block of them of one token and kind. A
 //     write run is a first occurrence (its head) followed by the repeats of that slot in that token; log_k is
 //     constant over it, and so is log_q over a read run. One thread per group walks it in sorted order, as the
@@ -30,17 +30,20 @@
 //     run), then, for a write head, the later heads of its group in sorted order (as the earlier write run): the
 //     CPU's accumulation order (the exponents of the second kind are summed from b up to a, the CPU's from a
 //     down to b: they may differ in the last bit).
-//  4. Backward entries, in seq order (coalesced): dk_val / dq_val, the log and rex gradients of each entry.
+//  4. Backward entries, in seq order (coalesced): dk_val / dq_val, the log and rex gradients of each entry (the
+//     group starts are marked in the sorted list first, which frees slot_of for the runs' weight gradients).
 //     Backward gates: one thread per group: the total's gradient and the prefix sums of the rex gradients
 //     (forward walk), the suffix sums of the log gradients and dx (backward walk).
-// Integer maps (orders, group offsets, repeats) come from block-wide exclusive scans of per-thread counts over
-// contiguous chunks of the sorted list: exact and independent of the thread count.
+// Integer maps (orders, group offsets, repeats) come from ranks by ballots over each warp's contiguous slice of
+// the sorted list, the warps' counts scanned in warp order: exact, and no bank conflicts.
 //
 // Scratch (per unit, int32 / float32 arrays sized from the shapes only, kernels/phase1.h
 // phase1_cuda_scratch_bytes): a per-warp area (radix counters, then the rows of A / QK being summed), slot_of,
 // two sort buffers (the second then holds the links), run_sum and, in the backward, the runs' log gradients. In
 // dynamic shared memory when it fits kPhase1CudaSharedBytes, else in a global workspace, one slice per block. The
-// same kernel code serves both (a template flag picks the base pointer).
+// same kernel code serves both (a template flag picks the base pointer). 1024 threads per block: one block per
+// SM either way at the anchor shapes (shared memory), and the walks are latency-bound, so more warps per block
+// hide more of it. scripts/cuda_emu runs these kernels on the CPU against the CPU kernels.
 //
 // Every sum runs in an order fixed by the input, every output element has one writer, no atomics: the results
 // are bitwise reproducible. Built with -fmad=false (CMakeLists.txt) to round like the CPU kernel.
