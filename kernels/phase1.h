@@ -127,22 +127,25 @@ struct CUstream_st;
 
 namespace sdm {
 
-// Per-unit scratch of the CUDA kernels (the sorted keys and the run-head arrays): in dynamic shared memory when
-// it is at most kPhase1CudaSharedBytes, else in a global workspace with one slice per block, at most
-// kPhase1CudaGlobalBlocks blocks. Decided from the shapes only. jax_sdm/ffi_ops.py (_phase1_workspace) mirrors
-// these formulas to size the workspace result: keep them in sync.
+// Per-unit scratch of the CUDA kernels (kernels/phase1_cuda.cu: the entries' slots, the sort buffers, the run
+// sums and links, per-warp counters and rows): in dynamic shared memory when it is at most
+// kPhase1CudaSharedBytes, else in a global workspace with one slice per block, at most kPhase1CudaGlobalBlocks
+// blocks. Decided from the shapes only. jax_sdm/ffi_ops.py (_phase1_workspace) mirrors these formulas to size the
+// workspace result: keep them in sync.
 constexpr int64_t kPhase1CudaSharedBytes = 200 * 1024;
 constexpr int64_t kPhase1CudaGlobalBlocks = 128;
-// Largest C * (W + R) the CUDA kernels take (the sort pads it to a power of two).
+// Warps per block of the CUDA kernels (32 * kPhase1CudaWarps threads).
+constexpr int64_t kPhase1CudaWarps = 32;
+// Largest C * (W + R) the CUDA kernels take.
 constexpr int64_t kPhase1CudaMaxEntries = int64_t{1} << 22;
 
-// 8 bytes per key (E = C * (W + R) padded to a power of two) plus 12 bytes per write entry (forward) or 16
-// bytes per entry (backward), rounded up to 256.
+// 4 bytes per warp and max(256, 2 C) (radix counters, then rows of A and QK), plus 16 bytes per entry
+// (E = C * (W + R): slot, two sort buffers, run sum) in the forward, 20 in the backward (and the run's log
+// gradient); rounded up to 256.
 inline int64_t phase1_cuda_scratch_bytes(int64_t C, int64_t W, int64_t R, bool backward) {
   const int64_t E = C * (W + R);
-  int64_t p2 = 1;
-  while (p2 < E) p2 <<= 1;
-  const int64_t bytes = 8 * p2 + (backward ? 16 * E : 12 * C * W);
+  const int64_t per_warp = 2 * C > 256 ? 2 * C : 256;
+  const int64_t bytes = 4 * (kPhase1CudaWarps * per_warp + (backward ? 5 : 4) * E);
   return (bytes + 255) / 256 * 256;
 }
 
