@@ -417,19 +417,17 @@ struct GroupTables {
   const GroupEntry* r;
 };
 
-// acc = scale * row[0, VEC) + sum over the group's entries e = order[lo..hi) (sorted order) of
-// coef[e] * vecs[e / W][0, VEC) (vecs: rows of D floats, offset to the same columns as row): the written row of the
-// forward (cpe S0 + sum w delta) and Phase A's bank gradient (cpe dS1 + sum k_eff dG) are this one sum.
-template <int VEC, typename T>
-__device__ __forceinline__ void group_row(const T* row, float scale, const int32_t* order, int32_t lo, int32_t hi,
+// acc += sum over the group's entries e = order[lo..hi) (sorted order; `first` = order[lo], known from the group
+// table) of coef[e] * vecs[e / W][0, VEC) (vecs: rows of D floats, offset to the columns of acc). With acc = scale *
+// row first, the written row of the forward (cpe S0 + sum w delta) and Phase A's bank gradient (cpe dS1 + sum
+// k_eff dG) are this one sum.
+template <int VEC>
+__device__ __forceinline__ void group_add(const int32_t* order, int32_t lo, int32_t hi, int32_t first,
                                           const float* coef, const float* vecs, int64_t W, int64_t D, float* acc) {
-  load_cols<VEC>(row, acc);
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) acc[i] *= scale;
   for (int32_t k = lo; k < hi; ++k) {
-    const int32_t e = order[k];
+    const int32_t e = k == lo ? first : order[k];
     float x[VEC];
-    load_cols<VEC>(vecs + (e / W) * D, x);
+    load_cols_ro<VEC>(vecs + (e / W) * D, x);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] += coef[e] * x[i];
   }
@@ -451,7 +449,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
   const float cpe = p1.cpe[u * C * W + gr.first];
   const float* delta = rows.delta + rows.at(dm, u, s);
   // The row in batches of S segments per lane, all loaded before the first is used; the row becomes
-  // cpe * S0 + sum over the group's entries (sorted order) of w[e] * delta[t_e] (group_row's sum, same order).
+  // cpe * S0 + sum over the group's entries (sorted order) of w[e] * delta[t_e] (group_add).
   constexpr int S = row_segs<VEC, T>();
   constexpr int64_t kStep = 32 * VEC;
   for (int64_t d0 = static_cast<int64_t>(lane) * VEC; d0 < D; d0 += S * kStep) {
@@ -467,13 +465,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
       float acc[VEC];
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[i] = cpe * x[k][i];
-      for (int32_t j = lo; j < hi; ++j) {
-        const int32_t e = j == lo ? gr.first : order[j];
-        float dl[VEC];
-        load_cols_ro<VEC>(delta + (e / W) * D + d, dl);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) acc[i] += w[e] * dl[i];
-      }
+      group_add<VEC>(order, lo, hi, gr.first, w, delta + d, W, D, acc);
       store_cols<VEC>(row + d, acc);
     }
   }
@@ -716,7 +708,10 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kTwoRowBlocksPerSM)
   }
   for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
     float acc[VEC];
-    group_row<VEC>(drow + d, cpe, order, lo, hi, k_eff, dG + d, W, D, acc);
+    load_cols<VEC>(drow + d, acc);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] *= cpe;
+    group_add<VEC>(order, lo, hi, gr.first, k_eff, dG + d, W, D, acc);
     store_cols<VEC>(drow + d, acc);
     copy_cols<VEC>(s0 + d, row + d);
   }
@@ -827,7 +822,7 @@ inline int build_group_table(const StepDims& dm, const int32_t* order, const int
   if (total == 0) return 0;
   const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 4096));
   group_table_kernel<<<blocks, 256, 0, stream>>>(dm, order, group, idx, lanes, dm.units(), table);
-  return static_cast<int>(cudaGetLastError());
+  return launched(0);
 }
 
 template <int VEC, typename T>
