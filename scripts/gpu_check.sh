@@ -8,7 +8,8 @@
 # metadata, so the commit the logs name is taken from SDM_COMMIT when set.
 # Environment: PYTEST_ARGS (extra pytest arguments, e.g. "-k golden"), BENCH_ARGS (extra bench.py arguments),
 # GPU_TEST_FILES (replaces the GPU test list), BENCH_SHAPES, BENCH_CHUNKS, PROFILE_SHAPES, PROFILE_CHUNKS,
-# PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections).
+# PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections), PROFILE_MODES,
+# SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/sdm_out}
@@ -76,25 +77,34 @@ fi
 if has sanitize; then
   # compute-sanitizer on every jax_sdm kernel (kernel names in namespace sdm), one tool per process
   # (SANITIZE_TOOLS, default all four). No XLA preallocation, autotuning or command buffers under the tools.
+  # SANITIZE_CASES: sanitize_case.py's --cases (default all); SANITIZE_ALL_KERNELS=1 checks XLA's kernels too
+  # (initcheck then sees the writes of XLA's own kernels to the buffers ours read).
+  regex=(--kernel-regex kns=sdm)
+  [ "${SANITIZE_ALL_KERNELS:-0}" = 1 ] && regex=()
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
+    log=$OUT/sanitize_${tool}${SANITIZE_TAG:-}.log
     XLA_PYTHON_CLIENT_PREALLOCATE=false \
     XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
-    timeout ${SANITIZE_TIMEOUT:-200} compute-sanitizer --tool "$tool" --error-exitcode 3 \
-      --kernel-regex kns=sdm python3 "$REPO/scripts/sanitize_case.py" > "$OUT/sanitize_$tool.log" 2>&1
-    summary "sanitize $tool rc=$?: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|results," "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
+    timeout ${SANITIZE_TIMEOUT:-200} compute-sanitizer --tool "$tool" --error-exitcode 3 "${regex[@]}" \
+      python3 "$REPO/scripts/sanitize_case.py" ${SANITIZE_CASES:+--cases $SANITIZE_CASES} > "$log" 2>&1
+    summary "sanitize $tool${SANITIZE_TAG:-} rc=$?: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|results," "$log" | tr '\n' ' ')"
   done
 fi
 if has profile; then
   # Per-kernel times of one jitted forward + backward (every kernel, ours and XLA's), then the wall times of the
   # same step at each chunk size. PROFILE_SHAPES: the shapes (default flagship).
+  # PROFILE_MODES: grad (the one-jit training step) and/or nograd (the no-grad forward).
   for shape in ${PROFILE_SHAPES:-flagship}; do
     for chunk in ${PROFILE_CHUNKS:-64}; do
-      # XLA must not preallocate (the profiler needs device memory) nor autotune (its kernels would be profiled too).
-      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 \
-      timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes.sum --csv \
-        python3 "$REPO/scripts/profile_steps.py" "$shape" "$chunk" > "$OUT/ncu_${shape}_$chunk.csv" 2> "$OUT/ncu_err.log"
-      summary "profile $shape C$chunk rc=$?"
-      python3 "$REPO/scripts/ncu_summary.py" "$OUT/ncu_${shape}_$chunk.csv" | tee "$OUT/ncu_${shape}_$chunk.txt" | head -30
+      for mode in ${PROFILE_MODES:-grad}; do
+        name=ncu_${shape}_${chunk}_$mode
+        # XLA must not preallocate (the profiler needs device memory) nor autotune (its kernels would be profiled).
+        XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 \
+        timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes.sum --csv \
+          python3 "$REPO/scripts/profile_steps.py" "$shape" "$chunk" "$mode" > "$OUT/$name.csv" 2>> "$OUT/ncu_err.log"
+        summary "profile $shape C$chunk $mode rc=$?"
+        python3 "$REPO/scripts/ncu_summary.py" "$OUT/$name.csv" | tee "$OUT/$name.txt" | head -30
+      done
     done
   done
   if [ -n "${PROFILE_KERNELS:-}" ]; then

@@ -1,7 +1,8 @@
-"""One forward + backward of an anchor shape (bench.py's training step), for a kernel profiler (ncu) to time
-each kernel (`scripts/gpu_check.sh profile` runs it under ncu):
+"""One forward + backward of an anchor shape (bench.py's training step), or with `nograd` its no-grad forward, for
+a kernel profiler (ncu) to time each kernel (`scripts/gpu_check.sh profile` runs it under ncu):
 
-    ncu --clock-control none --metrics gpu__time_duration.sum --csv python3 scripts/profile_steps.py flagship [chunk]
+    ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        python3 scripts/profile_steps.py flagship [chunk] [grad|nograd]
 """
 import sys
 
@@ -14,5 +15,6 @@ shape = dict(SHAPES[sys.argv[1] if len(sys.argv) > 1 else "flagship"])
 if len(sys.argv) > 2:
     shape["chunk"] = int(sys.argv[2])
 args, dy, dbank = make_inputs(shape, 0)
-_, step = make_functions("ffi", shape["chunk"], dy, dbank)
-jax.block_until_ready(step(*args))
+forward, step = make_functions("ffi", shape["chunk"], dy, dbank)
+fn = forward if len(sys.argv) > 3 and sys.argv[3] == "nograd" else step
+jax.block_until_ready(fn(*args))

@@ -1,7 +1,8 @@
 """A small workload that runs every CUDA kernel of jax_sdm once, for compute-sanitizer (`gpu_check.sh sanitize`):
 the op's forward and backward (float32 and bfloat16 banks, both gradient-bank dtypes, per-token and per-write
 gates, repeated and out-of-range slot ids), Phase 1's workspace path (a unit too large for shared memory), and the
-decode step. Exits non-zero if a result is not finite."""
+decode step (`--cases` picks some). Exits non-zero if a result is not finite."""
+import argparse
 import functools
 import sys
 
@@ -21,16 +22,28 @@ def op_case(seed, dtype, bank_grad_dtype=None, chunk=16, **shape):
     return [y, final] + [g[k] for k in FLOAT_ARGS]
 
 
-def main():
-    results = []
-    results += op_case(0, np.float32, T=40, K=64, D=24, W=3, R=2, distinct=False, repeats=True)
-    results += op_case(1, jnp.bfloat16, T=40, K=64, D=64, W=4, R=4, per_write_gates=True)
-    results += op_case(2, jnp.bfloat16, jnp.float32, T=40, K=64, D=64, W=4, R=4)
-    results += op_case(3, np.float32, chunk=128, B=1, H=1, T=128, K=4096, D=8, W=64, R=64)  # Phase 1 workspace
+def step_case():
     p = random_problem(4, B=2, T=1, H=2, K=256, D=32, W=4, R=4, dtype=jnp.bfloat16)
     step = jax.jit(functools.partial(sdm_step, impl="ffi"), donate_argnums=0)
     y, bank = step(p["bank"], *(p[k][:, 0] for k in ("k_idx", "k_val", "v", "beta", "g", "q_idx", "q_val")))
-    results += [y, bank]
+    return [y, bank]
+
+
+CASES = [
+    lambda: op_case(0, np.float32, T=40, K=64, D=24, W=3, R=2, distinct=False, repeats=True),  # partial last chunk
+    lambda: op_case(1, jnp.bfloat16, T=40, K=64, D=64, W=4, R=4, per_write_gates=True),
+    lambda: op_case(2, jnp.bfloat16, jnp.float32, T=40, K=64, D=64, W=4, R=4),
+    lambda: op_case(3, np.float32, chunk=128, B=1, H=1, T=128, K=4096, D=8, W=64, R=64),  # Phase 1 workspace
+    step_case,
+    lambda: op_case(0, np.float32, T=48, K=64, D=24, W=3, R=2, distinct=False, repeats=True),  # case 0, whole chunks
+]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--cases", default="0,1,2,3,4", help="comma list of CASES indices")
+    cases = [int(i) for i in parser.parse_args().cases.split(",")]
+    results = [r for i in cases for r in CASES[i]()]
     bad = [i for i, r in enumerate(results) if not np.all(np.isfinite(np.asarray(r, np.float32)))]
     print(f"{len(results)} results, {len(bad)} not finite")
     return 1 if bad else 0
