@@ -38,14 +38,13 @@ namespace sdm {
 namespace {
 
 constexpr int kSlice = 32;          // columns per block of the solve kernels
-constexpr int kSolveThreadsMax = 1024;  // threads per block of the solve kernels: one per (row, 4 columns)
+constexpr int kSolveThreadsMax = 1024;  // threads per block of the solve kernels: one per 4 x 4 tile
 constexpr int kRowThreadsMax = 256;  // column threads (x) per block of the per-token row kernels
 constexpr int kRowThreadsCap = 512;  // threads (x times parts) per block of the per-token row kernels
 constexpr int kRowBlocksPerSM = 2;   // their register budget: 2 blocks of 512 threads per SM (64 registers)
 constexpr int kGroupWarps = 8;      // warps (= groups) per block of the group kernels
-constexpr int kGroupBlocksPerSM = 3;   // register budget of the forward's group kernel: 3 blocks per SM (80 registers)
-constexpr int kTwoRowBlocksPerSM = 2;  // Phase A and the read side hold two rows per segment: 2 blocks (128 registers)
-constexpr int kInlineEntries = 4;   // Phase A handles groups of up to this many entries in one pass over the row
+constexpr int kGroupBlocksPerSM = 2;  // register budget of the group kernels: 2 blocks per SM (128 registers)
+constexpr int kInlineEntries = 2;   // Phase A handles groups of up to this many entries in one pass over the row
 
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -150,34 +149,41 @@ struct Cols {
   __device__ __forceinline__ float operator[](int i) const { return to_f(v[i]); }
 };
 
-// Row segments (VEC columns each, 32 * VEC apart) a lane of a group kernel loads before using the first: 64 bytes
-// of the row per lane, 2 KB per warp, at most 4 segments.
-template <int VEC, typename T>
-__host__ __device__ constexpr int row_segs() {
-  constexpr int n = 64 / (VEC * static_cast<int>(sizeof(T)));
-  return n < 1 ? 1 : n > 4 ? 4 : n;
+// Segments (VEC columns each, 32 * VEC apart) a lane of a group kernel loads before using the first: as many as
+// fit the kernel's budget of loaded bytes per lane (its registers: `__launch_bounds__`), given the bytes loaded
+// per segment; 1 to 4.
+constexpr int kWriteLaneBytes = 192;    // the forward write kernel
+constexpr int kTwoRowLaneBytes = 256;   // Phase A and the read side
+__host__ __device__ constexpr int segs_for(int budget, int seg_bytes) {
+  return budget / seg_bytes < 1 ? 1 : budget / seg_bytes > 4 ? 4 : budget / seg_bytes;
 }
 
 // A lane of a one-warp-per-row kernel walks two rows `a` and `b` (D columns each, dtypes A and B) in batches of S
-// segments of VEC columns (32 * VEC apart), every segment of a batch loaded before the first is used, and calls
-// body(d, a_cols, b_cols) per segment in increasing column order d (the order of the lane's partial sums).
-template <int VEC, typename A, typename B, typename Body>
-__device__ __forceinline__ void walk_two_rows(const A* a, const B* b, int64_t D, int lane, Body body) {
-  constexpr int S = row_segs<VEC, std::conditional_t<(sizeof(A) >= sizeof(B)), A, B>>();
+// segments of VEC columns (32 * VEC apart) and calls body(d, a_cols, b_cols, pre_cols) per segment in increasing
+// column order d (the order of the lane's partial sums). With each segment it loads the same columns of NPRE float32
+// rows `pre` (the group's first entry's vectors: most groups have one entry), all of a batch before the first
+// segment is used, so a warp waits for one round of loads per batch instead of one more per segment.
+template <int VEC, int NPRE, typename A, typename B, typename Body>
+__device__ __forceinline__ void walk_two_rows(const A* a, const B* b, const float* const (&pre)[NPRE], int64_t D,
+                                              int lane, Body body) {
+  constexpr int S = segs_for(kTwoRowLaneBytes, VEC * static_cast<int>(sizeof(A) + sizeof(B) + NPRE * sizeof(float)));
   constexpr int64_t kStep = 32 * VEC;
   for (int64_t d0 = static_cast<int64_t>(lane) * VEC; d0 < D; d0 += S * kStep) {
     Cols<VEC, A> x[S];
     Cols<VEC, B> y[S];
+    float p[S][NPRE][VEC];
 #pragma unroll
     for (int k = 0; k < S; ++k) {
       if (d0 + k * kStep >= D) break;
       x[k].load(a + d0 + k * kStep);
       y[k].load(b + d0 + k * kStep);
+#pragma unroll
+      for (int i = 0; i < NPRE; ++i) load_cols_ro<VEC>(pre[i] + d0 + k * kStep, p[k][i]);
     }
 #pragma unroll
     for (int k = 0; k < S; ++k) {
       if (d0 + k * kStep >= D) break;
-      body(d0 + k * kStep, x[k], y[k]);
+      body(d0 + k * kStep, x[k], y[k], p[k]);
     }
   }
 }
@@ -286,39 +292,132 @@ __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) fwd_gather_ke
   }
 }
 
-// The triangular products of the solve kernels on a [C, kSlice] shared-memory slice `cols`, for one row r and the
-// 4 columns [4q, 4q + 4): lower:     x = sum_{k = 0..r} M[r, k] cols[k]     (k ascending)
-//                      transposed: x = sum_{k = r..C-1} M[k, r] cols[k]   (k ascending).
-// Four columns per thread: each element of M (global, cached) feeds four multiply-adds, and the indices are 32-bit
-// (C * C < 2^31): the kernels were bound by instruction issue. Each column's sum runs in the same order as one
-// column at a time would.
-template <bool kTransposed>
-__device__ __forceinline__ float4 tri_quad(const float* __restrict__ M, const float* cols, int r, int q, int C) {
-  float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-  const int lo = kTransposed ? r : 0, hi = kTransposed ? C : r + 1;
-  const float* m = kTransposed ? M + lo * C + r : M + r * C;
-  const int m_step = kTransposed ? C : 1;
-  const float4* c4 = reinterpret_cast<const float4*>(cols) + lo * (kSlice / 4) + q;
-  for (int k = lo; k < hi; ++k, m += m_step, c4 += kSlice / 4) {
-    const float mk = __ldg(m);
-    const float4 c = *c4;
-    x.x += mk * c.x;
-    x.y += mk * c.y;
-    x.z += mk * c.z;
-    x.w += mk * c.w;
-  }
-  return x;
+constexpr int kQuads = kSlice / 4;  // 4-column quads per row of a slice
+
+// Rows of the solve kernels' shared-memory slices: C rounded up to whole 4-row tiles.
+__host__ __device__ inline int tile_rows(int64_t C) { return static_cast<int>((C + 3) / 4 * 4); }
+
+// Columns [d, d + 4) of a float32 row (zeros past D): one 16-byte access when D % 4 == 0 (rows are then 16-byte
+// aligned and d, a multiple of 4, lies below D or the whole quad does).
+__device__ __forceinline__ float4 load_quad(const float* row, int64_t d, int64_t D) {
+  if (D % 4 == 0) return d < D ? *reinterpret_cast<const float4*>(row + d) : make_float4(0.f, 0.f, 0.f, 0.f);
+  float v[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) v[k] = d + k < D ? row[d + k] : 0.f;
+  return make_float4(v[0], v[1], v[2], v[3]);
 }
 
-// Four consecutive columns [d, d + 4) of a float32 row, as far as they lie below D.
 __device__ __forceinline__ void store_quad(float* row, int64_t d, int64_t D, float4 x) {
+  if (D % 4 == 0) {
+    if (d < D) *reinterpret_cast<float4*>(row + d) = x;
+    return;
+  }
   const float v[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
   for (int k = 0; k < 4; ++k)
     if (d + k < D) row[d + k] = v[k];
 }
 
-// One block per (stream, kSlice-column slice); thread (row r, quad q) in a loop over the C * kSlice / 4 quads.
+__device__ __forceinline__ void fma_quad(float4& acc, float m, const float4& c) {
+  acc.x += m * c.x;
+  acc.y += m * c.y;
+  acc.z += m * c.z;
+  acc.w += m * c.w;
+}
+
+// Stage a [tile_rows(C), kSlice] slice in shared memory: row t < C, quad q is quad(t, q), rows past C are zero.
+template <typename Quad>
+__device__ __forceinline__ void stage_quads(int C, float* out, Quad quad) {
+  const int n = tile_rows(C) * kQuads;
+#pragma unroll 4
+  for (int idx = threadIdx.x; idx < n; idx += blockDim.x) {
+    const int t = idx / kQuads;
+    reinterpret_cast<float4*>(out)[idx] = t < C ? quad(t, idx % kQuads) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+// body(r0, q) for every 4 x 4 tile (rows r0..r0+3, quad q) of a slice, one tile per thread and turn.
+template <typename Body>
+__device__ __forceinline__ void for_tiles(int C, Body body) {
+  const int n = tile_rows(C) / 4 * kQuads;
+  for (int idx = threadIdx.x; idx < n; idx += blockDim.x) body(4 * (idx / kQuads), idx % kQuads);
+}
+
+// The triangular products of the solve kernels on a [tile_rows(C), kSlice] shared-memory slice `cols`, for the
+// 4 x 4 tile of rows r = r0 + j (j < 4) and columns [4q, 4q + 4):
+//   lower:      x[j] = sum_{k = 0..r} M[r, k] cols[k]       (k ascending)
+//   transposed: x[j] = sum_{k = r..C-1} M[k, r] cols[k]     (k ascending)
+// Each column's sum runs in the order of a one-column loop. A thread keeps the tile's 16 sums, so a 16-byte load
+// of M and one of `cols` feed 16 multiply-adds, and the main loop issues 4 steps of loads before using the first:
+// the kernels were bound by the latency of a serial chain of loads per output. Rows past C (the last tile when
+// C % 4 != 0) read M's row C - 1; their sums are not used.
+template <bool kTransposed>
+__device__ __forceinline__ void tri_tile(const float* __restrict__ M, const float* cols, int r0, int q, int C,
+                                         float4 (&x)[4]) {
+  const bool vec = C % 4 == 0;  // rows of M 16-byte aligned, and no tile row past C
+  int r[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    r[j] = min(r0 + j, C - 1);
+    x[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const float4* c4 = reinterpret_cast<const float4*>(cols) + q;
+  auto m = [&](int j, int k) { return __ldg(kTransposed ? M + k * C + r[j] : M + r[j] * C + k); };
+  // Steps k that only some rows of the tile take: transposed k < r0 + 3 (before), lower k > r0 (after).
+  if constexpr (kTransposed) {
+    for (int k = r0; k < min(r0 + 3, C); ++k) {
+      const float4 c = c4[k * kQuads];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (k >= r0 + j) fma_quad(x[j], m(j, k), c);
+    }
+  }
+  int k = kTransposed ? r0 + 3 : 0;
+  const int hi = kTransposed ? C : r0 + 1;
+  for (; k + 4 <= hi; k += 4) {
+    float4 c[4];
+    float mk[4][4];  // [step][row]
+#pragma unroll
+    for (int s = 0; s < 4; ++s) c[s] = c4[(k + s) * kQuads];
+    if (vec && kTransposed) {
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const float4 t = __ldg(reinterpret_cast<const float4*>(M + (k + s) * C + r0));
+        mk[s][0] = t.x, mk[s][1] = t.y, mk[s][2] = t.z, mk[s][3] = t.w;
+      }
+    } else if (vec) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float4 t = __ldg(reinterpret_cast<const float4*>(M + r[j] * C + k));
+        mk[0][j] = t.x, mk[1][j] = t.y, mk[2][j] = t.z, mk[3][j] = t.w;
+      }
+    } else {
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) mk[s][j] = m(j, k + s);
+    }
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) fma_quad(x[j], mk[s][j], c[s]);
+  }
+  for (; k < hi; ++k) {
+    const float4 c = c4[k * kQuads];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) fma_quad(x[j], m(j, k), c);
+  }
+  if constexpr (!kTransposed) {
+    for (int k = r0 + 1; k < min(r0 + 4, C); ++k) {
+      const float4 c = c4[k * kQuads];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (k <= r0 + j) fma_quad(x[j], m(j, k), c);
+    }
+  }
+}
+
+// One block per (stream, kSlice-column slice), one thread per 4 x 4 tile (rows, 4 columns) and turn.
 __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64_t c, ChunkRows rows) {
   extern __shared__ __align__(16) float sh[];
   const int C = static_cast<int>(dm.C);
@@ -326,33 +425,42 @@ __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64
   const int64_t s = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
   const int64_t u = unit_of(dm, s, c);
   float* su = sh;
-  float* sdelta = sh + C * kSlice;
+  float* sdelta = sh + tile_rows(C) * kSlice;
   const float* G = rows.G + rows.at(dm, u, s);
-  for (int idx = threadIdx.x; idx < C * kSlice; idx += blockDim.x) {
-    const int64_t t = idx / kSlice, d = d0 + idx % kSlice;
-    su[idx] = d < D ? io.beta[u * C + t] * (io.v[(u * C + t) * D + d] - G[t * D + d]) : 0.f;
-  }
+  const float* v = io.v + u * C * D;
+  stage_quads(C, su, [&](int t, int q) {  // u = beta (v - G)
+    const float b = io.beta[u * C + t];
+    const float4 x = load_quad(v + t * D, d0 + 4 * q, D), g = load_quad(G + t * D, d0 + 4 * q, D);
+    return make_float4(b * (x.x - g.x), b * (x.y - g.y), b * (x.z - g.z), b * (x.w - g.w));
+  });
   __syncthreads();
   const float* minv = p1.minv + u * C * C;
   float* delta = rows.delta + rows.at(dm, u, s);
-  for (int idx = threadIdx.x; idx < C * (kSlice / 4); idx += blockDim.x) {
-    const int i = idx / (kSlice / 4), q = idx % (kSlice / 4);
-    const float4 x = tri_quad<false>(minv, su, i, q, C);
-    reinterpret_cast<float4*>(sdelta + i * kSlice)[q] = x;
-    store_quad(delta + i * D, d0 + 4 * q, D, x);
-  }
+  for_tiles(C, [&](int r0, int q) {  // delta = Minv u
+    float4 x[4];
+    tri_tile<false>(minv, su, r0, q, C, x);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (r0 + j >= C) break;
+      reinterpret_cast<float4*>(sdelta + (r0 + j) * kSlice)[q] = x[j];
+      store_quad(delta + (r0 + j) * D, d0 + 4 * q, D, x[j]);
+    }
+  });
   __syncthreads();
   const float* QK = p1.QK + u * C * C;
   const float* Q0 = rows.Q0 + s * C * D;
-  for (int idx = threadIdx.x; idx < C * (kSlice / 4); idx += blockDim.x) {
-    const int i = idx / (kSlice / 4), q = idx % (kSlice / 4);
-    const float4 x = tri_quad<false>(QK, sdelta, i, q, C);
+  for_tiles(C, [&](int r0, int q) {  // y = Q0 + QK delta
+    float4 x[4];
+    tri_tile<false>(QK, sdelta, r0, q, C, x);
     const int64_t d = d0 + 4 * q;
-    const float v[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
-      if (d + k < D) io.y[(u * C + i) * D + d + k] = v[k] + Q0[i * D + d + k];
-  }
+    for (int j = 0; j < 4; ++j) {
+      if (r0 + j >= C) break;
+      const float4 q0 = load_quad(Q0 + (r0 + j) * D, d, D);
+      store_quad(io.y + (u * C + r0 + j) * D, d, D,
+                 make_float4(x[j].x + q0.x, x[j].y + q0.y, x[j].z + q0.z, x[j].w + q0.w));
+    }
+  });
 }
 
 // One slot group of a chunk (DESIGN.md "Phase 1": a run of sorted entries [lo, hi) with one slot): its slot
@@ -417,15 +525,15 @@ struct GroupTables {
   const GroupEntry* r;
 };
 
-// acc += sum over the group's entries e = order[lo..hi) (sorted order; `first` = order[lo], known from the group
-// table) of coef[e] * vecs[e / W][0, VEC) (vecs: rows of D floats, offset to the columns of acc). With acc = scale *
-// row first, the written row of the forward (cpe S0 + sum w delta) and Phase A's bank gradient (cpe dS1 + sum
-// k_eff dG) are this one sum.
+// acc += sum over the sorted entries e = order[from..hi) of coef[e] * vecs[e / W][0, VEC) (vecs: rows of D floats,
+// offset to the columns of acc): the entries after a group's first, whose row is loaded ahead with the group's
+// row. With acc = scale * row + coef[first] * vecs[first] first, the written row of the forward (cpe S0 + sum w
+// delta) and Phase A's bank gradient (cpe dS1 + sum k_eff dG) are this one sum.
 template <int VEC>
-__device__ __forceinline__ void group_add(const int32_t* order, int32_t lo, int32_t hi, int32_t first,
-                                          const float* coef, const float* vecs, int64_t W, int64_t D, float* acc) {
-  for (int32_t k = lo; k < hi; ++k) {
-    const int32_t e = k == lo ? first : order[k];
+__device__ __forceinline__ void group_add(const int32_t* order, int32_t from, int32_t hi, const float* coef,
+                                          const float* vecs, int64_t W, int64_t D, float* acc) {
+  for (int32_t k = from; k < hi; ++k) {
+    const int32_t e = order[k];
     float x[VEC];
     load_cols_ro<VEC>(vecs + (e / W) * D, x);
 #pragma unroll
@@ -448,15 +556,21 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
   const float* w = p1.w + u * C * W;
   const float cpe = p1.cpe[u * C * W + gr.first];
   const float* delta = rows.delta + rows.at(dm, u, s);
-  // The row in batches of S segments per lane, all loaded before the first is used; the row becomes
-  // cpe * S0 + sum over the group's entries (sorted order) of w[e] * delta[t_e] (group_add).
-  constexpr int S = row_segs<VEC, T>();
+  const float w0 = w[gr.first];
+  const float* delta0 = delta + (gr.first / W) * D;
+  // The row and the first entry's delta in batches of S segments per lane, all loaded before the first is used;
+  // the row becomes cpe * S0 + sum over the group's entries (sorted order) of w[e] * delta[t_e].
+  constexpr int S = segs_for(kWriteLaneBytes, VEC * static_cast<int>(sizeof(T) + sizeof(float)));
   constexpr int64_t kStep = 32 * VEC;
   for (int64_t d0 = static_cast<int64_t>(lane) * VEC; d0 < D; d0 += S * kStep) {
     Cols<VEC, T> x[S];
+    float dl[S][VEC];
 #pragma unroll
-    for (int k = 0; k < S; ++k)
-      if (d0 + k * kStep < D) x[k].load(row + d0 + k * kStep);
+    for (int k = 0; k < S; ++k) {
+      if (d0 + k * kStep >= D) break;
+      x[k].load(row + d0 + k * kStep);
+      load_cols_ro<VEC>(delta0 + d0 + k * kStep, dl[k]);
+    }
 #pragma unroll
     for (int k = 0; k < S; ++k) {
       const int64_t d = d0 + k * kStep;
@@ -464,8 +578,8 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
       if (snap) x[k].store(snap + d);
       float acc[VEC];
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[i] = cpe * x[k][i];
-      group_add<VEC>(order, lo, hi, gr.first, w, delta + d, W, D, acc);
+      for (int i = 0; i < VEC; ++i) acc[i] = __fmaf_rn(w0, dl[k][i], cpe * x[k][i]);
+      group_add<VEC>(order, lo + 1, hi, w, delta + d, W, D, acc);
       store_cols<VEC>(row + d, acc);
     }
   }
@@ -478,14 +592,6 @@ struct BackRows {
   float* dG;
 };
 
-// Stage columns [d0, d0 + kSlice) of rows [C, D] (zero past D) in shared memory.
-__device__ __forceinline__ void stage_slice(const float* rows, int64_t C, int64_t D, int64_t d0, float* out) {
-  for (int idx = threadIdx.x; idx < C * kSlice; idx += blockDim.x) {
-    const int64_t t = idx / kSlice, d = d0 + idx % kSlice;
-    out[idx] = d < D ? rows[t * D + d] : 0.f;
-  }
-}
-
 // Before the loop, every unit at once: du = Minv^T (QK^T dy), the part of the adjoint that does not depend on
 // the bank; one block per (unit, column slice).
 __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
@@ -494,20 +600,26 @@ __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
   const int64_t D = dm.D;
   const int64_t u = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
   float* sdy = sh;
-  float* sdd = sh + C * kSlice;
-  stage_slice(io.dy + u * C * D, C, D, d0, sdy);
+  float* sdd = sh + tile_rows(C) * kSlice;
+  stage_quads(C, sdy, [&](int t, int q) { return load_quad(io.dy + (u * C + t) * D, d0 + 4 * q, D); });
   __syncthreads();
   const float* QK = p1.QK + u * C * C;
-  for (int idx = threadIdx.x; idx < C * (kSlice / 4); idx += blockDim.x) {
-    const int j = idx / (kSlice / 4), q = idx % (kSlice / 4);
-    reinterpret_cast<float4*>(sdd + j * kSlice)[q] = tri_quad<true>(QK, sdy, j, q, C);
-  }
+  for_tiles(C, [&](int r0, int q) {
+    float4 x[4];
+    tri_tile<true>(QK, sdy, r0, q, C, x);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (r0 + j < C) reinterpret_cast<float4*>(sdd + (r0 + j) * kSlice)[q] = x[j];
+  });
   __syncthreads();
   const float* minv = p1.minv + u * C * C;
-  for (int idx = threadIdx.x; idx < C * (kSlice / 4); idx += blockDim.x) {
-    const int j = idx / (kSlice / 4), q = idx % (kSlice / 4);
-    store_quad(io.dv + (u * C + j) * D, d0 + 4 * q, D, tri_quad<true>(minv, sdd, j, q, C));
-  }
+  for_tiles(C, [&](int r0, int q) {
+    float4 x[4];
+    tri_tile<true>(minv, sdd, r0, q, C, x);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (r0 + j < C) store_quad(io.dv + (u * C + r0 + j) * D, d0 + 4 * q, D, x[j]);
+  });
 }
 
 template <int VEC, typename GT>
@@ -527,24 +639,25 @@ __global__ void bwd_solve_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int6
   const int64_t s = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
   const int64_t u = unit_of(dm, s, c);
   float* sg = sh;
-  stage_slice(rows.gwr + s * C * D, C, D, d0, sg);
+  stage_quads(C, sg, [&](int t, int q) { return load_quad(rows.gwr + (s * C + t) * D, d0 + 4 * q, D); });
   __syncthreads();
   const float* minv = p1.minv + u * C * C;
-  for (int idx = threadIdx.x; idx < C * (kSlice / 4); idx += blockDim.x) {
-    const int j = idx / (kSlice / 4), q = idx % (kSlice / 4);
-    const float4 x = tri_quad<true>(minv, sg, j, q, C);
-    const float v[4] = {x.x, x.y, x.z, x.w};
-    const float beta = io.beta[u * C + j];
+  for_tiles(C, [&](int r0, int q) {
+    float4 x[4];
+    tri_tile<true>(minv, sg, r0, q, C, x);
     const int64_t d = d0 + 4 * q;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (d + k >= D) break;
-      float* du = io.dv + (u * C + j) * D + d + k;
-      const float y = *du + v[k];
-      *du = y;
-      rows.dG[(s * C + j) * D + d + k] = -beta * y;
+    for (int j = 0; j < 4; ++j) {
+      const int r = r0 + j;
+      if (r >= C) break;
+      float* du = io.dv + (u * C + r) * D;
+      const float4 old = load_quad(du, d, D);
+      const float4 y = make_float4(old.x + x[j].x, old.y + x[j].y, old.z + x[j].z, old.w + x[j].w);
+      const float beta = io.beta[u * C + r];
+      store_quad(du, d, D, y);
+      store_quad(rows.dG + (s * C + r) * D, d, D, make_float4(-beta * y.x, -beta * y.y, -beta * y.z, -beta * y.w));
     }
-  }
+  });
 }
 
 // After the loop, every unit at once, one block per (unit, tile of kDotsTile token rows i): with
@@ -635,7 +748,7 @@ __global__ void __launch_bounds__(kDotsThreads) bwd_dots_kernel(StepDims dm, Ste
 }
 
 template <int VEC, typename T, typename GT>
-__global__ void __launch_bounds__(kGroupWarps * 32, kTwoRowBlocksPerSM)
+__global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
     bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T* __restrict__ bank, GT* __restrict__ dbank,
                        int64_t c, BackRows rows, GroupTables tables) {
   Group gr;
@@ -658,7 +771,9 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kTwoRowBlocksPerSM)
     // warp_dot's order), the gradient row and the restore.
     const int32_t n = hi - lo;
     float p_cpe = 0.f, p_w[kInlineEntries] = {}, p_k[kInlineEntries] = {};
-    walk_two_rows<VEC>(drow, s0, D, lane, [&](int64_t d, const Cols<VEC, GT>& ds, const Cols<VEC, T>& sv) {
+    const float* const first[2] = {delta + (gr.first / W) * D, dG + (gr.first / W) * D};
+    walk_two_rows<VEC>(drow, s0, first, D, lane, [&](int64_t d, const Cols<VEC, GT>& ds, const Cols<VEC, T>& sv,
+                                                   const float (&pre)[2][VEC]) {
       float acc[VEC];
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
@@ -670,8 +785,13 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kTwoRowBlocksPerSM)
         if (j >= n) break;
         const int32_t e = j == 0 ? gr.first : order[lo + j];
         float dl[VEC], dg[VEC];
-        load_cols_ro<VEC>(delta + (e / W) * D + d, dl);
-        load_cols_ro<VEC>(dG + (e / W) * D + d, dg);
+        if (j == 0) {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) dl[i] = pre[0][i], dg[i] = pre[1][i];
+        } else {
+          load_cols_ro<VEC>(delta + (e / W) * D + d, dl);
+          load_cols_ro<VEC>(dG + (e / W) * D + d, dg);
+        }
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           p_w[j] += dl[i] * ds[i];
@@ -711,14 +831,14 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kTwoRowBlocksPerSM)
     load_cols<VEC>(drow + d, acc);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] *= cpe;
-    group_add<VEC>(order, lo, hi, gr.first, k_eff, dG + d, W, D, acc);
+    group_add<VEC>(order, lo, hi, k_eff, dG + d, W, D, acc);
     store_cols<VEC>(drow + d, acc);
     copy_cols<VEC>(s0 + d, row + d);
   }
 }
 
 template <int VEC, typename T, typename GT>
-__global__ void __launch_bounds__(kGroupWarps * 32, kTwoRowBlocksPerSM)
+__global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
     bwd_read_side_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const T* __restrict__ bank,
                          GT* __restrict__ dbank, int64_t c, GroupTables tables) {
   Group gr;
@@ -736,7 +856,9 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kTwoRowBlocksPerSM)
     // used): dq_w as per-lane partials (warp_dot's order) and the gradient row += q_w dy.
     const int32_t n = hi - lo;
     float p_q[kInlineEntries] = {};
-    walk_two_rows<VEC>(row, drow, D, lane, [&](int64_t d, const Cols<VEC, T>& x, const Cols<VEC, GT>& ds) {
+    const float* const first[1] = {dy + (gr.first / R) * D};
+    walk_two_rows<VEC>(row, drow, first, D, lane, [&](int64_t d, const Cols<VEC, T>& x, const Cols<VEC, GT>& ds,
+                                                    const float (&pre)[1][VEC]) {
       float acc[VEC];
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[i] = ds[i];
@@ -745,7 +867,12 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kTwoRowBlocksPerSM)
         if (j >= n) break;
         const int32_t r = j == 0 ? gr.first : order[lo + j];
         float z[VEC];
-        load_cols_ro<VEC>(dy + (r / R) * D + d, z);
+        if (j == 0) {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) z[i] = pre[0][i];
+        } else {
+          load_cols_ro<VEC>(dy + (r / R) * D + d, z);
+        }
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           p_q[j] += z[i] * x[i];
@@ -789,9 +916,15 @@ int smem_attribute(Kernel kernel, size_t bytes) {
                                                static_cast<int>(bytes)));
 }
 
-// Threads per block of the solve kernels: one per (token row, 4 columns) of a slice, whole warps, at most 1024.
+// Threads per block of the solve kernels: one per 4 x 4 tile of a slice, whole warps, at most 1024 (more tiles
+// take turns).
 inline int solve_threads(int64_t C) {
-  return static_cast<int>(std::min<int64_t>(kSolveThreadsMax, (C * (kSlice / 4) + 31) / 32 * 32));
+  return std::min(kSolveThreadsMax, (tile_rows(C) / 4 * kQuads + 31) / 32 * 32);
+}
+
+// Shared memory of the solve kernels: `slices` [tile_rows(C), kSlice] float32 slices.
+inline size_t solve_smem(int64_t C, int slices) {
+  return static_cast<size_t>(slices) * tile_rows(C) * kSlice * sizeof(float);
 }
 
 // First error of the launches so far.
@@ -833,7 +966,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   const ChunkRows rows{save ? io.G : workspace, workspace + n, save ? io.delta : workspace + 2 * n, save};
   GroupEntry* w_table = group_tables_at(dm, workspace);
   const GroupTables tables{w_table, nullptr};
-  const size_t smem = 2 * dm.C * kSlice * sizeof(float);
+  const size_t smem = solve_smem(dm.C, 2);
   int rc = build_group_table(dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, w_table, stream);
   if (!rc) rc = smem_attribute(fwd_solve_kernel, smem);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
@@ -860,7 +993,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   GroupEntry* w_table = group_tables_at(dm, workspace);
   GroupEntry* r_table = w_table + dm.units() * dm.C * dm.W;
   const GroupTables tables{w_table, r_table};
-  const size_t smem = 2 * dm.C * kSlice * sizeof(float);
+  const size_t smem = solve_smem(dm.C, 2);
   int rc = build_group_table(dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, w_table, stream);
   if (!rc) rc = build_group_table(dm, p1.r_order, p1.r_group, p1.q_idx, dm.R, r_table, stream);
   if (!rc) rc = smem_attribute(bwd_dy_kernel, smem);

@@ -9,7 +9,7 @@
 # Environment: PYTEST_ARGS (extra pytest arguments, e.g. "-k golden"), BENCH_ARGS (extra bench.py arguments),
 # GPU_TEST_FILES (replaces the GPU test list), BENCH_SHAPES, BENCH_CHUNKS, PROFILE_SHAPES, PROFILE_CHUNKS,
 # PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections), PROFILE_MODES,
-# SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT.
+# SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT, SANITIZE_PRINT_LIMIT.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/sdm_out}
@@ -86,8 +86,12 @@ if has sanitize; then
     XLA_PYTHON_CLIENT_PREALLOCATE=false \
     XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
     timeout ${SANITIZE_TIMEOUT:-200} compute-sanitizer --tool "$tool" --error-exitcode 3 "${regex[@]}" \
+      --print-limit ${SANITIZE_PRINT_LIMIT:-100} \
       python3 "$REPO/scripts/sanitize_case.py" ${SANITIZE_CASES:+--cases $SANITIZE_CASES} > "$log" 2>&1
     summary "sanitize $tool${SANITIZE_TAG:-} rc=$?: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|results," "$log" | tr '\n' ' ')"
+    # The reports counted by kind and kernel location (the full log can be large).
+    grep -E "^========= +(Uninitialized|Invalid|Race|Barrier|Error|at )" "$log" | sed -E 's/\(.*\)\+/+/' \
+      | paste - - | sort | uniq -c | sort -rn | head -40 > "${log%.log}.counts"
   done
 fi
 if has profile; then
