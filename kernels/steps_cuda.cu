@@ -325,6 +325,24 @@ __device__ __forceinline__ void fma_quad(float4& acc, float m, const float4& c) 
   acc.w += m * c.w;
 }
 
+// The solve kernels' operands that are not staged in shared memory (the unit's C x C matrices, float32 rows of the
+// slice read after the first product) are asked into L1 when a block starts: their first touch would otherwise be
+// a serial chain of cache misses inside the products, and with one block of a few warps per SM nothing hides it.
+__device__ __forceinline__ void prefetch_l1(const float* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+
+__device__ __forceinline__ void prefetch_matrix(const float* M, int C) {
+  for (int i = threadIdx.x * 32; i < C * C; i += blockDim.x * 32) prefetch_l1(M + i);  // 128-byte lines
+}
+
+// Columns [d0, d0 + kSlice) of C rows of D floats (a line at each end of a row's columns).
+__device__ __forceinline__ void prefetch_slice(const float* rows, int C, int64_t D, int64_t d0) {
+  const int64_t last = min(d0 + kSlice, D) - 1;
+  for (int t = threadIdx.x; t < C; t += blockDim.x) {
+    prefetch_l1(rows + t * D + d0);
+    prefetch_l1(rows + t * D + last);
+  }
+}
+
 // Stage a [tile_rows(C), kSlice] slice in shared memory: row t < C, quad q is quad(t, q), rows past C are zero.
 template <typename Quad>
 __device__ __forceinline__ void stage_quads(int C, float* out, Quad quad) {
@@ -428,13 +446,18 @@ __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64
   float* sdelta = sh + tile_rows(C) * kSlice;
   const float* G = rows.G + rows.at(dm, u, s);
   const float* v = io.v + u * C * D;
+  const float* minv = p1.minv + u * C * C;
+  const float* QK = p1.QK + u * C * C;
+  const float* Q0 = rows.Q0 + s * C * D;
+  prefetch_matrix(minv, C);
+  prefetch_matrix(QK, C);
+  prefetch_slice(Q0, C, D, d0);
   stage_quads(C, su, [&](int t, int q) {  // u = beta (v - G)
     const float b = io.beta[u * C + t];
     const float4 x = load_quad(v + t * D, d0 + 4 * q, D), g = load_quad(G + t * D, d0 + 4 * q, D);
     return make_float4(b * (x.x - g.x), b * (x.y - g.y), b * (x.z - g.z), b * (x.w - g.w));
   });
   __syncthreads();
-  const float* minv = p1.minv + u * C * C;
   float* delta = rows.delta + rows.at(dm, u, s);
   for_tiles(C, [&](int r0, int q) {  // delta = Minv u
     float4 x[4];
@@ -447,8 +470,6 @@ __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64
     }
   });
   __syncthreads();
-  const float* QK = p1.QK + u * C * C;
-  const float* Q0 = rows.Q0 + s * C * D;
   for_tiles(C, [&](int r0, int q) {  // y = Q0 + QK delta
     float4 x[4];
     tri_tile<false>(QK, sdelta, r0, q, C, x);
@@ -601,9 +622,12 @@ __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
   const int64_t u = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
   float* sdy = sh;
   float* sdd = sh + tile_rows(C) * kSlice;
+  const float* QK = p1.QK + u * C * C;
+  const float* minv = p1.minv + u * C * C;
+  prefetch_matrix(QK, C);
+  prefetch_matrix(minv, C);
   stage_quads(C, sdy, [&](int t, int q) { return load_quad(io.dy + (u * C + t) * D, d0 + 4 * q, D); });
   __syncthreads();
-  const float* QK = p1.QK + u * C * C;
   for_tiles(C, [&](int r0, int q) {
     float4 x[4];
     tri_tile<true>(QK, sdy, r0, q, C, x);
@@ -612,7 +636,6 @@ __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
       if (r0 + j < C) reinterpret_cast<float4*>(sdd + (r0 + j) * kSlice)[q] = x[j];
   });
   __syncthreads();
-  const float* minv = p1.minv + u * C * C;
   for_tiles(C, [&](int r0, int q) {
     float4 x[4];
     tri_tile<true>(minv, sdd, r0, q, C, x);
@@ -639,9 +662,11 @@ __global__ void bwd_solve_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int6
   const int64_t s = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
   const int64_t u = unit_of(dm, s, c);
   float* sg = sh;
+  const float* minv = p1.minv + u * C * C;
+  prefetch_matrix(minv, C);
+  prefetch_slice(io.dv + u * C * D, C, D, d0);
   stage_quads(C, sg, [&](int t, int q) { return load_quad(rows.gwr + (s * C + t) * D, d0 + 4 * q, D); });
   __syncthreads();
-  const float* minv = p1.minv + u * C * C;
   for_tiles(C, [&](int r0, int q) {
     float4 x[4];
     tri_tile<true>(minv, sg, r0, q, C, x);
