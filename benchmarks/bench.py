@@ -18,6 +18,7 @@ that package's best chunk size (ANCHORS); below 1 is faster than the package.
 """
 import argparse
 import datetime
+import itertools
 import os
 import statistics
 import subprocess
@@ -82,9 +83,18 @@ def make_functions(impl, chunk, dy, dbank):
     return jax.jit(forward), jax.jit(jax.grad(loss, argnums=FLOAT_ARGS))
 
 
+WARMUP_SECONDS = 0.5
+
+
 def median_seconds(fn, args, repeats):
-    """Warm up once, then the median wall time of `repeats` calls (seconds)."""
-    jax.block_until_ready(fn(*args))
+    """Warm up (at least 3 calls and WARMUP_SECONDS: an idle GPU starts at a low clock and needs a moment of
+    work to reach its boost clock; a single warm-up call left the medians of the mid shape 13% apart between two
+    processes), then the median wall time of `repeats` calls (seconds)."""
+    start = time.perf_counter()
+    for i in itertools.count():
+        jax.block_until_ready(fn(*args))
+        if i >= 2 and time.perf_counter() - start >= WARMUP_SECONDS:
+            break
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
