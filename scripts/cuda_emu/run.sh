@@ -16,13 +16,13 @@ MODE=${1:-plain}
 shift || true
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-python3 "$HERE/transform.py" "$REPO/kernels/phase1_cuda.cu" "$WORK/phase1_emu.inc"
+python3 "$HERE/transform.py" "$REPO/kernels/phase1_cuda.cu" "$WORK/phase1_emu.inc" 2
 case "$MODE" in
   plain) FLAGS="-O1" ;;
   tsan) FLAGS="-O1 -g -fsanitize=thread" ;;
   asan) FLAGS="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined" ;;
   *) echo "mode: plain, tsan or asan" >&2; exit 2 ;;
 esac
-${CXX:-g++} -std=c++20 $FLAGS -I"$REPO" -I"$HERE" -I"$WORK" "$HERE/phase1_check.cc" "$REPO/kernels/phase1_cpu.cc" \
+${CXX:-g++} -std=c++20 $FLAGS -I"$REPO" -I"$HERE/shim" -I"$HERE" -I"$WORK" "$HERE/phase1_check.cc" "$REPO/kernels/phase1_cpu.cc" \
   -o "$WORK/phase1_check" -pthread
 "$WORK/phase1_check" "$@"
