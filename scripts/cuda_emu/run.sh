@@ -32,11 +32,11 @@ esac
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 # build NAME CUDA_SOURCE LAUNCHES CPU_SOURCES...: the check NAME_check.cc against the CUDA source rewritten for
-# the host (transform.py) and the CPU kernels.
+# the host (transform.py; LAUNCHES: the launches it must have, "" for any number) and the CPU kernels.
 build() {
   local name=$1 cu=$2 launches=$3
   shift 3
-  python3 "$HERE/transform.py" "$REPO/kernels/$cu" "$WORK/${name}_emu.inc" "$launches"
+  python3 "$HERE/transform.py" "$REPO/kernels/$cu" "$WORK/${name}_emu.inc" $launches
   ${CXX:-g++} -std=c++20 $FLAGS -fno-strict-aliasing -I"$REPO" -I"$HERE/shim" -I"$HERE" -I"$WORK" \
     "$HERE/${name}_check.cc" "$@" -o "$WORK/${name}_check" -pthread
 }
@@ -45,6 +45,6 @@ if [[ $CHECK == phase1 || $CHECK == all ]]; then
   "$WORK/phase1_check" "$@"
 fi
 if [[ $CHECK == steps || $CHECK == all ]]; then
-  build steps steps_cuda.cu 10 "$REPO/kernels/steps_cpu.cc" "$REPO/kernels/phase1_cpu.cc" "$REPO/kernels/solve_cpu.cc"
+  build steps steps_cuda.cu "" "$REPO/kernels/steps_cpu.cc" "$REPO/kernels/phase1_cpu.cc" "$REPO/kernels/solve_cpu.cc"
   "$WORK/steps_check" "$@"
 fi

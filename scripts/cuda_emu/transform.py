@@ -5,7 +5,8 @@ the kernel launches `kernel<...><<<grid, block, smem, stream>>>(args)`.
 
     python3 transform.py IN.cu OUT.inc [LAUNCHES]
 
-LAUNCHES, when given, is the number of launches the source must have (a check that it did not change shape)."""
+LAUNCHES, when given, is the number of launches the source must have (a check that it did not change shape); any
+construct the rewrite does not know (a `__shared__` or `asm` left, a launch not rewritten) stops it."""
 import re
 import sys
 
@@ -20,4 +21,5 @@ s, n = re.subn(r"(\w+(?:<[^<>;]*>)?)\s*<<<(.*?)>>>\s*\(", r"emu::launch(\1, \2, 
 assert "__shared__" not in s and "asm" not in s and "<<<" not in s, f"{sys.argv[1]} changed shape: update transform.py"
 if len(sys.argv) > 3:
     assert n == int(sys.argv[3]), f"{sys.argv[1]}: {n} launches, expected {sys.argv[3]}: update transform.py"
-open(sys.argv[2], "w").write(s)
+# Diagnostics (sanitizer reports, compiler errors) name the CUDA source's own lines: the rewrite keeps every line.
+open(sys.argv[2], "w").write(f'#line 1 "{sys.argv[1]}"\n' + s)
