@@ -11,10 +11,13 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 struct dim3 {
@@ -32,9 +35,23 @@ inline dim3 blockDim, gridDim;
 struct CUstream_st;
 typedef CUstream_st* cudaStream_t;
 typedef int cudaError_t;
-constexpr int cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaFuncAttributeMaxDynamicSharedMemorySize = 8;
-template <typename F> int cudaFuncSetAttribute(F, int, int) { return 0; }
-inline int cudaGetLastError() { return 0; }
+constexpr int cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidConfiguration = 9,
+              cudaFuncAttributeMaxDynamicSharedMemorySize = 8;
+namespace emu {
+// The launch limits of the GPUs the kernels are built for (sm_80 / sm_90): a launch past them fails on the GPU
+// (cudaGetLastError), so it fails here too, with a line on stderr naming it.
+constexpr unsigned kMaxThreads = 1024, kMaxBlockZ = 64, kMaxGridYZ = 65535;
+constexpr int kDefaultDynSmem = 48 * 1024, kMaxDynSmem = 227 * 1024;
+inline int last_error = 0;
+inline std::map<const void*, int> dyn_smem_allowed;  // per kernel, from cudaFuncSetAttribute
+}  // namespace emu
+template <typename F> int cudaFuncSetAttribute(F kernel, int attr, int value) {
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return 0;
+  if (value < 0 || value > emu::kMaxDynSmem) return cudaErrorInvalidValue;
+  emu::dyn_smem_allowed[reinterpret_cast<const void*>(kernel)] = value;
+  return 0;
+}
+inline int cudaGetLastError() { return std::exchange(emu::last_error, 0); }
 inline int cudaMemsetAsync(void* p, int v, size_t bytes, cudaStream_t) {
   if (bytes) std::memset(p, v, bytes);
   return 0;
@@ -78,7 +95,17 @@ template <typename K, typename... A>
 void launch(K kernel, dim3 grid, dim3 block, size_t shmem, cudaStream_t, A... args) {
   const int threads = static_cast<int>(block.count());
   const unsigned blocks = grid.count();
-  if (threads == 0 || blocks == 0) return;
+  const auto allowed = dyn_smem_allowed.find(reinterpret_cast<const void*>(kernel));
+  const size_t smem_max = std::max<size_t>(kDefaultDynSmem, allowed == dyn_smem_allowed.end() ? 0 : allowed->second);
+  if (threads == 0 || blocks == 0 || block.x > kMaxThreads || block.y > kMaxThreads || block.z > kMaxBlockZ ||
+      static_cast<unsigned>(threads) > kMaxThreads || grid.x > 0x7fffffffu || grid.y > kMaxGridYZ ||
+      grid.z > kMaxGridYZ || shmem > smem_max) {
+    std::fprintf(stderr, "emu::launch: invalid configuration: grid (%u, %u, %u), block (%u, %u, %u), %zu bytes of "
+                 "dynamic shared memory (at most %zu)\n", grid.x, grid.y, grid.z, block.x, block.y, block.z, shmem,
+                 smem_max);
+    if (!last_error) last_error = cudaErrorInvalidConfiguration;
+    return;
+  }
   blockDim = block;
   gridDim = grid;
   smem.assign(shmem, smem_fill);

@@ -232,8 +232,13 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
   const bool bf = sizeof(BankT) == 2;
   const ForwardOut fc = forward(false, true, &rc);
   if (verbose) std::printf("  forward (residuals saved)\n");
+  auto check_rc = [&](const char* what) {
+    if (rc) std::printf("  FAIL %s returned %d\n", what, rc);
+    fails += rc != 0;
+    rc = 0;
+  };
   const ForwardOut fg = forward(true, true, &rc);
-  fails += rc != 0;
+  check_rc("forward_cuda (residuals saved)");
   fails += compare("y", fg.y, fc.y, bf, verbose);
   fails += compare("delta", fg.delta, fc.delta, bf, verbose);
   fails += compare("G", fg.G, fc.G, bf, verbose);
@@ -241,7 +246,7 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
   fails += compare("bank", fg.bank, fc.bank, bf, verbose);
   if (verbose) std::printf("  forward (no residuals)\n");
   const ForwardOut fn = forward(true, false, &rc);
-  fails += rc != 0;
+  check_rc("forward_cuda (no residuals)");
   fails += compare("y (nograd)", fn.y, fc.y, bf, verbose);
   fails += compare("bank (nograd)", fn.bank, fc.bank, bf, verbose);
   if (!same_bits(fn.y, fg.y) || !same_bits(fn.bank, fg.bank)) {
@@ -250,7 +255,7 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
   }
   if (verbose) std::printf("  backward (on the CPU forward's residuals)\n");
   const BackwardOut bc = backward(false, fc, &rc), bg = backward(true, fc, &rc);
-  fails += rc != 0;
+  check_rc("backward_cuda");
   // The backward reads the CPU forward's bank and residuals: a bfloat16 step can come from the gradient bank only.
   const bool gbf = sizeof(GradT) == 2;
   fails += compare("dk_eff", bg.dk_eff, bc.dk_eff, gbf, verbose);
@@ -302,6 +307,16 @@ int main(int argc, char** argv) {
       {1, 3, 3, 8, 1, 1, 1, 20, false, false, 0.0, 0},    // K = 1: every entry on one slot
       {1, 2, 2, 6, 2, 2, 4, 33, false, false, 0.5, 2},    // half the ids out of range
   };
+  if (argc > 1 && std::string(argv[1]) == "shape") {  // shape V NC P C W R K D BANK GRAD INVALID PAD [SEED]
+    if (argc < 14) {
+      std::fprintf(stderr, "shape V NC P C W R K D f32|bf16 f32|bf16 INVALID PAD [SEED]\n");
+      return 2;
+    }
+    auto i = [&](int k) { return int64_t(std::atoll(argv[k])); };
+    const Case c{i(2), i(3), i(4), i(5), i(6), i(7), i(8), i(9), std::string(argv[10]) == "bf16",
+                 std::string(argv[11]) == "bf16", std::atof(argv[12]), int(i(13))};
+    return run_case(c, argc > 14 ? uint32_t(i(14)) : 1u, true) != 0;
+  }
   if (argc > 1 && std::string(argv[1]) == "random") {
     std::mt19937 r(argc > 2 ? std::atoi(argv[2]) : 1);
     const int count = argc > 3 ? std::atoi(argv[3]) : 10;
