@@ -14,13 +14,15 @@
 # tsan: ThreadSanitizer reports any shared- or global-memory race that the barriers do not order; asan: out-of-range
 # accesses (the block's dynamic shared memory is a buffer of exactly the launch's size) and undefined behaviour
 # (misaligned vector loads included). CASE is an index into the fixed cases of the check (all by default; one case
-# prints the max errors of each output); `random` draws COUNT random shapes; `shape` runs one problem of the steps
+# prints the max errors of each output; the steps check takes a comma-separated list too); `random` draws COUNT
+# random shapes; `shape` runs one problem of the steps
 # (sizes as in kernels/steps.h, the bank's and the gradient bank's dtypes, the fraction of out-of-range ids, the
 # trailing tokens of each chunk with no valid id).
 #
 # The steps check takes a few minutes at most in plain mode on 2 cores (about 30 s), 3-4 minutes under tsan,
 # about 1.5 minutes under asan; it prints, per case, ok or FAIL with the outputs that differ, and at the end the
-# largest abs and relative errors per output over the cases.
+# largest abs and relative errors per output over the cases. CUDA_EMU_OPT sets plain mode's optimisation (-O1 by
+# default; -O0 compiles faster for a few tiny cases: tests/test_cuda_emu.py).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
@@ -31,7 +33,7 @@ case "${1:-}" in
   phase1|steps|all) CHECK=$1; shift ;;
 esac
 case "$MODE" in
-  plain) FLAGS="-O1" ;;
+  plain) FLAGS="${CUDA_EMU_OPT:--O1}" ;;
   tsan) FLAGS="-O1 -g -fsanitize=thread" ;;
   asan) FLAGS="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined" ;;
   *) echo "mode: plain, tsan or asan" >&2; exit 2 ;;
@@ -44,8 +46,15 @@ build() {
   local name=$1 cu=$2 launches=$3
   shift 3
   python3 "$HERE/transform.py" "$REPO/kernels/$cu" "$WORK/${name}_emu.inc" $launches
-  ${CXX:-g++} -std=c++20 $FLAGS -fno-strict-aliasing -I"$REPO" -I"$HERE/shim" -I"$HERE" -I"$WORK" \
-    "$HERE/${name}_check.cc" "$@" -o "$WORK/${name}_check" -pthread
+  local src objs=() pids=() pid
+  for src in "$HERE/${name}_check.cc" "$@"; do  # one compiler per source, at once
+    objs+=("$WORK/${name}_$(basename "$src").o")
+    ${CXX:-g++} -c -std=c++20 $FLAGS -fno-strict-aliasing -I"$REPO" -I"$HERE/shim" -I"$HERE" -I"$WORK" "$src" \
+      -o "${objs[-1]}" &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  ${CXX:-g++} $FLAGS "${objs[@]}" -o "$WORK/${name}_check" -pthread
 }
 if [[ $CHECK == phase1 || $CHECK == all ]]; then
   build phase1 phase1_cuda.cu 2 "$REPO/kernels/phase1_cpu.cc"

@@ -306,6 +306,7 @@ int main(int argc, char** argv) {
       {1, 2, 1, 4, 2, 2, 5, 2056, false, false, 0.0, 0},  // two column tiles of the gathers, 65 slices
       {1, 3, 3, 8, 1, 1, 1, 20, false, false, 0.0, 0},    // K = 1: every entry on one slot
       {1, 2, 2, 6, 2, 2, 4, 33, false, false, 0.5, 2},    // half the ids out of range
+      {1, 1, 1, 516, 1, 1, 300, 8, false, false, 0.05, 0},  // more 4 x 4 tiles than solve threads (1032 > 1024)
   };
   if (argc > 1 && std::string(argv[1]) == "shape") {  // shape V NC P C W R K D BANK GRAD INVALID PAD [SEED]
     if (argc < 14) {
@@ -334,12 +335,24 @@ int main(int argc, char** argv) {
     for (auto& w : worst) std::printf("  max over cases: %-14s abs %-10.3g rel %.3g\n", w.name.c_str(), w.abs, w.rel);
     return fails != 0;
   }
-  const int only = argc > 1 ? std::atoi(argv[1]) : -1;
+  // CASE: an index or a comma-separated list of them (all cases by default); one case prints its errors per output.
+  std::vector<int> only;
+  if (argc > 1)
+    for (const char* p = argv[1]; *p; ++p) {
+      only.push_back(std::atoi(p));
+      while (*p && *p != ',') ++p;
+      if (!*p) break;
+    }
+  for (int i : only)
+    if (i < 0 || i >= int(cases.size())) {
+      std::fprintf(stderr, "no case %d (0..%zu)\n", i, cases.size() - 1);
+      return 2;
+    }
   const uint32_t seed = argc > 2 ? std::atoi(argv[2]) : 4321;
   int fails = 0;
   for (size_t i = 0; i < cases.size(); ++i) {
-    if (only >= 0 && int(i) != only) continue;
-    fails += run_case(cases[i], seed + uint32_t(i), only >= 0) ? 1 : 0;
+    if (!only.empty() && std::find(only.begin(), only.end(), int(i)) == only.end()) continue;
+    fails += run_case(cases[i], seed + uint32_t(i), only.size() == 1) ? 1 : 0;
   }
   std::printf("%d failing cases\n", fails);
   for (auto& w : worst) std::printf("  max over cases: %-14s abs %-10.3g rel %.3g\n", w.name.c_str(), w.abs, w.rel);
