@@ -12,9 +12,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
+#include <random>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -86,6 +89,21 @@ inline std::vector<unsigned> wvals;  // [warp * 32 + lane]
 inline std::vector<unsigned char> smem;
 inline unsigned char smem_fill = 0xff;  // the pattern dynamic shared memory holds when a block starts
 inline thread_local int tid;            // linear thread index in the block (x fastest)
+// The order the blocks of a launch run in, from CUDA_EMU_BLOCKS: forward (the default), reverse or shuffle (a
+// fixed permutation per launch). A GPU runs them in any order and at once: results that change with the order
+// show a dependence between the blocks of one launch (a row with two writers, a read of another block's write).
+inline std::vector<unsigned> block_order(unsigned blocks) {
+  static const std::string mode = [] {
+    const char* e = std::getenv("CUDA_EMU_BLOCKS");
+    return std::string(e ? e : "forward");
+  }();
+  static unsigned launches = 0;
+  std::vector<unsigned> order(blocks);
+  for (unsigned b = 0; b < blocks; ++b) order[b] = b;
+  if (mode == "reverse") std::reverse(order.begin(), order.end());
+  if (mode == "shuffle") std::shuffle(order.begin(), order.end(), std::mt19937(++launches));
+  return order;
+}
 inline unsigned char* dyn_smem() { return smem.data(); }
 inline int lane() { return tid & 31; }
 inline int warp() { return tid >> 5; }
@@ -113,13 +131,15 @@ void launch(K kernel, dim3 grid, dim3 block, size_t shmem, cudaStream_t, A... ar
   warp_bar.clear();
   for (int w = 0; w < threads; w += 32) warp_bar.push_back(std::make_unique<std::barrier<>>(std::min(32, threads - w)));
   wvals.assign((threads + 31) / 32 * 32, 0);
+  const std::vector<unsigned> order = block_order(blocks);
   std::vector<std::thread> ts;
   for (int t = 0; t < threads; ++t) {
-    ts.emplace_back([=] {
+    ts.emplace_back([=, &order] {
       tid = t;
       threadIdx = dim3(t % block.x, t / block.x % block.y, t / (block.x * block.y));
       for (unsigned b = 0; b < blocks; ++b) {
-        blockIdx = dim3(b % grid.x, b / grid.x % grid.y, b / (grid.x * grid.y));
+        const unsigned id = order[b];
+        blockIdx = dim3(id % grid.x, id / grid.x % grid.y, id / (grid.x * grid.y));
         kernel(args...);
         block_bar->arrive_and_wait();  // the block is done: its shared memory is refilled for the next
         if (t == 0 && b + 1 < blocks) std::fill(smem.begin(), smem.end(), smem_fill);

@@ -22,7 +22,9 @@
 # The steps check takes a few minutes at most in plain mode on 2 cores (about 30 s), 3-4 minutes under tsan,
 # about 1.5 minutes under asan; it prints, per case, ok or FAIL with the outputs that differ, and at the end the
 # largest abs and relative errors per output over the cases. CUDA_EMU_OPT sets plain mode's optimisation (-O1 by
-# default; -O0 compiles faster for a few tiny cases: tests/test_cuda_emu.py).
+# default; -O0 compiles faster for a few tiny cases: tests/test_cuda_emu.py). CUDA_EMU_BLOCKS=reverse|shuffle runs
+# the blocks of every launch in reverse or shuffled order (forward by default): a result that changes with the
+# order shows a dependence between blocks that a GPU, running them in any order and at once, would not honour.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
