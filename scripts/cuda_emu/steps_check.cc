@@ -62,8 +62,10 @@ std::vector<float> as_float(const std::vector<T>& x) {
 int compare(const char* name, const std::vector<float>& got, const std::vector<float>& ref, bool bf16_path,
             bool verbose) {
   // Float32 reassociation; on a bfloat16 path (the value or its inputs went through a bfloat16 rounding of a
-  // float32 that the two sides summed in another order) a cell may also be one bfloat16 step (2^-8 relative) off.
-  constexpr double rtol = 2e-4, floor = 1e-3, rtol_bf = 1.6e-2, floor_bf = 1e-2;
+  // float32 that the two sides computed in another order: the forward write's fused multiply-add alone flips a
+  // bank cell by one step now and then) a cell may also be off by about one bfloat16 step (2^-8 relative) of its
+  // own value or, once such a flip has gone through later sums that cancel, of the output's scale.
+  constexpr double rtol = 2e-4, floor = 1e-3, rtol_bf = 1.6e-2, floor_bf = 0.25;
   double scale = 0;
   for (float r : ref)
     if (std::isfinite(r)) scale = std::max(scale, double(std::fabs(r)));
@@ -92,7 +94,15 @@ int compare(const char* name, const std::vector<float>& got, const std::vector<f
                 ref.size(), scale, max_abs, max_rel, loose);
   else if (loose)
     std::printf("  note %s: %zu cells beyond the float32 tolerance, within one bfloat16 step\n", name, loose);
+  // Such flips are rare (a handful of cells): a bfloat16 rounding that differs from round-to-nearest-even moves a
+  // large share of the cells by one step, and fails here.
+  const size_t loose_max = std::max<size_t>(4, ref.size() * 3 / 100);
   int fails = 0;
+  if (loose > loose_max) {
+    std::printf("  FAIL %s: %zu cells one bfloat16 step off, more than the %zu rounding flips allowed\n", name,
+                loose, loose_max);
+    ++fails;
+  }
   if (bad) {
     std::printf("  FAIL %s: %zu cells past the tolerance (scale %g); first at %zu: %.9g vs %.9g\n", name, bad, scale,
                 first_bad, got[first_bad], ref[first_bad]);
