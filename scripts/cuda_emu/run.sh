@@ -15,12 +15,11 @@
 # accesses (the block's dynamic shared memory is a buffer of exactly the launch's size) and undefined behaviour
 # (misaligned vector loads included). CASE is an index into the fixed cases of the check (all by default; one case
 # prints the max errors of each output; the steps check takes a comma-separated list too); `random` draws COUNT
-# random shapes; `shape` runs one problem of the steps
-# (sizes as in kernels/steps.h, the bank's and the gradient bank's dtypes, the fraction of out-of-range ids, the
-# trailing tokens of each chunk with no valid id).
+# random shapes; `shape` runs one problem of the steps (sizes as in kernels/steps.h, the bank's and the gradient
+# bank's dtypes, the fraction of out-of-range ids, the trailing tokens of each chunk with no valid id).
 #
-# The steps check takes a few minutes at most in plain mode on 2 cores (about 30 s), 3-4 minutes under tsan,
-# about 1.5 minutes under asan; it prints, per case, ok or FAIL with the outputs that differ, and at the end the
+# On 2 busy cores the steps check takes 30-50 s in plain mode, 3.5-6 minutes under tsan, about 2 minutes under
+# asan (Phase 1's: about 2 minutes in plain mode); it prints, per case, ok or FAIL with the outputs that differ, and at the end the
 # largest abs and relative errors per output over the cases. CUDA_EMU_OPT sets plain mode's optimisation (-O1 by
 # default; -O0 compiles faster for a few tiny cases: tests/test_cuda_emu.py). CUDA_EMU_BLOCKS=reverse|shuffle runs
 # the blocks of every launch in reverse or shuffled order (forward by default): a result that changes with the
