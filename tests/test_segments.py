@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jax_sdm import kernel_path, sdm_write_read
-from jax_sdm.testing import FLOAT_ARGS, outputs_and_grads, random_problem, rel_err
+from jax_sdm.testing import FLOAT_ARGS, outputs_and_grads, random_problem, rel_err, run_on_host_devices
 
 TOKEN_ARGS = ("k_idx", "k_val", "v", "beta", "g", "q_idx", "q_val")
 TOL = 2e-5
@@ -194,3 +194,42 @@ def test_check_mode_ignores_padding_ids():
     p["k_idx"][:, 1] = 8
     with pytest.raises(Exception, match=r"write slot ids \(k_idx\) outside \[0, K=8\)"):
         sdm_write_read(**p, impl="reference", segment_ids=ids, check=True)
+
+
+def _sharded_check():
+    """The subprocess of `test_kernels_on_sharded_inputs` (2 CPU devices): print a JSON line of the largest
+    differences between the sharded and the unsharded results, and the collectives of the compiled gradient."""
+    import json
+    import re
+
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    p = random_problem(5, B=2, T=12, H=2, K=8, D=4, W=2, R=2, distinct=False, per_write_gates=True)
+    ids = np.array([[0] * 5 + [1] * 7, [2] * 3 + [-1] * 2 + [2] * 4 + [4] * 3], np.int32)
+    dy = np.random.default_rng(6).standard_normal(p["v"].shape).astype(np.float32)
+
+    def loss(floats, ints, ids):
+        y, final = sdm_write_read(**floats, **ints, impl="ffi", chunk_size=4, segment_ids=ids)
+        return jnp.sum(y * dy) + jnp.sum(final)
+
+    floats = {k: jnp.asarray(p[k]) for k in FLOAT_ARGS}
+    ints = {k: jnp.asarray(p[k]) for k in ("k_idx", "q_idx")}
+    grad = jax.jit(jax.value_and_grad(loss))
+    want = grad(floats, ints, ids)
+    on_b = NamedSharding(Mesh(np.array(jax.devices()), ("b",)), PartitionSpec("b"))
+    sharded = [jax.device_put(a, on_b) for a in (floats, ints, ids)]
+    got = grad(*sharded)
+    hlo = grad.lower(*sharded).compile().as_text()
+    diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    print(json.dumps({"max_diff": diff, "collectives": sorted(set(re.findall(r"all-gather|all-to-all|"
+                                                                           r"collective-permute", hlo)))}))
+
+
+def test_kernels_on_sharded_inputs():
+    """Inputs sharded along the batch: each device runs its own streams (no gather), with the results of one."""
+    r = run_on_host_devices(__file__, 2, timeout=600)
+    assert r["max_diff"] <= 1e-6 and r["collectives"] == [], r
+
+
+if __name__ == "__main__":
+    _sharded_check()
