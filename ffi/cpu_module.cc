@@ -10,6 +10,8 @@ extern "C" XLA_FFI_Error* SdmPhase1BwdCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmSolveCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmForwardCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmBackwardCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* SdmForwardPackedCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* SdmBackwardPackedCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmDecodeStepCpu(XLA_FFI_CallFrame* call_frame);
 
 NB_MODULE(_sdm_cpu, m) {
@@ -23,6 +25,8 @@ NB_MODULE(_sdm_cpu, m) {
         d["sdm_solve"] = nb::capsule(reinterpret_cast<void*>(&SdmSolveCpu));
         d["sdm_forward"] = nb::capsule(reinterpret_cast<void*>(&SdmForwardCpu));
         d["sdm_backward"] = nb::capsule(reinterpret_cast<void*>(&SdmBackwardCpu));
+        d["sdm_forward_packed"] = nb::capsule(reinterpret_cast<void*>(&SdmForwardPackedCpu));
+        d["sdm_backward_packed"] = nb::capsule(reinterpret_cast<void*>(&SdmBackwardPackedCpu));
         d["sdm_decode_step"] = nb::capsule(reinterpret_cast<void*>(&SdmDecodeStepCpu));
         return d;
       },

@@ -215,6 +215,76 @@ SDM_BACKWARD_PARAMS, BackwardCall* call) {
   return ffi::Error::Success();
 }
 
+// Packed sequences: the targets `sdm_forward_packed` and `sdm_backward_packed` take the plain handlers' buffers,
+// then these (docs/DESIGN.md "Packed sequences"; kernels/steps.h, StepSegments).
+#define SDM_FORWARD_SEGMENT_PARAMS                                                                           \
+  ::xla::ffi::AnyBuffer initial, ::sdm_ffi::S32 local, ::sdm_ffi::S32 seg0, ::sdm_ffi::RS32 stamp,           \
+      ::sdm_ffi::RS32 stamp_snapshot
+#define SDM_FORWARD_SEGMENT_NAMES initial, local, seg0, stamp, stamp_snapshot
+#define SDM_BACKWARD_SEGMENT_PARAMS                                                                          \
+  ::xla::ffi::AnyBuffer initial, ::sdm_ffi::S32 local, ::sdm_ffi::S32 seg0, ::sdm_ffi::S32 stamp,            \
+      ::sdm_ffi::S32 stamp_snapshot, ::xla::ffi::AnyBuffer dinitial, ::sdm_ffi::RS32 stamp_out,              \
+      ::xla::ffi::Result<::xla::ffi::AnyBuffer> dinitial_out
+#define SDM_BACKWARD_SEGMENT_NAMES initial, local, seg0, stamp, stamp_snapshot, dinitial, stamp_out, dinitial_out
+
+// The segment buffers both directions share, checked: the initial bank (like the bank), each token's segment
+// within its chunk and each chunk's first segment.
+inline ffi::Error CheckSegmentInputs(const char* op, const sdm::StepDims& dm, const ffi::AnyBuffer& bank,
+                                     const ffi::AnyBuffer& initial, const S32& local, const S32& seg0) {
+  SDM_RETURN_IF_ERROR(CheckShape(op, "initial", initial, dm.V, {dm.P, dm.K, dm.D}));
+  if (initial.element_type() != bank.element_type())
+    return ffi::Error::InvalidArgument(std::string(op) + ": the initial bank must have the bank's dtype");
+  SDM_RETURN_IF_ERROR(CheckShape(op, "local", local, dm.V, {dm.NC, dm.P, dm.C}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "seg0", seg0, dm.V, {dm.NC, dm.P}));
+  return ffi::Error::Success();
+}
+
+// The forward's segment buffers, checked (call: PrepareForward's); the stamp snapshot is empty for a no-grad call.
+inline ffi::Error PrepareForwardSegments(const ForwardCall& call, const ffi::AnyBuffer& bank,
+                                         SDM_FORWARD_SEGMENT_PARAMS, sdm::StepSegments* segments) {
+  const char* op = "sdm_forward_packed";
+  const sdm::StepDims& dm = call.dm;
+  SDM_RETURN_IF_ERROR(CheckSegmentInputs(op, dm, bank, initial, local, seg0));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "stamp (result)", *stamp, dm.V, {dm.P, dm.K}));
+  const bool save = call.io.snapshot != nullptr;
+  if (save) SDM_RETURN_IF_ERROR(CheckShape(op, "stamp_snapshot (result)", *stamp_snapshot, dm.V, {dm.NC, dm.P, dm.C * dm.W}));
+  else if (stamp_snapshot->element_count() != 0)
+    return ffi::Error::InvalidArgument(std::string(op) + ": stamp_snapshot must be empty for a call without residuals");
+  *segments = sdm::StepSegments{local.typed_data(), seg0.typed_data(), initial.untyped_data(), stamp->typed_data(),
+                                save ? stamp_snapshot->typed_data() : nullptr, nullptr};
+  return ffi::Error::Success();
+}
+
+// The backward's segment buffers, checked (call: PrepareBackward's). The stamps and the gradient of the initial
+// bank arrive aliased to their results; *copies lists the (input, result, bytes) to copy if XLA handed two buffers.
+struct SegmentCopies {
+  const void* in[2];
+  void* out[2];
+  size_t bytes[2];
+};
+
+inline ffi::Error PrepareBackwardSegments(const BackwardCall& call, const ffi::AnyBuffer& bank,
+                                          SDM_BACKWARD_SEGMENT_PARAMS, sdm::StepSegments* segments,
+                                          SegmentCopies* copies) {
+  const char* op = "sdm_backward_packed";
+  const sdm::StepDims& dm = call.dm;
+  SDM_RETURN_IF_ERROR(CheckSegmentInputs(op, dm, bank, initial, local, seg0));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "stamp", stamp, dm.V, {dm.P, dm.K}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "stamp_snapshot", stamp_snapshot, dm.V, {dm.NC, dm.P, dm.C * dm.W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dinitial", dinitial, dm.V, {dm.P, dm.K, dm.D}));
+  if (dinitial.element_type() != call.grad_type || dinitial_out->element_type() != call.grad_type)
+    return ffi::Error::InvalidArgument(std::string(op) + ": dinitial and its result must have dbank's dtype");
+  SDM_RETURN_IF_ERROR(CheckShape(op, "stamp (result)", *stamp_out, dm.V, {dm.P, dm.K}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dinitial (result)", *dinitial_out, dm.V, {dm.P, dm.K, dm.D}));
+  // The stamp snapshot is only read: the kernels' struct serves both directions.
+  *segments = sdm::StepSegments{local.typed_data(), seg0.typed_data(), initial.untyped_data(), stamp_out->typed_data(),
+                                const_cast<int32_t*>(stamp_snapshot.typed_data()), dinitial_out->untyped_data()};
+  *copies = SegmentCopies{{stamp.untyped_data(), dinitial.untyped_data()},
+                          {stamp_out->untyped_data(), dinitial_out->untyped_data()},
+                          {stamp.size_bytes(), dinitial.size_bytes()}};
+  return ffi::Error::Success();
+}
+
 }  // namespace sdm_ffi
 
 // The buffers of the two handlers, in order (docs/DESIGN.md), shared by the CPU and CUDA bindings.
@@ -272,5 +342,23 @@ SDM_BACKWARD_PARAMS, BackwardCall* call) {
       .Ret<::sdm_ffi::F32>()  /* dbeta */                                                                    \
       .Ret<::sdm_ffi::F32>()  /* dv */                                                                       \
       .Ret<::sdm_ffi::F32>()  /* workspace */
+
+// The packed targets' extra buffers, bound after SDM_FORWARD_BUFFERS / SDM_BACKWARD_BUFFERS.
+#define SDM_FORWARD_SEGMENT_BUFFERS                                                                          \
+  Arg<::xla::ffi::AnyBuffer>() /* initial */                                                                 \
+      .Arg<::sdm_ffi::S32>()  /* local */                                                                    \
+      .Arg<::sdm_ffi::S32>()  /* seg0 */                                                                     \
+      .Ret<::sdm_ffi::S32>()  /* stamp */                                                                    \
+      .Ret<::sdm_ffi::S32>()  /* stamp_snapshot */
+
+#define SDM_BACKWARD_SEGMENT_BUFFERS                                                                         \
+  Arg<::xla::ffi::AnyBuffer>() /* initial */                                                                 \
+      .Arg<::sdm_ffi::S32>()  /* local */                                                                    \
+      .Arg<::sdm_ffi::S32>()  /* seg0 */                                                                     \
+      .Arg<::sdm_ffi::S32>()  /* stamp (final; aliased) */                                                   \
+      .Arg<::sdm_ffi::S32>()  /* stamp_snapshot */                                                           \
+      .Arg<::xla::ffi::AnyBuffer>() /* dinitial (aliased; dbank's dtype) */                                  \
+      .Ret<::sdm_ffi::S32>()  /* stamp (restored: zeros; aliased) */                                         \
+      .Ret<::xla::ffi::AnyBuffer>() /* dinitial (aliased) */
 
 #endif  // JAX_SDM_FFI_STEPS_COMMON_H_

@@ -1,4 +1,5 @@
-// XLA FFI handlers `sdm_forward` and `sdm_backward` (platform cpu): check, then run the chunk loops of
+// XLA FFI handlers `sdm_forward` and `sdm_backward`, and their packed-sequence variants `sdm_forward_packed` and
+// `sdm_backward_packed` (platform cpu): check, then run the chunk loops of
 // kernels/steps_cpu.cc (docs/DESIGN.md "Forward steps", "Backward steps"). The bank is updated in place: it
 // arrives aliased to the first result (input_output_aliases). The workspace result is the CUDA kernels'; the
 // CPU kernels keep their scratch per thread.
@@ -19,31 +20,63 @@ void AliasCopy(const void* in, void* out, size_t bytes) {
   if (in != out) std::memcpy(out, in, bytes);
 }
 
-ffi::Error ForwardCpu(SDM_FORWARD_PARAMS) {
-  sdm_ffi::ForwardCall call;
-  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareForward(SDM_FORWARD_NAMES, &call));
+// Runs a checked call; `segments`: null, or the packed sequences' buffers.
+ffi::Error RunForward(const sdm_ffi::ForwardCall& call, const sdm::StepSegments* segments) {
   AliasCopy(call.bank_in, call.bank, call.bank_bytes);
   return sdm_ffi::RunCatching("sdm_forward", [&] {
     if (call.type == ffi::DataType::F32)
-      sdm::forward_cpu(call.dm, call.p1, call.io, static_cast<float*>(call.bank));
+      sdm::forward_cpu(call.dm, call.p1, call.io, static_cast<float*>(call.bank), segments);
     else
-      sdm::forward_cpu(call.dm, call.p1, call.io, static_cast<sdm::bf16*>(call.bank));
+      sdm::forward_cpu(call.dm, call.p1, call.io, static_cast<sdm::bf16*>(call.bank), segments);
   });
+}
+
+ffi::Error RunBackward(const sdm_ffi::BackwardCall& call, const sdm::StepSegments* segments) {
+  AliasCopy(call.bank_in, call.bank, call.bank_bytes);
+  AliasCopy(call.dbank_in, call.dbank, call.dbank_bytes);
+  return sdm_ffi::RunCatching("sdm_backward", [&] {
+    sdm_ffi::WithBankTypes(call, [&](auto* bank, auto* dbank) {
+      sdm::backward_cpu(call.dm, call.p1, call.io, bank, dbank, segments);
+    });
+  });
+}
+
+ffi::Error ForwardCpu(SDM_FORWARD_PARAMS) {
+  sdm_ffi::ForwardCall call;
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareForward(SDM_FORWARD_NAMES, &call));
+  return RunForward(call, nullptr);
 }
 
 ffi::Error BackwardCpu(SDM_BACKWARD_PARAMS) {
   sdm_ffi::BackwardCall call;
   SDM_RETURN_IF_ERROR(sdm_ffi::PrepareBackward(SDM_BACKWARD_NAMES, &call));
-  AliasCopy(call.bank_in, call.bank, call.bank_bytes);
-  AliasCopy(call.dbank_in, call.dbank, call.dbank_bytes);
-  return sdm_ffi::RunCatching("sdm_backward", [&] {
-    sdm_ffi::WithBankTypes(call, [&](auto* bank, auto* dbank) {
-      sdm::backward_cpu(call.dm, call.p1, call.io, bank, dbank);
-    });
-  });
+  return RunBackward(call, nullptr);
+}
+
+ffi::Error ForwardPackedCpu(SDM_FORWARD_PARAMS, SDM_FORWARD_SEGMENT_PARAMS) {
+  sdm_ffi::ForwardCall call;
+  sdm::StepSegments segments;
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareForward(SDM_FORWARD_NAMES, &call));
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareForwardSegments(call, bank, SDM_FORWARD_SEGMENT_NAMES, &segments));
+  return RunForward(call, &segments);
+}
+
+ffi::Error BackwardPackedCpu(SDM_BACKWARD_PARAMS, SDM_BACKWARD_SEGMENT_PARAMS) {
+  sdm_ffi::BackwardCall call;
+  sdm::StepSegments segments;
+  sdm_ffi::SegmentCopies copies;
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareBackward(SDM_BACKWARD_NAMES, &call));
+  SDM_RETURN_IF_ERROR(
+      sdm_ffi::PrepareBackwardSegments(call, bank, SDM_BACKWARD_SEGMENT_NAMES, &segments, &copies));
+  for (int i = 0; i < 2; ++i) AliasCopy(copies.in[i], copies.out[i], copies.bytes[i]);
+  return RunBackward(call, &segments);
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmForwardCpu, ForwardCpu, ffi::Ffi::Bind().SDM_FORWARD_BUFFERS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmBackwardCpu, BackwardCpu, ffi::Ffi::Bind().SDM_BACKWARD_BUFFERS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmForwardPackedCpu, ForwardPackedCpu,
+                              ffi::Ffi::Bind().SDM_FORWARD_BUFFERS.SDM_FORWARD_SEGMENT_BUFFERS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmBackwardPackedCpu, BackwardPackedCpu,
+                              ffi::Ffi::Bind().SDM_BACKWARD_BUFFERS.SDM_BACKWARD_SEGMENT_BUFFERS);

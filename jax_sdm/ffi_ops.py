@@ -212,7 +212,7 @@ def solve_ffi(A, beta):
     return call(A.astype(jnp.float32), beta.astype(jnp.float32))
 
 
-def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save):
+def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None):
     """The forward chunk loop (docs/DESIGN.md "Forward steps").
 
     Args:
@@ -220,28 +220,38 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save):
       k_idx, q_idx, v, beta: `[..., NC, P, C, W|R|D]` / `[..., NC, P, C]` (kernel layout).
       p1: Phase 1's outputs (`Phase1`) in the same layout; minv: the solve's `[..., NC, P, C, C]`.
       save: keep the residuals for the backward (else they come back empty and nothing is saved).
+      segments: None, or for packed sequences `(initial, local, seg0)`: the initial bank (like `bank`), each
+        token's segment counted from its chunk's first `[..., NC, P, C]` and each chunk's first segment
+        `[..., NC, P]` (int32; `segments.chunk_segments`). `p1` must then come from the virtual slot ids
+        (`segments.virtual_slots`); `k_idx` and `q_idx` are the real ones.
 
     Returns:
-      `(final_bank, y, delta, G, snapshot)`; `y`, `delta`, `G` float32, `snapshot` in the bank's dtype.
+      `(final_bank, y, delta, G, snapshot)`; `y`, `delta`, `G` float32, `snapshot` in the bank's dtype. With
+      `segments`, the final bank is the working bank (each row that of its stamp's segment) and two more
+      results follow: the stamps `[..., P, K]` int32 (each row's segment of its last write) and, with `save`,
+      the stamps' snapshot `[..., NC, P, C*W]` int32.
     """
     C, W = k_idx.shape[-2:]
     D = bank.shape[-1]
     tokens = k_idx.shape[:-1]
-    f32 = jnp.float32
+    f32, i32 = jnp.float32, jnp.int32
 
     def residual(shape, dtype):
         return jax.ShapeDtypeStruct(shape if save else (0,), dtype)
 
-    call = jax.ffi.ffi_call(
-        "sdm_forward",
-        (jax.ShapeDtypeStruct(bank.shape, bank.dtype), jax.ShapeDtypeStruct(tokens + (D,), f32),
-         residual(tokens + (D,), f32), residual(tokens + (D,), f32),
-         residual(tokens[:-1] + (C * W, D), bank.dtype), _workspace(bank, k_idx, q_idx)),
-        vmap_method="broadcast_all",
-        input_output_aliases={0: 0},
-    )
-    return call(bank, k_idx.astype(jnp.int32), q_idx.astype(jnp.int32), v.astype(f32), beta.astype(f32),
-                p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.QK, p1.w_order, p1.w_group, minv)[:5]
+    results = (jax.ShapeDtypeStruct(bank.shape, bank.dtype), jax.ShapeDtypeStruct(tokens + (D,), f32),
+               residual(tokens + (D,), f32), residual(tokens + (D,), f32),
+               residual(tokens[:-1] + (C * W, D), bank.dtype), _workspace(bank, k_idx, q_idx))
+    args = (bank, k_idx.astype(i32), q_idx.astype(i32), v.astype(f32), beta.astype(f32),
+            p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.QK, p1.w_order, p1.w_group, minv)
+    if segments is None:
+        call = jax.ffi.ffi_call("sdm_forward", results, vmap_method="broadcast_all", input_output_aliases={0: 0})
+        return call(*args)[:5]
+    initial, local, seg0 = segments
+    results += (jax.ShapeDtypeStruct(bank.shape[:-1], i32), residual(tokens[:-1] + (C * W,), i32))
+    call = jax.ffi.ffi_call("sdm_forward_packed", results, vmap_method="broadcast_all", input_output_aliases={0: 0})
+    outs = call(*args, initial.astype(bank.dtype), local.astype(i32), seg0.astype(i32))
+    return outs[:5] + outs[6:]
 
 
 def _workspace(bank, k_idx, q_idx):
@@ -253,29 +263,40 @@ def _workspace(bank, k_idx, q_idx):
     return jax.ShapeDtypeStruct((rows + 4 * (k_idx.size + q_idx.size),), jnp.float32)
 
 
-def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snapshot):
+def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snapshot, segments=None):
     """The reverse chunk loop (docs/DESIGN.md "Backward steps").
 
     `bank` is the final bank (it comes back as the initial one, restored in place) and `dbank` the cotangent of
     the final bank (it comes back as the gradient of the initial bank, in place). `dbank`'s dtype is the working
     gradient bank's: float32, or the bank's bfloat16 (float32 inside each step, rounded once per written row).
 
+    `segments`: None, or for packed sequences `(initial, local, seg0, stamp, stamp_snapshot, dinitial)`: those
+    of `forward_ffi` (`bank` then is its working bank, `stamp` its final stamps) and `dinitial`, the cotangent of
+    the initial bank so far (dbank's dtype): the gradient of the reads of stale rows is added to it.
+
     Returns:
-      `(initial_bank, dbank, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv)`.
+      `(initial_bank, dbank, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv)`, then `dinitial` with `segments`; the
+      initial bank's whole gradient is then `dbank + dinitial`.
     """
-    f32 = jnp.float32
+    f32, i32 = jnp.float32, jnp.int32
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
-    call = jax.ffi.ffi_call(
-        "sdm_backward",
-        (like(bank), like(dbank), like(p1.k_eff), like(p1.w), like(p1.cpe),
-         like(p1.q_w), like(p1.A), like(p1.QK), like(beta.astype(f32)), like(v.astype(f32)),
-         _workspace(bank, k_idx, q_idx)),
-        vmap_method="broadcast_all",
-        input_output_aliases={0: 0, 1: 1},
-    )
-    return call(bank, dbank, dy.astype(f32), k_idx.astype(jnp.int32), q_idx.astype(jnp.int32),
-                v.astype(f32), beta.astype(f32), p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.A, p1.QK, p1.w_order,
-                p1.w_group, p1.r_order, p1.r_group, minv, delta, G, snapshot)[:10]
+    results = (like(bank), like(dbank), like(p1.k_eff), like(p1.w), like(p1.cpe),
+               like(p1.q_w), like(p1.A), like(p1.QK), like(beta.astype(f32)), like(v.astype(f32)),
+               _workspace(bank, k_idx, q_idx))
+    args = (bank, dbank, dy.astype(f32), k_idx.astype(i32), q_idx.astype(i32),
+            v.astype(f32), beta.astype(f32), p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.A, p1.QK, p1.w_order,
+            p1.w_group, p1.r_order, p1.r_group, minv, delta, G, snapshot)
+    if segments is None:
+        call = jax.ffi.ffi_call("sdm_backward", results, vmap_method="broadcast_all",
+                                input_output_aliases={0: 0, 1: 1})
+        return call(*args)[:10]
+    initial, local, seg0, stamp, stamp_snapshot, dinitial = segments
+    n = len(args)  # the stamps and dinitial are updated in place, like the bank and dbank
+    call = jax.ffi.ffi_call("sdm_backward_packed", results + (like(stamp), like(dbank)), vmap_method="broadcast_all",
+                            input_output_aliases={0: 0, 1: 1, n + 3: len(results), n + 5: len(results) + 1})
+    outs = call(*args, initial.astype(bank.dtype), local.astype(i32), seg0.astype(i32), stamp.astype(i32),
+                stamp_snapshot.astype(i32), dinitial.astype(dbank.dtype))
+    return outs[:10] + outs[-1:]
 
 
 def decode_step_ffi(bank, k_idx, k_val, x, v, beta, q_idx, q_val):

@@ -10,36 +10,73 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
-from . import ffi_ops, layout, lowering
+from . import ffi_ops, layout, lowering, segments
 from .sharding import BANK, UNITS, explicit_out_sharding, merge, per_stream, split, to_varying, varying_axes
 
 
-def _sdm_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots, save=True):
-    """The kernels' forward in kernel layout (bank `[P, K, D]`, tokens `[NC, P, C, ...]`, per-lane gates `x`):
-    `((y [NC, P, C, D] float32, final_bank, repeats [NC, P]), residuals)`; with `save=False` nothing is kept for
-    a backward. `stream_kernels` runs it (and `_sdm_kernels_bwd`) per shard inside its custom VJP."""
-    p1 = ffi_ops.phase1_ffi(k_idx, k_val, x, q_idx, q_val, num_slots)
+def _phase1_slots(k_idx, q_idx, packed, num_slots):
+    """Phase 1's slot ids and slot count: the slots, or with packed sequences the virtual ones of
+    `segments.virtual_slots` (each segment of a chunk on its own slots)."""
+    if packed is None:
+        return k_idx, q_idx, num_slots
+    local = packed[1]
+    return (segments.virtual_slots(k_idx, local, num_slots), segments.virtual_slots(q_idx, local, num_slots),
+            num_slots * (k_idx.shape[-2] + 1))
+
+
+def _sdm_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_slots, save=True):
+    """The kernels' forward in kernel layout (bank `[P, K, D]`, tokens `[NC, P, C, ...]`, per-lane gates `x`;
+    `packed`: None, or for packed sequences `(seg0 [NC, P], local [NC, P, C], last [P])` of
+    `segments.chunk_segments`): `((y [NC, P, C, D] float32, final_bank, repeats [NC, P]), residuals)`.
+
+    `residuals = (banks, units)` are what the backward needs beyond the inputs and the final bank: arrays in bank
+    layout `[P, ...]` (with packed sequences the working bank and the stamps, none otherwise) and a tree of arrays
+    in unit layout `[NC, P, ...]`. With `save=False` nothing is kept for a backward. `stream_kernels` runs it
+    (and `_sdm_kernels_bwd`) per shard inside its custom VJP."""
+    p1_k_idx, p1_q_idx, p1_slots = _phase1_slots(k_idx, q_idx, packed, num_slots)
+    p1 = ffi_ops.phase1_ffi(p1_k_idx, k_val, x, p1_q_idx, q_val, p1_slots)
     minv = ffi_ops.solve_ffi(p1.A, beta)
-    final, y, delta, G, snapshot = ffi_ops.forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save)
-    residuals = (final, k_idx, k_val, x, v, beta, q_idx, q_val, p1, minv, delta, G, snapshot)
-    return (y, final, p1.repeats), residuals
+    if packed is None:
+        final, y, delta, G, snapshot = ffi_ops.forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save)
+        banks, stamp_snapshot = (), ()
+    else:
+        seg0, local, last = packed
+        work, y, delta, G, snapshot, stamp, stamp_snapshot = ffi_ops.forward_ffi(
+            bank, k_idx, q_idx, v, beta, p1, minv, save, segments=(bank, local, seg0))
+        final = segments.final_bank(work, bank, stamp, last)
+        banks, stamp_snapshot = (work, stamp), (stamp_snapshot,)
+    return (y, final, p1.repeats), (banks, (p1, minv, delta, G, snapshot) + stamp_snapshot)
 
 
-def _sdm_kernels_bwd(num_slots, residuals, cotangents):
-    """The kernels' backward: gradients of `_sdm_kernels_fwd`'s inputs (None for the slot ids)."""
-    final, k_idx, k_val, x, v, beta, q_idx, q_val, p1, minv, delta, G, snapshot = residuals
-    dy, dfinal, _ = cotangents
-    _, dbank, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv = ffi_ops.backward_ffi(
-        final, dfinal, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snapshot)
-    dk_val, dx, dq_val = ffi_ops.phase1_bwd_ffi(k_idx, k_val, x, q_idx, q_val, num_slots, p1,
+def _sdm_kernels_bwd(num_slots, inputs, final, residuals, dy, dfinal):
+    """The kernels' backward: gradients `(dbank, dk_val, dx, dv, dbeta, dq_val)` of `_sdm_kernels_fwd`'s inputs
+    (`inputs`, in its order; the bank may be None without packed sequences: the backward restores it from the
+    final bank) from its final bank, `residuals` and the cotangents."""
+    bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed = inputs
+    banks, (p1, minv, delta, G, snapshot, *stamp_snapshot) = residuals
+    steps = (dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snapshot)
+    if packed is None:
+        _, dbank, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv = ffi_ops.backward_ffi(final, dfinal, *steps)
+    else:
+        (work, stamp), (stamp_snapshot,), (seg0, local, last) = banks, stamp_snapshot, packed
+        # The final bank's rows of the last segment are the working bank's, the others the initial bank's.
+        current = (stamp == last[..., None])[..., None]
+        zero = jnp.zeros((), dfinal.dtype)
+        _, dwork, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv, dinitial = ffi_ops.backward_ffi(
+            work, jnp.where(current, dfinal, zero), *steps,
+            segments=(bank, local, seg0, stamp, stamp_snapshot, jnp.where(current, zero, dfinal)))
+        dbank = dwork.astype(jnp.float32) + dinitial.astype(jnp.float32)
+    p1_k_idx, p1_q_idx, p1_slots = _phase1_slots(k_idx, q_idx, packed, num_slots)
+    dk_val, dx, dq_val = ffi_ops.phase1_bwd_ffi(p1_k_idx, k_val, x, p1_q_idx, q_val, p1_slots, p1,
                                                 dk_eff, dw, dcpe, dq_w, dA, dQK)
-    return dbank.astype(final.dtype), None, dk_val, dx, dv, dbeta, None, dq_val
+    return dbank.astype(final.dtype), dk_val, dx, dv, dbeta, dq_val
 
 
 KERNEL_TARGETS = ("sdm_phase1", "sdm_solve", "sdm_forward", "sdm_backward", "sdm_phase1_bwd")
+PACKED_TARGETS = ("sdm_forward_packed", "sdm_backward_packed")  # the steps with packed sequences
 
 
-def _require_kernels():
+def _require_kernels(packed=False):
     """Raise before any work if this backend lacks one of the kernels (no silent fallback)."""
     platform = jax.default_backend()
     missing = [t for t in KERNEL_TARGETS if not lowering.is_registered(t, platform)]
@@ -47,6 +84,11 @@ def _require_kernels():
         raise NotImplementedError(
             f"sdm_write_read: impl='ffi' has no {platform} kernels for {', '.join(missing)} in this build; "
             "use impl='xla' (the chunked form in pure JAX) or impl='reference' (the token loop)")
+    if packed and not all(lowering.is_registered(t, platform) for t in PACKED_TARGETS):
+        raise NotImplementedError(
+            f"sdm_write_read: `segment_ids` (packed sequences) with impl='ffi' (also impl='auto') has no {platform} "
+            "kernels yet: the CPU kernels support it, and so do impl='xla' (the chunked form in pure JAX, on every "
+            "platform) and impl='reference' (the token loop)")
 
 
 FORWARD_MODE_ERROR = (
@@ -75,7 +117,7 @@ def _refuse_forward_mode(arrays):
         raise NotImplementedError(FORWARD_MODE_ERROR)
 
 
-def _kernels_per_stream(local_fn, num_slots, args, in_axes, out_axes):
+def _kernels_per_stream(local_fn, static, args, in_axes, out_axes):
     """`per_stream(local_fn, ...)` with a JVP rule that raises HIGHER_ORDER_ERROR.
 
     The kernels have no derivatives: a derivative of the custom VJP's forward or backward is a second-order one,
@@ -83,7 +125,7 @@ def _kernels_per_stream(local_fn, num_slots, args, in_axes, out_axes):
     """
     @jax.custom_jvp
     def call(*args):
-        return per_stream(local_fn, num_slots, args, in_axes, out_axes)
+        return per_stream(local_fn, static, args, in_axes, out_axes)
 
     @call.defjvp
     def _no_derivative(primals, tangents):
@@ -104,99 +146,142 @@ def kernel_layout(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
 # The kernels per stream, with explicit B and H, in a custom VJP
 
 
-def _local_forward(save, num_slots, bank, *tokens):
-    """One shard's forward: merge to `P = B*H`, run the kernels (`_sdm_kernels_fwd`), split back.
+_PACKED_AXES = (UNITS, UNITS, BANK)  # seg0 [NC, B, H], local [NC, B, H, C], last [B, H]
 
-    Returns `(y, final, repeats)`, then with `save` the kernels' residuals (those beyond the inputs), flattened.
+
+def _input_axes(packed):
+    """The B axes of the kernels' inputs: the bank, the 7 per-token arrays, then with packed sequences theirs."""
+    return (BANK,) + (UNITS,) * 7 + (_PACKED_AXES if packed else ())
+
+
+def _kept_axes(packed):
+    """The B axes of the inputs that the custom VJP keeps for the backward: without packed sequences not the bank
+    (the backward restores it from the final bank)."""
+    return _input_axes(packed)[0 if packed else 1:]
+
+
+def _kernel_inputs(arrays, packed):
+    """`_sdm_kernels_fwd`'s inputs from the flat ones: the bank, the 7 per-token arrays and `packed`."""
+    return (*arrays[:8], tuple(arrays[8:]) if packed else None)
+
+
+def _local_forward(save, static, bank, *tokens):
+    """One shard's forward: merge to `P = B*H`, run the kernels (`_sdm_kernels_fwd`), split back. `static` is
+    `(num_slots, packed)`; `tokens` the 7 per-token inputs, then with packed sequences theirs.
+
+    Returns `(y, final, repeats)`, then with `save` the kernels' residuals: those in bank layout, then the others
+    flattened.
     """
+    num_slots, packed = static
     H = bank.shape[1]
-    merged = [merge(bank, BANK)] + [merge(a, UNITS) for a in tokens]
-    (y, final, repeats), residuals = _sdm_kernels_fwd(*merged, num_slots, save=save)
+    merged = [merge(a, at) for a, at in zip((bank,) + tokens, _input_axes(packed))]
+    (y, final, repeats), (banks, units) = _sdm_kernels_fwd(*_kernel_inputs(merged, packed), num_slots, save=save)
     out = (split(y, UNITS, H), split(final, BANK, H), split(repeats, UNITS, H))
     if not save:
         return out
-    if residuals[0] is not final or any(r is not m for r, m in zip(residuals[1:], merged[1:])):
-        raise AssertionError("kernel_path._local_forward: _sdm_kernels_fwd's residuals must start with the final "
-                             "bank and the 7 per-token inputs")
-    saved = jax.tree_util.tree_leaves(residuals[1 + len(tokens):])
-    return out + tuple(split(r, UNITS, H) for r in saved)
+    return (out + tuple(split(b, BANK, H) for b in banks)
+            + tuple(split(r, UNITS, H) for r in jax.tree_util.tree_leaves(units)))
 
 
-def _local_primal(num_slots, *args):
-    return _local_forward(False, num_slots, *args)
+def _local_primal(static, *args):
+    return _local_forward(False, static, *args)
 
 
-def _local_saving(num_slots, *args):
-    return _local_forward(True, num_slots, *args)
+def _local_saving(static, *args):
+    return _local_forward(True, static, *args)
 
 
-def _local_backward(num_slots, final, dfinal, dy, *rest):
-    """One shard's backward (`_sdm_kernels_bwd`): `rest` is the 7 per-token inputs and the saved residuals."""
+def _saved_bank_count(packed):
+    """How many of the saved residuals are in bank layout (the working bank and the stamps of packed sequences)."""
+    return 2 if packed else 0
+
+
+def _local_backward(static, final, dfinal, dy, *rest):
+    """One shard's backward (`_sdm_kernels_bwd`): `rest` is the kept inputs (`_kept_axes`) and the saved
+    residuals."""
+    num_slots, packed = static
     H = final.shape[1]
-    tokens, saved = rest[:7], rest[7:]
-    merged = [merge(a, UNITS) for a in tokens]
-    treedef = _saved_treedef(num_slots, [merge(final, BANK)] + merged)
-    saved = jax.tree_util.tree_unflatten(treedef, [merge(a, UNITS) for a in saved])
-    grads = _sdm_kernels_bwd(num_slots, (merge(final, BANK), *merged, *saved),
-                             (merge(dy, UNITS), merge(dfinal, BANK), None))
-    dbank, _, *dtokens = grads
-    return (split(dbank, BANK, H),) + tuple(split(g, UNITS, H) for g in dtokens if g is not None)
+    kept_axes = _kept_axes(packed)
+    kept = [merge(a, at) for a, at in zip(rest, kept_axes)]
+    inputs = _kernel_inputs(kept if packed else [merge(final, BANK)] + kept, packed)
+    rest = rest[len(kept_axes):]
+    n_banks = _saved_bank_count(packed)
+    units = jax.tree_util.tree_unflatten(_units_treedef(num_slots, inputs),
+                                         [merge(a, UNITS) for a in rest[n_banks:]])
+    residuals = (tuple(merge(a, BANK) for a in rest[:n_banks]), units)
+    if not packed:
+        inputs = (None,) + inputs[1:]
+    grads = _sdm_kernels_bwd(num_slots, inputs, merge(final, BANK), residuals, merge(dy, UNITS),
+                             merge(dfinal, BANK))
+    dbank, *dtokens = grads
+    return (split(dbank, BANK, H),) + tuple(split(g, UNITS, H) for g in dtokens)
 
 
-def _saved_treedef(num_slots, merged):
-    """The tree structure of the kernels' residuals beyond the inputs (without running anything)."""
-    shapes = jax.eval_shape(lambda *a: _sdm_kernels_fwd(*a, num_slots, save=True)[1], *merged)
-    return jax.tree_util.tree_structure(shapes[1 + 7:])
+def _units_treedef(num_slots, inputs):
+    """The tree structure of the kernels' residuals in unit layout (without running anything)."""
+    shapes = jax.eval_shape(lambda *a: _sdm_kernels_fwd(*a, num_slots, save=True)[1][1], *inputs)
+    return jax.tree_util.tree_structure(shapes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
-def stream_kernels(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots, grad_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
+def stream_kernels(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_slots, grad_dtype):
     """The op on the kernels with explicit streams: bank `[B, H, K, D]`, per-token arrays `[NC, B, H, C, ...]`
-    (int32 ids, float32 values, per-lane gates `x`). `grad_dtype` (a dtype name) is the backward's working
-    gradient bank: "float32", or the bank's dtype.
+    (int32 ids, float32 values, per-lane gates `x`). `packed`: None, or for packed sequences
+    `(seg0 [NC, B, H], local [NC, B, H, C], last [B, H])` of `segments.chunk_segments` (int32). `grad_dtype` (a
+    dtype name) is the backward's working gradient bank: "float32", or the bank's dtype.
 
     Returns `(y [NC, B, H, C, D] float32, final_bank [B, H, K, D], repeats [NC, B, H])`. A call that is not
     differentiated saves no residuals. Inside `shard_map` the inputs must vary along the same manual axes; the
     results and the gradients are typed as varying along them (the FFI calls' results carry no such type).
     """
-    args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val)
-    outs = _kernels_per_stream(_local_primal, num_slots, args, (BANK,) + (UNITS,) * 7, (UNITS, BANK, UNITS))
+    args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val) + (packed or ())
+    static = (num_slots, packed is not None)
+    outs = _kernels_per_stream(_local_primal, static, args, _input_axes(packed is not None), (UNITS, BANK, UNITS))
     return tuple(to_varying(o, varying_axes(*args)) for o in outs)
 
 
-def _stream_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots, grad_dtype):
-    args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val)
-    n_saved = len(jax.eval_shape(functools.partial(_local_saving, num_slots), *args)) - 3
+def _stream_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_slots, grad_dtype):
+    args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val) + (packed or ())
+    static = (num_slots, packed is not None)
+    n_saved = len(jax.eval_shape(functools.partial(_local_saving, static), *args)) - 3
+    n_banks = _saved_bank_count(packed is not None)
     y, final, repeats, *saved = _kernels_per_stream(
-        _local_saving, num_slots, args, (BANK,) + (UNITS,) * 7, (UNITS, BANK, UNITS) + (UNITS,) * n_saved)
+        _local_saving, static, args, _input_axes(packed is not None),
+        (UNITS, BANK, UNITS) + (BANK,) * n_banks + (UNITS,) * (n_saved - n_banks))
     y, final, repeats = (to_varying(o, varying_axes(*args)) for o in (y, final, repeats))
-    return (y, final, repeats), (final, args[1:], tuple(saved))
+    kept = args if packed is not None else args[1:]
+    return (y, final, repeats), (final, kept, tuple(saved))
 
 
 def _stream_kernels_bwd(num_slots, grad_dtype, residuals, cotangents):
-    final, tokens, saved = residuals
+    final, kept, saved = residuals
+    packed = len(kept) > 7
     dy, dfinal, _ = cotangents
-    args = (final, dfinal.astype(grad_dtype), dy.astype(jnp.float32)) + tokens + saved
+    args = (final, dfinal.astype(grad_dtype), dy.astype(jnp.float32)) + kept + saved
+    n_banks = _saved_bank_count(packed)
+    in_axes = ((BANK, BANK, UNITS) + _kept_axes(packed) + (BANK,) * n_banks
+               + (UNITS,) * (len(saved) - n_banks))
     dbank, dk_val, dx, dv, dbeta, dq_val = _kernels_per_stream(
-        _local_backward, num_slots, args, (BANK, BANK) + (UNITS,) * (1 + len(tokens) + len(saved)),
-        (BANK,) + (UNITS,) * 5)
+        _local_backward, (num_slots, packed), args, in_axes, (BANK,) + (UNITS,) * 5)
     dbank, dk_val, dx, dv, dbeta, dq_val = (to_varying(d, varying_axes(final))
                                             for d in (dbank, dk_val, dx, dv, dbeta, dq_val))
-    return dbank.astype(final.dtype), None, dk_val, dx, dv, dbeta, None, dq_val
+    return dbank.astype(final.dtype), None, dk_val, dx, dv, dbeta, None, dq_val, None
 
 
 stream_kernels.defvjp(_stream_kernels_fwd, _stream_kernels_bwd)
 
 
-def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, grad_dtype=None):
+def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, grad_dtype=None, seg=None):
     """The op on the FFI kernels, partitioned per stream: `(y [B, T, H, D], final_bank [B, H, K, D], repeats)`.
-    `grad_dtype`: the backward's working gradient bank, float32 or (None, the default) the bank's dtype.
+    `grad_dtype`: the backward's working gradient bank, float32 or (None, the default) the bank's dtype. `seg`:
+    the tokens' segment counters of packed sequences (`segments.segment_numbers`, padding already dropped), or
+    None.
 
     Under a mesh with `Explicit` axes (sharding in types) the body runs with those axes made `Auto` (where
     `custom_partitioning` works) and the results get the shardings of the inputs: `y` like `k_idx`, the final bank
     like `bank` (B like `k_idx` for a shared bank).
     """
-    _require_kernels()
+    _require_kernels(packed=seg is not None)
     args = (bank, k_idx, k_val, v, beta, g, q_idx, q_val)
     _refuse_forward_mode(args)
     grad_dtype = jnp.dtype(bank.dtype if grad_dtype is None else grad_dtype).name
@@ -205,13 +290,15 @@ def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, grad_dtype=None)
     if explicit is not None:
         out_sharding, axes = explicit
         run = jax.sharding.auto_axes(run, axes=axes, out_sharding=out_sharding)
-    return run(*args)
+    return run(*args, seg)
 
 
-def _sdm_ffi_streams(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, grad_dtype):
+def _sdm_ffi_streams(bank, k_idx, k_val, v, beta, g, q_idx, q_val, seg, dims, grad_dtype):
     args = layout.stream_arguments(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
+    packed = None if seg is None else segments.chunk_segments(seg, dims, layout.to_stream_units)
     # Inside `shard_map`, every input varies along the manual axes along which any does (the results do too); for
     # an input that does not (e.g. a bank shared by the devices) the transpose of this cast sums its gradient.
-    axes = varying_axes(*args)
-    y, final, repeats = stream_kernels(*(to_varying(a, axes) for a in args), dims.K, grad_dtype)
+    axes = varying_axes(*args, *(packed or ()))
+    vary = lambda arrays: tuple(to_varying(a, axes) for a in arrays)
+    y, final, repeats = stream_kernels(*vary(args), packed and vary(packed), dims.K, grad_dtype)
     return layout.from_stream_units(y, dims).astype(bank.dtype), final, jnp.sum(repeats)

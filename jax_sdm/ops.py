@@ -52,7 +52,7 @@ def _sdm_xla_packed(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, seg):
     q_idx_u = units(q_idx.astype(jnp.int32), -1)
     # Phase 1 sees each segment of a chunk on its own (virtual) slots.
     packed = segments.chunk_segments(seg, dims, layout.to_units)
-    p1_slots = segments.checked_virtual_slot_count(dims)
+    p1_slots = segments.checked_virtual_slot_count(dims, "xla")
     p1_k_idx, p1_q_idx = (segments.virtual_slots(a, packed[1], dims.K) for a in (k_idx_u, q_idx_u))
     p1 = phase1_xla(p1_k_idx, units(k_val.astype(f32)), units(layout.lane_gates(g, dims, DIFFERENTIABLE).astype(f32)),
                     p1_q_idx, units(q_val.astype(f32)), p1_slots)
@@ -126,7 +126,9 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
         token (such a slot decays once; docs/MATH.md).
       segment_ids: `[B, T]` ints for packed sequences: a token whose id differs from the previous token's starts
         a new sequence from `bank`; a negative id marks padding (the token does nothing and reads zeros). The
-        final bank is the bank after each row's last non-padding token. `impl="xla"` and `"reference"` only.
+        final bank is the bank after each row's last non-padding token. Every `impl` on the CPU; on the GPU
+        `impl="xla"` and `"reference"` (the kernels, `"ffi"` and `"auto"`, raise NotImplementedError there).
+        The chunked forms (`"ffi"`, `"xla"`) need `K * (chunk_size + 1) < 2^31`.
       bank_grad_dtype: the dtype in which the kernels' backward (`impl="ffi"`) keeps the gradient of the bank
         between chunks: None (the default) for the bank's dtype, or `jnp.float32`. Inside each chunk step the
         arithmetic is float32 either way; a bfloat16 working gradient is rounded once per row a step writes. For
@@ -156,10 +158,8 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
     if segment_ids is not None:
         segment_ids = jnp.asarray(segment_ids)
         segments.validate(segment_ids, dims.B, dims.T)
-        if impl in ("auto", "ffi"):
-            raise NotImplementedError(f"sdm_write_read: `segment_ids` (packed sequences) has no kernels yet "
-                                      f"(impl={impl!r}); use impl='xla' (the chunked form in pure JAX) or "
-                                      "impl='reference' (the token loop)")
+        if impl != "reference":  # Phase 1 of the chunked forms runs on virtual slots
+            segments.checked_virtual_slot_count(dims, impl)
         seg, pad = segments.segment_numbers(segment_ids)
         if check:  # the ids of padding tokens are not used: not checked
             _check_inputs(dims.K, *(segments.drop_padding(a, pad, fill=0) for a in (k_idx, q_idx)),
@@ -183,5 +183,6 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
     elif impl == "xla":
         y, final, repeats = _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, seg)
     else:
-        y, final, repeats = kernel_path.sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, bank_grad_dtype)
+        y, final, repeats = kernel_path.sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, bank_grad_dtype,
+                                                seg)
     return (y, final, repeats) if return_repeats else (y, final)

@@ -55,10 +55,12 @@ def chunk_segments(seg, dims, to_units):
     """For the chunked form: `(seg0 [NC, P], local [NC, P, C], last [P])` from the tokens' segment counters
     `seg [B, T]`. `seg0` is the segment running at each chunk's start, `local` each token's segment counted from
     it (0: it continues that segment; negative for the padding of the last chunk), `last` the row's last segment.
-    `to_units` is `layout.to_units` (`[B, T, H, ...]` -> `[NC, P, C, ...]`)."""
+    `to_units` is `layout.to_units` (`[B, T, H, ...]` -> `[NC, P, C, ...]`; then `last` is `[P]`) or
+    `layout.to_stream_units` (`[NC, B, H, C, ...]`: the streams' axes `P` above are `B, H`)."""
     seg_u = to_units(jnp.broadcast_to(seg[:, :, None], (dims.B, dims.T, dims.H)), dims)  # pads with 0
-    seg0 = jnp.concatenate([jnp.zeros_like(seg_u[:1, :, 0]), seg_u[:-1, :, -1]])
-    return seg0, seg_u - seg0[..., None], jnp.repeat(seg[:, -1], dims.H)
+    seg0 = jnp.concatenate([jnp.zeros_like(seg_u[:1, ..., 0]), seg_u[:-1, ..., -1]])
+    last = jnp.broadcast_to(seg[:, -1, None], (dims.B, dims.H)).reshape(seg0.shape[1:])
+    return seg0, seg_u - seg0[..., None], last
 
 
 def virtual_slots(idx, local, num_slots):
@@ -68,10 +70,11 @@ def virtual_slots(idx, local, num_slots):
     return jnp.where(valid, idx + num_slots * local[..., None], -1)
 
 
-def checked_virtual_slot_count(dims):
-    """`K * (C + 1)`, the slot count of `virtual_slots`, checked against the int32 slot ids."""
+def checked_virtual_slot_count(dims, impl):
+    """`K * (C + 1)`, the slot count of `virtual_slots`, checked against the int32 slot ids (`impl` for the
+    message)."""
     count = dims.K * (dims.C + 1)
     if count >= 2**31:
-        raise ValueError(f"sdm_write_read: `segment_ids` with impl='xla' needs K * (chunk_size + 1) < 2^31, got "
+        raise ValueError(f"sdm_write_read: `segment_ids` with impl={impl!r} needs K * (chunk_size + 1) < 2^31, got "
                          f"K = {dims.K}, chunk_size = {dims.C}; use a smaller chunk_size or impl='reference'")
     return count

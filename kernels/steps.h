@@ -66,17 +66,36 @@ struct BackwardIO {
   float* dv;              // [.., C, D]
 };
 
-// Forward chunk loop: bank (in/out, [V, P, K, D]) goes from the initial to the final bank.
-// BankT is float or sdm::bf16.
+// Packed sequences (docs/DESIGN.md "Packed sequences"): several segments per stream, each starting from the
+// initial bank. Every bank row carries a stamp, the segment of its last write; a token reads a row from the
+// working bank if the row's stamp is the token's segment and the token continues the segment running at its
+// chunk's start, else from the initial bank. A chunk stores only the write groups of its last segment (the
+// earlier ones are over). Phase 1 ran on virtual slots (one per slot and segment of the chunk), so no group
+// and no pair of A or QK joins two segments. The steps take a null StepSegments* without packed sequences.
+struct StepSegments {
+  const int32_t* local;     // [.., C] each token's segment counted from the chunk's first (0: it continues it)
+  const int32_t* seg0;      // [..] (one per unit) the segment running at the chunk's start
+  const void* initial;      // [V, P, K, D] the bank's dtype: the initial bank, read for stale rows
+  int32_t* stamp;           // [V, P, K]: forward out (from 0), backward in/out (from the final stamps back to 0)
+  int32_t* stamp_snapshot;  // [.., C*W] the previous stamp of each stored write group (forward: null if no-grad)
+  void* dinitial;           // backward only, [V, P, K, D] GradT: the gradient of the initial bank (in/out; the
+                            // gradient of the stale reads and of the writes over stale rows is added to it)
+};
+
+// Forward chunk loop: bank (in/out, [V, P, K, D]) goes from the initial to the final bank (with segments: the
+// working bank, each row that of its stamp's segment). BankT is float or sdm::bf16.
 template <typename BankT>
-void forward_cpu(const StepDims& dims, const StepPhase1& p1, const ForwardIO& io, BankT* bank);
+void forward_cpu(const StepDims& dims, const StepPhase1& p1, const ForwardIO& io, BankT* bank,
+                 const StepSegments* segments = nullptr);
 
 // Backward chunk loop, chunks in reverse: bank (in/out) goes from the final bank back to the initial one,
 // restoring each chunk's written rows from the snapshot; dbank ([V, P, K, D], in/out) goes from the gradient of
 // the final bank to that of the initial bank. GradT, the working gradient bank's type, is float, or bf16 for a
-// bf16 bank (rows read into float32 and rounded once where a step writes them).
+// bf16 bank (rows read into float32 and rounded once where a step writes them). With segments the stamps are
+// restored too and the gradient of the rows read from the initial bank goes to segments->dinitial.
 template <typename BankT, typename GradT>
-void backward_cpu(const StepDims& dims, const StepPhase1& p1, const BackwardIO& io, BankT* bank, GradT* dbank);
+void backward_cpu(const StepDims& dims, const StepPhase1& p1, const BackwardIO& io, BankT* bank, GradT* dbank,
+                  const StepSegments* segments = nullptr);
 
 // CUDA: the same loops, enqueued on `stream` (no allocation, no synchronisation; the launch configuration
 // depends on the shapes only). `workspace` holds step_workspace_floats(dims) floats (the handlers of both

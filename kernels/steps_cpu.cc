@@ -28,18 +28,20 @@ inline float dot_row(const float* a, const BankT* row, int64_t n) {
   return s;
 }
 
-// out[t] = sum over lanes of weight * bank[idx] (rows of out-of-range ids are skipped).
-template <typename BankT>
-void gather(const BankT* bank, const int32_t* idx, const float* weight, int64_t C, int64_t lanes, int64_t K,
-            int64_t D, float* out) {
+// out[t] = sum over lanes of weight * row_of(s, t), the row that token t reads for slot s (out-of-range ids and
+// null rows are skipped).
+template <typename RowOf>
+void gather(RowOf row_of, const int32_t* idx, const float* weight, int64_t C, int64_t lanes, int64_t K, int64_t D,
+            float* out) {
   std::fill(out, out + C * D, 0.f);
   for (int64_t t = 0; t < C; ++t) {
     float* o = out + t * D;
     for (int64_t n = 0; n < lanes; ++n) {
       const int32_t s = idx[t * lanes + n];
       if (s < 0 || s >= K) continue;
+      const auto* row = row_of(s, t);
+      if (!row) continue;
       const float wgt = weight[t * lanes + n];
-      const BankT* row = bank + static_cast<int64_t>(s) * D;
       for (int64_t d = 0; d < D; ++d) o[d] += wgt * to_float(row[d]);
     }
   }
@@ -81,6 +83,38 @@ inline int32_t group_slot(const int32_t* order, const int32_t* group, const int3
   return (s >= 0 && s < K) ? s : -1;
 }
 
+// One unit's view of the packed sequences (steps.h, StepSegments): which bank a token reads a row from, and
+// which write groups the chunk stores. Without segments every row is read from the working bank and every group
+// is stored.
+template <typename BankT>
+struct UnitSegments {
+  const int32_t* local = nullptr;  // null: no segments
+  const BankT* initial = nullptr;
+  int32_t* stamp = nullptr;
+  int32_t* stamp_snapshot = nullptr;
+  int32_t seg0 = 0;  // the segment running at the chunk's start
+  int32_t last = 0;  // the chunk's last segment, counted from seg0
+
+  UnitSegments(const StepSegments* sg, const StepDims& dm, int64_t stream, int64_t u) {
+    if (!sg) return;
+    local = sg->local + u * dm.C;
+    initial = static_cast<const BankT*>(sg->initial) + stream * dm.K * dm.D;
+    stamp = sg->stamp + stream * dm.K;
+    stamp_snapshot = sg->stamp_snapshot ? sg->stamp_snapshot + u * dm.C * dm.W : nullptr;
+    seg0 = sg->seg0[u];
+    last = *std::max_element(local, local + dm.C);
+  }
+  // Whether token t reads slot s from the working bank: it continues the chunk's first segment and the row was
+  // last written in that segment. Else the row is as at the segment's start: the initial bank's.
+  bool current(int32_t s, int64_t t) const { return !local || (local[t] == 0 && stamp[s] == seg0); }
+  // Whether token t's writes are stored: those of the chunk's last segment (the earlier ones are over).
+  bool stored(int64_t t) const { return !local || local[t] == last; }
+  // The row of slot s that token t reads, the working bank being `bank`.
+  const BankT* row(const BankT* bank, int32_t s, int64_t t, int64_t D) const {
+    return (current(s, t) ? bank : initial) + static_cast<int64_t>(s) * D;
+  }
+};
+
 struct Scratch {
   std::vector<float> a, b, c, d;
   explicit Scratch(int64_t n) : a(n), b(n), c(n), d(n) {}
@@ -88,7 +122,7 @@ struct Scratch {
 
 template <typename BankT>
 void forward_unit(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, int64_t u, BankT* S,
-                  Scratch& sc) {
+                  const UnitSegments<BankT>& sg, Scratch& sc) {
   const int64_t C = dm.C, W = dm.W, R = dm.R, K = dm.K, D = dm.D;
   const int32_t* k_idx = p1.k_idx + u * C * W;
   const float* v = io.v + u * C * D;
@@ -99,8 +133,9 @@ void forward_unit(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io,
   float* delta = io.delta ? io.delta + u * C * D : sc.d.data();
   float* y = io.y + u * C * D;
 
-  gather(S, k_idx, p1.k_eff + u * C * W, C, W, K, D, G);
-  gather(S, p1.q_idx + u * C * R, p1.q_w + u * C * R, C, R, K, D, Q0);
+  const auto row_of = [&](int32_t s, int64_t t) { return sg.row(S, s, t, D); };
+  gather(row_of, k_idx, p1.k_eff + u * C * W, C, W, K, D, G);
+  gather(row_of, p1.q_idx + u * C * R, p1.q_w + u * C * R, C, R, K, D, Q0);
   for (int64_t t = 0; t < C; ++t)
     for (int64_t d = 0; d < D; ++d) uvec[t * D + d] = beta[t] * (v[t * D + d] - G[t * D + d]);
   lower_times(p1.minv + u * C * C, uvec, C, D, delta);
@@ -117,22 +152,27 @@ void forward_unit(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io,
     int32_t lo, hi;
     const int32_t s = group_slot(order, group, k_idx, g, K, &lo, &hi);
     if (s < 0) continue;
+    const int64_t t0 = order[lo] / W;
+    if (!sg.stored(t0)) continue;
     BankT* row = S + static_cast<int64_t>(s) * D;
+    const BankT* old = sg.row(S, s, t0, D);  // the row as at the segment's start
     if (snap) std::copy(row, row + D, snap + g * D);
+    if (sg.stamp_snapshot) sg.stamp_snapshot[g] = sg.stamp[s];
     const float cpe = p1.cpe[u * C * W + order[lo]];
-    for (int64_t d = 0; d < D; ++d) acc[d] = cpe * to_float(row[d]);
+    for (int64_t d = 0; d < D; ++d) acc[d] = cpe * to_float(old[d]);
     for (int32_t i = lo; i < hi; ++i) {
       const int32_t e = order[i];
       const float* de = delta + (e / W) * D;
       for (int64_t d = 0; d < D; ++d) acc[d] += w[e] * de[d];
     }
     for (int64_t d = 0; d < D; ++d) row[d] = from_float<BankT>(acc[d]);
+    if (sg.local) sg.stamp[s] = sg.seg0 + sg.last;
   }
 }
 
 template <typename BankT, typename GradT>
 void backward_unit(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, int64_t u, BankT* S, GradT* dS,
-                   Scratch& sc) {
+                   const UnitSegments<BankT>& sg, GradT* dI, Scratch& sc) {
   const int64_t C = dm.C, W = dm.W, R = dm.R, K = dm.K, D = dm.D;
   const int32_t* k_idx = p1.k_idx + u * C * W;
   const int32_t* q_idx = p1.q_idx + u * C * R;
@@ -160,11 +200,13 @@ void backward_unit(const StepDims& dm, const StepPhase1& p1, const BackwardIO& i
   float* du = sc.c.data();
   float* dG = sc.d.data();
 
-  // GWR: gather of gradient rows (dS is still dS1 here).
-  gather(dS, k_idx, w, C, W, K, D, ddelta);
+  // GWR: gather of gradient rows (dS is still dS1 here), for the stored writes.
+  gather([&](int32_t s, int64_t t) { return sg.stored(t) ? dS + static_cast<int64_t>(s) * D : nullptr; }, k_idx, w,
+         C, W, K, D, ddelta);
   for (int64_t e = 0; e < C * W; ++e) {
     const int32_t s = k_idx[e];
-    dw[e] = (s >= 0 && s < K) ? dot_row(delta + (e / W) * D, dS + static_cast<int64_t>(s) * D, D) : 0.f;
+    dw[e] = (s >= 0 && s < K && sg.stored(e / W)) ? dot_row(delta + (e / W) * D, dS + static_cast<int64_t>(s) * D, D)
+                                                   : 0.f;
   }
   // Readings: Y = Q0 + QK delta.
   lower_transpose_times(QK, dy, C, D, tmp);
@@ -185,7 +227,10 @@ void backward_unit(const StepDims& dm, const StepPhase1& p1, const BackwardIO& i
     }
     dbeta[i] = db;
   }
-  // Phase A: per written row, the gradient row and the dots on the restored row, then the restore.
+  // Phase A: per written row, the gradient row and the dots on the row as at the segment's start, then the
+  // restore (of the row and, with segments, its stamp). A row read from the initial bank sends its gradient
+  // there. With segments, the groups of the chunk's earlier segments (not stored) follow, on the restored rows:
+  // they only add the gradient of their gathers.
   std::fill(dk_eff, dk_eff + C * W, 0.f);
   std::fill(dcpe, dcpe + C * W, 0.f);
   const int32_t* order = p1.w_order + u * C * W;
@@ -193,26 +238,44 @@ void backward_unit(const StepDims& dm, const StepPhase1& p1, const BackwardIO& i
   const BankT* snap = static_cast<const BankT*>(io.snapshot) + u * C * W * D;
   float* acc = tmp;
   float* s0 = tmp + D;
-  for (int64_t g = 0; g < C * W; ++g) {
-    int32_t lo, hi;
-    const int32_t s = group_slot(order, group, k_idx, g, K, &lo, &hi);
-    if (s < 0) continue;
-    const BankT* snap_row = snap + g * D;
-    for (int64_t d = 0; d < D; ++d) s0[d] = to_float(snap_row[d]);
-    GradT* drow = dS + static_cast<int64_t>(s) * D;
-    const int32_t e0 = order[lo];
-    dcpe[e0] = dot_row(s0, drow, D);
-    for (int64_t d = 0; d < D; ++d) acc[d] = cpe[e0] * to_float(drow[d]);
-    for (int32_t i = lo; i < hi; ++i) {
-      const int32_t e = order[i];
-      const float* dg = dG + (e / W) * D;
-      dk_eff[e] = dot(dg, s0, D);
-      for (int64_t d = 0; d < D; ++d) acc[d] += k_eff[e] * dg[d];
+  const auto phase_a = [&](bool stored_groups) {
+    for (int64_t g = 0; g < C * W; ++g) {
+      int32_t lo, hi;
+      const int32_t s = group_slot(order, group, k_idx, g, K, &lo, &hi);
+      if (s < 0) continue;
+      const int32_t e0 = order[lo];
+      if (sg.stored(e0 / W) != stored_groups) continue;
+      const BankT* snap_row = snap + g * D;
+      if (sg.local && stored_groups) sg.stamp[s] = sg.stamp_snapshot[g];
+      const bool current = sg.current(s, e0 / W);
+      const BankT* old = !current ? sg.initial + static_cast<int64_t>(s) * D
+                         : stored_groups ? snap_row : S + static_cast<int64_t>(s) * D;
+      for (int64_t d = 0; d < D; ++d) s0[d] = to_float(old[d]);
+      GradT* drow = dS + static_cast<int64_t>(s) * D;
+      GradT* target = current ? drow : dI + static_cast<int64_t>(s) * D;
+      if (stored_groups) {
+        dcpe[e0] = dot_row(s0, drow, D);
+        for (int64_t d = 0; d < D; ++d) acc[d] = cpe[e0] * to_float(drow[d]);
+        if (!current) {  // the write overwrote a stale row: its gradient goes to the initial row's
+          for (int64_t d = 0; d < D; ++d) acc[d] += to_float(target[d]);
+          std::fill(drow, drow + D, from_float<GradT>(0.f));
+        }
+      } else {
+        for (int64_t d = 0; d < D; ++d) acc[d] = to_float(target[d]);
+      }
+      for (int32_t i = lo; i < hi; ++i) {
+        const int32_t e = order[i];
+        const float* dg = dG + (e / W) * D;
+        dk_eff[e] = dot(dg, s0, D);
+        for (int64_t d = 0; d < D; ++d) acc[d] += k_eff[e] * dg[d];
+      }
+      for (int64_t d = 0; d < D; ++d) target[d] = from_float<GradT>(acc[d]);
+      if (stored_groups) std::copy(snap_row, snap_row + D, S + static_cast<int64_t>(s) * D);
     }
-    for (int64_t d = 0; d < D; ++d) drow[d] = from_float<GradT>(acc[d]);
-    std::copy(snap_row, snap_row + D, S + static_cast<int64_t>(s) * D);
-  }
-  // Read side, on the restored bank: one writer per read row.
+  };
+  phase_a(true);
+  if (sg.local) phase_a(false);
+  // Read side, on the restored bank: one writer per read row (with segments, one per read group in turn).
   std::fill(dq_w, dq_w + C * R, 0.f);
   const int32_t* r_order = p1.r_order + u * C * R;
   const int32_t* r_group = p1.r_group + u * (C * R + 1);
@@ -220,8 +283,9 @@ void backward_unit(const StepDims& dm, const StepPhase1& p1, const BackwardIO& i
     int32_t lo, hi;
     const int32_t s = group_slot(r_order, r_group, q_idx, g, K, &lo, &hi);
     if (s < 0) continue;
-    GradT* drow = dS + static_cast<int64_t>(s) * D;
-    const BankT* row = S + static_cast<int64_t>(s) * D;
+    const int64_t t0 = r_order[lo] / R;
+    GradT* drow = (sg.current(s, t0) ? dS : dI) + static_cast<int64_t>(s) * D;
+    const BankT* row = sg.row(S, s, t0, D);
     for (int64_t d = 0; d < D; ++d) acc[d] = to_float(drow[d]);
     for (int32_t i = lo; i < hi; ++i) {
       const int32_t r = r_order[i];
@@ -238,28 +302,43 @@ int64_t scratch_size(const StepDims& dm) { return std::max<int64_t>(dm.C * dm.D,
 }  // namespace
 
 template <typename BankT>
-void forward_cpu(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, BankT* bank) {
+void forward_cpu(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, BankT* bank,
+                 const StepSegments* segments) {
   parallel_blocks(dm.streams(), 1, [&](int64_t lo, int64_t hi) {
     Scratch sc(scratch_size(dm));
-    for (int64_t s = lo; s < hi; ++s)
-      for (int64_t c = 0; c < dm.NC; ++c) forward_unit(dm, p1, io, dm.unit(s, c), bank + s * dm.K * dm.D, sc);
+    for (int64_t s = lo; s < hi; ++s) {
+      if (segments) std::fill(segments->stamp + s * dm.K, segments->stamp + (s + 1) * dm.K, 0);
+      for (int64_t c = 0; c < dm.NC; ++c) {
+        const int64_t u = dm.unit(s, c);
+        forward_unit(dm, p1, io, u, bank + s * dm.K * dm.D, UnitSegments<BankT>(segments, dm, s, u), sc);
+      }
+    }
   });
 }
 
 template <typename BankT, typename GradT>
-void backward_cpu(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, BankT* bank, GradT* dbank) {
+void backward_cpu(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, BankT* bank, GradT* dbank,
+                  const StepSegments* segments) {
   parallel_blocks(dm.streams(), 1, [&](int64_t lo, int64_t hi) {
     Scratch sc(scratch_size(dm));
-    for (int64_t s = lo; s < hi; ++s)
-      for (int64_t c = dm.NC - 1; c >= 0; --c)
-        backward_unit(dm, p1, io, dm.unit(s, c), bank + s * dm.K * dm.D, dbank + s * dm.K * dm.D, sc);
+    for (int64_t s = lo; s < hi; ++s) {
+      GradT* dinitial = segments ? static_cast<GradT*>(segments->dinitial) + s * dm.K * dm.D : nullptr;
+      for (int64_t c = dm.NC - 1; c >= 0; --c) {
+        const int64_t u = dm.unit(s, c);
+        backward_unit(dm, p1, io, u, bank + s * dm.K * dm.D, dbank + s * dm.K * dm.D,
+                      UnitSegments<BankT>(segments, dm, s, u), dinitial, sc);
+      }
+    }
   });
 }
 
-template void forward_cpu<float>(const StepDims&, const StepPhase1&, const ForwardIO&, float*);
-template void forward_cpu<bf16>(const StepDims&, const StepPhase1&, const ForwardIO&, bf16*);
-template void backward_cpu<float, float>(const StepDims&, const StepPhase1&, const BackwardIO&, float*, float*);
-template void backward_cpu<bf16, float>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, float*);
-template void backward_cpu<bf16, bf16>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, bf16*);
+template void forward_cpu<float>(const StepDims&, const StepPhase1&, const ForwardIO&, float*, const StepSegments*);
+template void forward_cpu<bf16>(const StepDims&, const StepPhase1&, const ForwardIO&, bf16*, const StepSegments*);
+template void backward_cpu<float, float>(const StepDims&, const StepPhase1&, const BackwardIO&, float*, float*,
+                                         const StepSegments*);
+template void backward_cpu<bf16, float>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, float*,
+                                        const StepSegments*);
+template void backward_cpu<bf16, bf16>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, bf16*,
+                                       const StepSegments*);
 
 }  // namespace sdm
