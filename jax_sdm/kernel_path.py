@@ -21,7 +21,7 @@ def _phase1_slots(k_idx, q_idx, packed, num_slots):
         return k_idx, q_idx, num_slots
     local = packed[1]
     return (segments.virtual_slots(k_idx, local, num_slots), segments.virtual_slots(q_idx, local, num_slots),
-            num_slots * (k_idx.shape[-2] + 1))
+            segments.virtual_slot_count(num_slots, k_idx.shape[-2]))
 
 
 def _sdm_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_slots, save=True):

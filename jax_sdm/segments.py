@@ -70,10 +70,15 @@ def virtual_slots(idx, local, num_slots):
     return jnp.where(valid, idx + num_slots * local[..., None], -1)
 
 
+def virtual_slot_count(num_slots, chunk):
+    """The slot count of `virtual_slots`: `K * (C + 1)` (a chunk's tokens start at most C segments after its
+    first)."""
+    return num_slots * (chunk + 1)
+
+
 def checked_virtual_slot_count(dims, impl):
-    """`K * (C + 1)`, the slot count of `virtual_slots`, checked against the int32 slot ids (`impl` for the
-    message)."""
-    count = dims.K * (dims.C + 1)
+    """`virtual_slot_count`, checked against the int32 slot ids (`impl` for the message)."""
+    count = virtual_slot_count(dims.K, dims.C)
     if count >= 2**31:
         raise ValueError(f"sdm_write_read: `segment_ids` with impl={impl!r} needs K * (chunk_size + 1) < 2^31, got "
                          f"K = {dims.K}, chunk_size = {dims.C}; use a smaller chunk_size or impl='reference'")

@@ -547,9 +547,9 @@ struct GroupTables {
 };
 
 // acc += sum over the sorted entries e = order[from..hi) of coef[e] * vecs[e / W][0, VEC) (vecs: rows of D floats,
-// offset to the columns of acc): the entries after a group's first, whose row is loaded ahead with the group's
-// row. With acc = scale * row + coef[first] * vecs[first] first, the written row of the forward (cpe S0 + sum w
-// delta) and Phase A's bank gradient (cpe dS1 + sum k_eff dG) are this one sum.
+// offset to the columns of acc). With acc = scale * row first, the written row of the forward (cpe S0 + sum w
+// delta; it adds the first entry itself, whose vector it loads with the row, and passes from = lo + 1) and Phase A's
+// bank gradient of a long group (cpe dS1 + sum k_eff dG, from = lo) are this one sum.
 template <int VEC>
 __device__ __forceinline__ void group_add(const int32_t* order, int32_t from, int32_t hi, const float* coef,
                                           const float* vecs, int64_t W, int64_t D, float* acc) {
