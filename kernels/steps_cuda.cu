@@ -26,9 +26,12 @@
 // first, and their register budgets (__launch_bounds__) are set for the blocks per SM that keep enough loads in
 // flight.
 #include <cuda_bf16.h>
+#include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "kernels/bf16_cuda.cuh"
@@ -192,6 +195,18 @@ __device__ __forceinline__ int64_t unit_of(const StepDims& dm, int64_t s, int64_
   return ((s / dm.P) * dm.NC + c) * dm.P + s % dm.P;
 }
 
+// Programmatic dependent launch (sm_90 and later): the host launches each kernel of a call so that its blocks may
+// start while the previous kernel on the stream drains (hiding the launch gap between the ~200-470 launches of a
+// call). Every kernel calls chain_start() first, in every block, before any early return: it waits until the
+// previous kernel has completed and its writes are visible, then lets the next kernel launch. So a kernel's
+// completion implies its predecessors', and each kernel sees everything earlier kernels wrote. A no-op before sm_90.
+__device__ __forceinline__ void chain_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Sum over the warp in a fixed xor tree: every lane gets the same, reproducible value.
 __device__ __forceinline__ float warp_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -279,6 +294,7 @@ __device__ __forceinline__ void gather_row(const T* __restrict__ rows, const int
 // blocks rather than one doing both in turn: twice the rows in flight per chunk).
 template <int VEC, typename T>
 __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) fwd_gather_kernel(StepDims dm, StepPhase1 p1, const T* __restrict__ bank, int64_t c, ChunkRows rows) {
+  chain_start();
   extern __shared__ float partial[];
   const int64_t s = blockIdx.x, t = blockIdx.y;
   const int64_t u = unit_of(dm, s, c);
@@ -296,6 +312,70 @@ constexpr int kQuads = kSlice / 4;  // 4-column quads per row of a slice
 
 // Rows of the solve kernels' shared-memory slices: C rounded up to whole 4-row tiles.
 __host__ __device__ inline int tile_rows(int64_t C) { return static_cast<int>((C + 3) / 4 * 4); }
+
+// A solve kernel reads the unit's C x C matrices from shared memory when they fit next to its slices ("staged":
+// C <= kStagedMaxC, about 67 KB for the forward at C = 64, within every sm_80+ GPU's limit), else from global
+// memory through L1. Staged, a block issues every load it needs at its start as asynchronous copies and waits
+// once: the kernels were bound by serial rounds of global loads (the slice, then each matrix, then the epilogue's
+// rows), with one block of a few warps per SM to hide them.
+constexpr int kStagedMaxC = 64;
+inline bool solve_staged(int64_t C) { return C <= kStagedMaxC; }
+
+// Row stride of a staged matrix: 16-byte rows, and 4 floats of padding that spread a tile's rows over the banks.
+__host__ __device__ inline int matrix_stride(int64_t C) { return tile_rows(C) + 4; }
+
+// Loads of the products: plain loads (shared memory, staged) or the read-only path (global memory).
+template <bool kShared>
+__device__ __forceinline__ float load_m(const float* p) {
+  if constexpr (kShared) return *p;
+  else return __ldg(p);
+}
+template <bool kShared>
+__device__ __forceinline__ float4 load_m4(const float* p) {
+  if constexpr (kShared) return *reinterpret_cast<const float4*>(p);
+  else return __ldg(reinterpret_cast<const float4*>(p));
+}
+
+// Asynchronous copy of 4 floats (16 bytes when `whole` and aligned, else float by float for those below `n`) from
+// global `src` into shared `dst`, zeros for the floats at or past n.
+__device__ __forceinline__ void copy_quad_async(float* dst, const float* src, int n, bool whole) {
+  if (whole && n >= 4) {
+    __pipeline_memcpy_async(dst, src, 16);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if (k < n) __pipeline_memcpy_async(dst + k, src + k, 4);
+    else dst[k] = 0.f;
+  }
+}
+
+// Stage the unit's C x C matrix M into Ms [tile_rows(C), matrix_stride(C)] (zeros past C), asynchronously.
+__device__ __forceinline__ void stage_matrix_async(const float* M, int C, float* Ms) {
+  const int ms = matrix_stride(C), quads = ms / 4;
+  for (int idx = threadIdx.x; idx < tile_rows(C) * quads; idx += blockDim.x) {
+    const int r = idx / quads, c0 = 4 * (idx % quads);
+    copy_quad_async(Ms + r * ms + c0, M + r * C + c0, r < C ? C - c0 : 0, C % 4 == 0);
+  }
+}
+
+// Stage columns [d0, d0 + kSlice) of C rows of D floats into out [tile_rows(C), kSlice] (zeros past C and D),
+// asynchronously.
+__device__ __forceinline__ void stage_slice_async(const float* rows, int C, int64_t D, int64_t d0, float* out) {
+  for (int idx = threadIdx.x; idx < tile_rows(C) * kQuads; idx += blockDim.x) {
+    const int t = idx / kQuads;
+    const int64_t d = d0 + 4 * (idx % kQuads);
+    const int n = t < C && d < D ? static_cast<int>(D - d < 4 ? D - d : 4) : 0;
+    copy_quad_async(out + 4 * idx, rows + t * D + d, n, D % 4 == 0);
+  }
+}
+
+// Wait for this thread's asynchronous copies, then for the block's.
+__device__ __forceinline__ void staged_wait() {
+  __pipeline_commit();
+  __pipeline_wait_prior(0);
+  __syncthreads();
+}
 
 // Columns [d, d + 4) of a float32 row (zeros past D): one 16-byte access when D % 4 == 0 (rows are then 16-byte
 // aligned and d, a multiple of 4, lies below D or the whole quad does).
@@ -362,17 +442,17 @@ __device__ __forceinline__ void for_tiles(int C, Body body) {
 }
 
 // The triangular products of the solve kernels on a [tile_rows(C), kSlice] shared-memory slice `cols`, for the
-// 4 x 4 tile of rows r = r0 + j (j < 4) and columns [4q, 4q + 4):
+// 4 x 4 tile of rows r = r0 + j (j < 4) and columns [4q, 4q + 4), with M's rows `ms` floats apart (in shared memory
+// when kStaged, zeros past C; else in global memory, ms = C):
 //   lower:      x[j] = sum_{k = 0..r} M[r, k] cols[k]       (k ascending)
 //   transposed: x[j] = sum_{k = r..C-1} M[k, r] cols[k]     (k ascending)
 // Each column's sum runs in the order of a one-column loop. A thread keeps the tile's 16 sums, so a 16-byte load
-// of M and one of `cols` feed 16 multiply-adds, and the main loop issues 4 steps of loads before using the first:
-// the kernels were bound by the latency of a serial chain of loads per output. Rows past C (the last tile when
-// C % 4 != 0) read M's row C - 1; their sums are not used.
-template <bool kTransposed>
-__device__ __forceinline__ void tri_tile(const float* __restrict__ M, const float* cols, int r0, int q, int C,
+// of M and one of `cols` feed 16 multiply-adds, and the main loop issues 4 steps of loads before using the first.
+// Rows past C (the last tile when C % 4 != 0) read M's row C - 1; their sums are not used.
+template <bool kTransposed, bool kStaged>
+__device__ __forceinline__ void tri_tile(const float* __restrict__ M, int ms, const float* cols, int r0, int q, int C,
                                          float4 (&x)[4]) {
-  const bool vec = C % 4 == 0;  // rows of M 16-byte aligned, and no tile row past C
+  const bool vec = kStaged || C % 4 == 0;  // rows of M 16-byte aligned, and (global) no tile row past C
   int r[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -380,7 +460,7 @@ __device__ __forceinline__ void tri_tile(const float* __restrict__ M, const floa
     x[j] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
   const float4* c4 = reinterpret_cast<const float4*>(cols) + q;
-  auto m = [&](int j, int k) { return __ldg(kTransposed ? M + k * C + r[j] : M + r[j] * C + k); };
+  auto m = [&](int j, int k) { return load_m<kStaged>(kTransposed ? M + k * ms + r[j] : M + r[j] * ms + k); };
   // Steps k that only some rows of the tile take: transposed k < r0 + 3 (before), lower k > r0 (after).
   if constexpr (kTransposed) {
     for (int k = r0; k < min(r0 + 3, C); ++k) {
@@ -400,13 +480,13 @@ __device__ __forceinline__ void tri_tile(const float* __restrict__ M, const floa
     if (vec && kTransposed) {
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
-        const float4 t = __ldg(reinterpret_cast<const float4*>(M + (k + s) * C + r0));
+        const float4 t = load_m4<kStaged>(M + (k + s) * ms + r0);
         mk[s][0] = t.x, mk[s][1] = t.y, mk[s][2] = t.z, mk[s][3] = t.w;
       }
     } else if (vec) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const float4 t = __ldg(reinterpret_cast<const float4*>(M + r[j] * C + k));
+        const float4 t = load_m4<kStaged>(M + r[j] * ms + k);
         mk[0][j] = t.x, mk[1][j] = t.y, mk[2][j] = t.z, mk[3][j] = t.w;
       }
     } else {
@@ -435,33 +515,57 @@ __device__ __forceinline__ void tri_tile(const float* __restrict__ M, const floa
   }
 }
 
-// One block per (stream, kSlice-column slice), one thread per 4 x 4 tile (rows, 4 columns) and turn.
+// One block per (stream, kSlice-column slice), one thread per 4 x 4 tile (rows, 4 columns) and turn. Shared
+// memory: u and delta slices; staged, also the G and Q0 slices and Minv, QK.
+template <bool kStaged>
 __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64_t c, ChunkRows rows) {
+  chain_start();
   extern __shared__ __align__(16) float sh[];
-  const int C = static_cast<int>(dm.C);
+  const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
   const int64_t D = dm.D;
   const int64_t s = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
   const int64_t u = unit_of(dm, s, c);
   float* su = sh;
-  float* sdelta = sh + tile_rows(C) * kSlice;
+  float* sdelta = su + slice;
+  float* sG = sdelta + slice;
+  float* sq0 = sG + slice;
+  float* smi = sq0 + slice;
+  float* sqk = smi + tile_rows(C) * ms;
   const float* G = rows.G + rows.at(dm, u, s);
   const float* v = io.v + u * C * D;
+  const float* beta = io.beta + u * C;
   const float* minv = p1.minv + u * C * C;
   const float* QK = p1.QK + u * C * C;
   const float* Q0 = rows.Q0 + s * C * D;
-  prefetch_matrix(minv, C);
-  prefetch_matrix(QK, C);
-  prefetch_slice(Q0, C, D, d0);
-  stage_quads(C, su, [&](int t, int q) {  // u = beta (v - G)
-    const float b = io.beta[u * C + t];
-    const float4 x = load_quad(v + t * D, d0 + 4 * q, D), g = load_quad(G + t * D, d0 + 4 * q, D);
-    return make_float4(b * (x.x - g.x), b * (x.y - g.y), b * (x.z - g.z), b * (x.w - g.w));
-  });
+  if constexpr (kStaged) {
+    stage_matrix_async(minv, C, smi);
+    stage_matrix_async(QK, C, sqk);
+    stage_slice_async(v, C, D, d0, su);
+    stage_slice_async(G, C, D, d0, sG);
+    stage_slice_async(Q0, C, D, d0, sq0);
+    staged_wait();
+    for (int idx = threadIdx.x; idx < slice / 4; idx += blockDim.x) {  // u = beta (v - G), in place of v
+      const int t = idx / kQuads;
+      const float b = t < C ? beta[t] : 0.f;
+      float4& x = reinterpret_cast<float4*>(su)[idx];
+      const float4 g = reinterpret_cast<const float4*>(sG)[idx];
+      x = make_float4(b * (x.x - g.x), b * (x.y - g.y), b * (x.z - g.z), b * (x.w - g.w));
+    }
+  } else {
+    prefetch_matrix(minv, C);
+    prefetch_matrix(QK, C);
+    prefetch_slice(Q0, C, D, d0);
+    stage_quads(C, su, [&](int t, int q) {  // u = beta (v - G)
+      const float b = beta[t];
+      const float4 x = load_quad(v + t * D, d0 + 4 * q, D), g = load_quad(G + t * D, d0 + 4 * q, D);
+      return make_float4(b * (x.x - g.x), b * (x.y - g.y), b * (x.z - g.z), b * (x.w - g.w));
+    });
+  }
   __syncthreads();
   float* delta = rows.delta + rows.at(dm, u, s);
   for_tiles(C, [&](int r0, int q) {  // delta = Minv u
     float4 x[4];
-    tri_tile<false>(minv, su, r0, q, C, x);
+    tri_tile<false, kStaged>(kStaged ? smi : minv, ms, su, r0, q, C, x);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       if (r0 + j >= C) break;
@@ -472,12 +576,13 @@ __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64
   __syncthreads();
   for_tiles(C, [&](int r0, int q) {  // y = Q0 + QK delta
     float4 x[4];
-    tri_tile<false>(QK, sdelta, r0, q, C, x);
+    tri_tile<false, kStaged>(kStaged ? sqk : QK, ms, sdelta, r0, q, C, x);
     const int64_t d = d0 + 4 * q;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       if (r0 + j >= C) break;
-      const float4 q0 = load_quad(Q0 + (r0 + j) * D, d, D);
+      const float4 q0 = kStaged ? reinterpret_cast<const float4*>(sq0 + (r0 + j) * kSlice)[q]
+                                : load_quad(Q0 + (r0 + j) * D, d, D);
       store_quad(io.y + (u * C + r0 + j) * D, d, D,
                  make_float4(x[j].x + q0.x, x[j].y + q0.y, x[j].z + q0.z, x[j].w + q0.w));
     }
@@ -498,6 +603,7 @@ struct alignas(16) GroupEntry {
 __global__ void group_table_kernel(StepDims dm, const int32_t* __restrict__ order, const int32_t* __restrict__ group,
                                    const int32_t* __restrict__ idx, int64_t lanes, int64_t units,
                                    GroupEntry* __restrict__ table) {
+  chain_start();
   const int64_t n = dm.C * lanes, total = units * n;
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -566,6 +672,7 @@ template <int VEC, typename T>
 __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
     fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, T* __restrict__ bank, int64_t c, ChunkRows rows,
                      GroupTables tables) {
+  chain_start();
   Group gr;
   if (!warp_group(dm, c, tables.w, dm.W, &gr)) return;
   const int64_t C = dm.C, W = dm.W, D = dm.D, s = gr.s, u = gr.u, g = gr.g;
@@ -614,23 +721,35 @@ struct BackRows {
 };
 
 // Before the loop, every unit at once: du = Minv^T (QK^T dy), the part of the adjoint that does not depend on
-// the bank; one block per (unit, column slice).
+// the bank; one block per (unit, column slice). Shared memory: the dy and QK^T dy slices; staged, QK and Minv.
+template <bool kStaged>
 __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
+  chain_start();
   extern __shared__ __align__(16) float sh[];
-  const int C = static_cast<int>(dm.C);
+  const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
   const int64_t D = dm.D;
   const int64_t u = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
   float* sdy = sh;
-  float* sdd = sh + tile_rows(C) * kSlice;
+  float* sdd = sdy + slice;
+  float* sqk = sdd + slice;
+  float* smi = sqk + tile_rows(C) * ms;
   const float* QK = p1.QK + u * C * C;
   const float* minv = p1.minv + u * C * C;
-  prefetch_matrix(QK, C);
-  prefetch_matrix(minv, C);
-  stage_quads(C, sdy, [&](int t, int q) { return load_quad(io.dy + (u * C + t) * D, d0 + 4 * q, D); });
-  __syncthreads();
+  const float* dy = io.dy + u * C * D;
+  if constexpr (kStaged) {
+    stage_matrix_async(QK, C, sqk);
+    stage_matrix_async(minv, C, smi);
+    stage_slice_async(dy, C, D, d0, sdy);
+    staged_wait();
+  } else {
+    prefetch_matrix(QK, C);
+    prefetch_matrix(minv, C);
+    stage_quads(C, sdy, [&](int t, int q) { return load_quad(dy + t * D, d0 + 4 * q, D); });
+    __syncthreads();
+  }
   for_tiles(C, [&](int r0, int q) {
     float4 x[4];
-    tri_tile<true>(QK, sdy, r0, q, C, x);
+    tri_tile<true, kStaged>(kStaged ? sqk : QK, ms, sdy, r0, q, C, x);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
       if (r0 + j < C) reinterpret_cast<float4*>(sdd + (r0 + j) * kSlice)[q] = x[j];
@@ -638,7 +757,7 @@ __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
   __syncthreads();
   for_tiles(C, [&](int r0, int q) {
     float4 x[4];
-    tri_tile<true>(minv, sdd, r0, q, C, x);
+    tri_tile<true, kStaged>(kStaged ? smi : minv, ms, sdd, r0, q, C, x);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
       if (r0 + j < C) store_quad(io.dv + (u * C + r0 + j) * D, d0 + 4 * q, D, x[j]);
@@ -647,6 +766,7 @@ __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
 
 template <int VEC, typename GT>
 __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) bwd_gwr_kernel(StepDims dm, StepPhase1 p1, const GT* __restrict__ dbank, int64_t c, BackRows rows) {
+  chain_start();
   extern __shared__ float partial[];
   const int64_t s = blockIdx.x, t = blockIdx.y;
   const int64_t u = unit_of(dm, s, c);
@@ -654,32 +774,45 @@ __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) bwd_gwr_kerne
                   dm.W, dm.K, dm.D, rows.gwr + (s * dm.C + t) * dm.D, partial);
 }
 
-// In the loop: du += Minv^T gwr (the bank-dependent part), dG = -beta du.
+// In the loop: du += Minv^T gwr (the bank-dependent part), dG = -beta du. Shared memory: the gwr slice; staged,
+// also the du slice and Minv.
+template <bool kStaged>
 __global__ void bwd_solve_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackRows rows) {
+  chain_start();
   extern __shared__ __align__(16) float sh[];
-  const int C = static_cast<int>(dm.C);
+  const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
   const int64_t D = dm.D;
   const int64_t s = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
   const int64_t u = unit_of(dm, s, c);
   float* sg = sh;
+  float* sdu = sg + slice;
+  float* smi = sdu + slice;
   const float* minv = p1.minv + u * C * C;
-  prefetch_matrix(minv, C);
-  prefetch_slice(io.dv + u * C * D, C, D, d0);
-  stage_quads(C, sg, [&](int t, int q) { return load_quad(rows.gwr + (s * C + t) * D, d0 + 4 * q, D); });
-  __syncthreads();
+  const float* gwr = rows.gwr + s * C * D;
+  float* du = io.dv + u * C * D;
+  if constexpr (kStaged) {
+    stage_matrix_async(minv, C, smi);
+    stage_slice_async(gwr, C, D, d0, sg);
+    stage_slice_async(du, C, D, d0, sdu);
+    staged_wait();
+  } else {
+    prefetch_matrix(minv, C);
+    prefetch_slice(du, C, D, d0);
+    stage_quads(C, sg, [&](int t, int q) { return load_quad(gwr + t * D, d0 + 4 * q, D); });
+    __syncthreads();
+  }
   for_tiles(C, [&](int r0, int q) {
     float4 x[4];
-    tri_tile<true>(minv, sg, r0, q, C, x);
+    tri_tile<true, kStaged>(kStaged ? smi : minv, ms, sg, r0, q, C, x);
     const int64_t d = d0 + 4 * q;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int r = r0 + j;
       if (r >= C) break;
-      float* du = io.dv + (u * C + r) * D;
-      const float4 old = load_quad(du, d, D);
+      const float4 old = kStaged ? reinterpret_cast<const float4*>(sdu + r * kSlice)[q] : load_quad(du + r * D, d, D);
       const float4 y = make_float4(old.x + x[j].x, old.y + x[j].y, old.z + x[j].z, old.w + x[j].w);
       const float beta = io.beta[u * C + r];
-      store_quad(du, d, D, y);
+      store_quad(du + r * D, d, D, y);
       store_quad(rows.dG + (s * C + r) * D, d, D, make_float4(-beta * y.x, -beta * y.y, -beta * y.z, -beta * y.w));
     }
   });
@@ -701,6 +834,7 @@ constexpr int kDotsThreads = kDotsTile * kDotsTile / kDotsPer;  // 256
 constexpr int kDotsParts = kDotsTile / kDotsPer;                // threads per tile row: 8
 
 __global__ void __launch_bounds__(kDotsThreads) bwd_dots_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
+  chain_start();
   __shared__ float sdu[kDotsTile][kDotsCols + 1], sdy[kDotsTile][kDotsCols + 1], sdl[kDotsTile][kDotsCols + 1];
   __shared__ float svg[kDotsTile][kDotsCols + 1];  // v - G on the diagonal tile
   __shared__ float red[kDotsTile][kDotsParts];
@@ -776,6 +910,7 @@ template <int VEC, typename T, typename GT>
 __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
     bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T* __restrict__ bank, GT* __restrict__ dbank,
                        int64_t c, BackRows rows, GroupTables tables) {
+  chain_start();
   Group gr;
   if (!warp_group(dm, c, tables.w, dm.W, &gr)) return;
   const int64_t C = dm.C, W = dm.W, D = dm.D, K = dm.K, s = gr.s, u = gr.u, g = gr.g;
@@ -866,6 +1001,7 @@ template <int VEC, typename T, typename GT>
 __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
     bwd_read_side_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const T* __restrict__ bank,
                          GT* __restrict__ dbank, int64_t c, GroupTables tables) {
+  chain_start();
   Group gr;
   if (!warp_group(dm, c, tables.r, dm.R, &gr)) return;
   const int64_t C = dm.C, R = dm.R, D = dm.D, K = dm.K, s = gr.s, u = gr.u;
@@ -947,13 +1083,42 @@ inline int solve_threads(int64_t C) {
   return std::min(kSolveThreadsMax, (tile_rows(C) / 4 * kQuads + 31) / 32 * 32);
 }
 
-// Shared memory of the solve kernels: `slices` [tile_rows(C), kSlice] float32 slices.
-inline size_t solve_smem(int64_t C, int slices) {
-  return static_cast<size_t>(slices) * tile_rows(C) * kSlice * sizeof(float);
+// Shared memory of a solve kernel: `slices` [tile_rows(C), kSlice] float32 slices, and when staged `staged_slices`
+// more and `matrices` [tile_rows(C), matrix_stride(C)] matrices.
+inline size_t solve_smem(int64_t C, int slices, int staged_slices, int matrices) {
+  const size_t slice = static_cast<size_t>(tile_rows(C)) * kSlice, matrix = static_cast<size_t>(tile_rows(C)) * matrix_stride(C);
+  return sizeof(float) * (solve_staged(C) ? (slices + staged_slices) * slice + matrices * matrix : slices * slice);
 }
 
-// First error of the launches so far.
-inline int launched(int rc) { return rc ? rc : static_cast<int>(cudaGetLastError()); }
+// Whether the kernels of a call are launched with programmatic stream serialization (chain_start): on devices of
+// compute capability 9.0 and later, unless SDM_CUDA_PDL=0 (for measuring the difference; results are the same
+// either way, only the scheduling changes).
+inline bool use_pdl() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("SDM_CUDA_PDL");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  int device = 0, major = 0;
+  return enabled && cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
+}
+
+// One kernel launch of a call on `stream`, with programmatic dependent launch when `pdl`; the launch's error.
+template <typename... Params, typename... Args>
+int launch(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+           Args... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...));
+}
 
 // Block of a per-token gather: x threads, one per VEC columns (a whole number of warps, at most
 // kRowThreadsMax), times y parts of the lanes (up to 4, at most 512 threads in all); and its shared memory.
@@ -974,13 +1139,13 @@ inline GroupEntry* group_tables_at(const StepDims& dm, float* workspace) {
   return reinterpret_cast<GroupEntry*>(workspace + step_rows_floats(dm));
 }
 
-inline int build_group_table(const StepDims& dm, const int32_t* order, const int32_t* group, const int32_t* idx,
-                             int64_t lanes, GroupEntry* table, cudaStream_t stream) {
+inline int build_group_table(bool pdl, const StepDims& dm, const int32_t* order, const int32_t* group,
+                             const int32_t* idx, int64_t lanes, GroupEntry* table, cudaStream_t stream) {
   const int64_t total = dm.units() * dm.C * lanes;
   if (total == 0) return 0;
   const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 4096));
-  group_table_kernel<<<blocks, 256, 0, stream>>>(dm, order, group, idx, lanes, dm.units(), table);
-  return launched(0);
+  return launch(pdl, group_table_kernel, dim3(blocks), dim3(256), 0, stream, dm, order, group, idx, lanes,
+                dm.units(), table);
 }
 
 template <int VEC, typename T>
@@ -991,21 +1156,23 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   const ChunkRows rows{save ? io.G : workspace, workspace + n, save ? io.delta : workspace + 2 * n, save};
   GroupEntry* w_table = group_tables_at(dm, workspace);
   const GroupTables tables{w_table, nullptr};
-  const size_t smem = solve_smem(dm.C, 2);
-  int rc = build_group_table(dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, w_table, stream);
-  if (!rc) rc = smem_attribute(fwd_solve_kernel, smem);
+  const bool pdl = use_pdl();
+  const auto fwd_solve = solve_staged(dm.C) ? fwd_solve_kernel<true> : fwd_solve_kernel<false>;
+  const size_t smem = solve_smem(dm.C, 2, 2, 2);
+  int rc = build_group_table(pdl, dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, w_table, stream);
+  if (!rc) rc = smem_attribute(fwd_solve, smem);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
   const dim3 group_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
   const RowBlock rb = row_block(dm.D, VEC);
   if (!rc) rc = smem_attribute(fwd_gather_kernel<VEC, T>, rb.smem);
   const dim3 gather_grid(dm.streams(), dm.C, 2);
   for (int64_t c = 0; c < dm.NC && !rc; ++c) {
-    fwd_gather_kernel<VEC, T><<<gather_grid, rb.threads, rb.smem, stream>>>(dm, p1, bank, c, rows);
-    rc = launched(rc);
-    fwd_solve_kernel<<<slice_grid, solve_threads(dm.C), smem, stream>>>(dm, p1, io, c, rows);
-    rc = launched(rc);
-    fwd_write_kernel<VEC, T><<<group_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, c, rows, tables);
-    rc = launched(rc);
+    rc = launch(pdl, fwd_gather_kernel<VEC, T>, gather_grid, rb.threads, rb.smem, stream, dm, p1,
+                static_cast<const T*>(bank), c, rows);
+    if (!rc) rc = launch(pdl, fwd_solve, slice_grid, dim3(solve_threads(dm.C)), smem, stream, dm, p1, io, c, rows);
+    if (!rc)
+      rc = launch(pdl, fwd_write_kernel<VEC, T>, group_grid, dim3(kGroupWarps * 32), 0, stream, dm, p1, io, bank, c,
+                  rows, tables);
   }
   return rc;
 }
@@ -1018,11 +1185,14 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   GroupEntry* w_table = group_tables_at(dm, workspace);
   GroupEntry* r_table = w_table + dm.units() * dm.C * dm.W;
   const GroupTables tables{w_table, r_table};
-  const size_t smem = solve_smem(dm.C, 2);
-  int rc = build_group_table(dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, w_table, stream);
-  if (!rc) rc = build_group_table(dm, p1.r_order, p1.r_group, p1.q_idx, dm.R, r_table, stream);
-  if (!rc) rc = smem_attribute(bwd_dy_kernel, smem);
-  if (!rc) rc = smem_attribute(bwd_solve_kernel, smem / 2);
+  const bool pdl = use_pdl(), staged = solve_staged(dm.C);
+  const auto bwd_dy = staged ? bwd_dy_kernel<true> : bwd_dy_kernel<false>;
+  const auto bwd_solve = staged ? bwd_solve_kernel<true> : bwd_solve_kernel<false>;
+  const size_t dy_smem = solve_smem(dm.C, 2, 0, 2), solve_smem_bytes = solve_smem(dm.C, 1, 1, 1);
+  int rc = build_group_table(pdl, dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, w_table, stream);
+  if (!rc) rc = build_group_table(pdl, dm, p1.r_order, p1.r_group, p1.q_idx, dm.R, r_table, stream);
+  if (!rc) rc = smem_attribute(bwd_dy, dy_smem);
+  if (!rc) rc = smem_attribute(bwd_solve, solve_smem_bytes);
   const dim3 row_grid(dm.streams(), dm.C);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
   const dim3 write_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
@@ -1032,24 +1202,24 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const RowBlock rb = row_block(dm.D, kGVec);
   if (!rc) rc = smem_attribute(bwd_gwr_kernel<kGVec, GT>, rb.smem);
   if (!rc) {
-    bwd_dy_kernel<<<dim3(dm.units(), (dm.D + kSlice - 1) / kSlice), solve_threads(dm.C), smem, stream>>>(dm, p1, io);
-    rc = launched(rc);
+    rc = launch(pdl, bwd_dy, dim3(dm.units(), (dm.D + kSlice - 1) / kSlice), dim3(solve_threads(dm.C)), dy_smem,
+                stream, dm, p1, io);
   }
   for (int64_t c = dm.NC - 1; c >= 0 && !rc; --c) {
-    bwd_gwr_kernel<kGVec, GT><<<row_grid, rb.threads, rb.smem, stream>>>(dm, p1, dbank, c, rows);
-    rc = launched(rc);
-    bwd_solve_kernel<<<slice_grid, solve_threads(dm.C), smem / 2, stream>>>(dm, p1, io, c, rows);
-    rc = launched(rc);
-    bwd_phase_a_kernel<VEC, T, GT><<<write_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, dbank, c, rows,
-                                                                                 tables);
-    rc = launched(rc);
-    bwd_read_side_kernel<VEC, T, GT><<<read_grid, kGroupWarps * 32, 0, stream>>>(dm, p1, io, bank, dbank, c,
-                                                                                   tables);
-    rc = launched(rc);
+    rc = launch(pdl, bwd_gwr_kernel<kGVec, GT>, row_grid, rb.threads, rb.smem, stream, dm, p1,
+                static_cast<const GT*>(dbank), c, rows);
+    if (!rc)
+      rc = launch(pdl, bwd_solve, slice_grid, dim3(solve_threads(dm.C)), solve_smem_bytes, stream, dm, p1, io, c, rows);
+    if (!rc)
+      rc = launch(pdl, bwd_phase_a_kernel<VEC, T, GT>, write_grid, dim3(kGroupWarps * 32), 0, stream, dm, p1, io, bank,
+                  dbank, c, rows, tables);
+    if (!rc)
+      rc = launch(pdl, bwd_read_side_kernel<VEC, T, GT>, read_grid, dim3(kGroupWarps * 32), 0, stream, dm, p1, io,
+                  static_cast<const T*>(bank), dbank, c, tables);
   }
   if (!rc) {
-    bwd_dots_kernel<<<dim3(dm.units(), (dm.C + kDotsTile - 1) / kDotsTile), kDotsThreads, 0, stream>>>(dm, p1, io);
-    rc = launched(rc);
+    rc = launch(pdl, bwd_dots_kernel, dim3(dm.units(), (dm.C + kDotsTile - 1) / kDotsTile), dim3(kDotsThreads), 0,
+                stream, dm, p1, io);
   }
   return rc;
 }

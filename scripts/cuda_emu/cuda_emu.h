@@ -151,6 +151,36 @@ void launch(K kernel, dim3 grid, dim3 block, size_t shmem, cudaStream_t, A... ar
 }
 }  // namespace emu
 
+// cudaLaunchKernelEx with its launch attributes (programmatic dependent launch: the order of launches is all the
+// host has, so the attribute changes nothing here), and the device queries the launcher makes.
+constexpr int cudaLaunchAttributeProgrammaticStreamSerialization = 4, cudaDevAttrComputeCapabilityMajor = 75;
+struct cudaLaunchAttribute {
+  int id = 0;
+  struct {
+    int programmaticStreamSerializationAllowed = 0;
+  } val;
+};
+struct cudaLaunchConfig_t {
+  dim3 gridDim, blockDim;
+  size_t dynamicSmemBytes = 0;
+  cudaStream_t stream = nullptr;
+  cudaLaunchAttribute* attrs = nullptr;
+  unsigned numAttrs = 0;
+};
+template <typename... P, typename... A>
+int cudaLaunchKernelEx(const cudaLaunchConfig_t* cfg, void (*kernel)(P...), A... args) {
+  emu::launch(kernel, cfg->gridDim, cfg->blockDim, cfg->dynamicSmemBytes, cfg->stream, static_cast<P>(args)...);
+  return cudaGetLastError();
+}
+inline int cudaGetDevice(int* device) {
+  *device = 0;
+  return 0;
+}
+inline int cudaDeviceGetAttribute(int* value, int attr, int) {
+  *value = attr == cudaDevAttrComputeCapabilityMajor ? 9 : 0;
+  return 0;
+}
+
 inline void __syncthreads() { emu::block_bar->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_sync(); }
 inline int __ffs(unsigned v) { return __builtin_ffs(static_cast<int>(v)); }
