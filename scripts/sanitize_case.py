@@ -22,6 +22,22 @@ def op_case(seed, dtype, bank_grad_dtype=None, chunk=16, **shape):
     return [y, final] + [g[k] for k in FLOAT_ARGS]
 
 
+def op_case_slot_args(seed, dtype, chunk=16, **shape):
+    """op_case through one `jax.jit(jax.grad(...))` with the slot ids as arguments of the jitted function (op_case
+    closes the jitted forward over them as NumPy constants, which XLA embeds in its executable)."""
+    args = random_problem(seed, dtype=dtype, **shape)
+    dy, dbank = cotangents(seed, args)
+    ints = {k: jnp.asarray(args[k]) for k in ("k_idx", "q_idx")}
+    floats = {k: jnp.asarray(args[k]) for k in FLOAT_ARGS}
+
+    def loss(f, i):
+        y, final = sdm_write_read(**f, **i, chunk_size=chunk, impl="ffi")
+        return jnp.sum(y * dy) + jnp.sum(final * dbank)
+
+    g = jax.jit(jax.grad(loss))(floats, ints)
+    return [g[k] for k in FLOAT_ARGS]
+
+
 def step_case():
     p = random_problem(4, B=2, T=1, H=2, K=256, D=32, W=4, R=4, dtype=jnp.bfloat16)
     step = jax.jit(functools.partial(sdm_step, impl="ffi"), donate_argnums=0)
@@ -36,6 +52,7 @@ CASES = [
     lambda: op_case(3, np.float32, chunk=128, B=1, H=1, T=128, K=4096, D=8, W=64, R=64),  # Phase 1 workspace
     step_case,
     lambda: op_case(0, np.float32, T=48, K=64, D=24, W=3, R=2, distinct=False, repeats=True),  # case 0, whole chunks
+    lambda: op_case_slot_args(0, np.float32, T=40, K=64, D=24, W=3, R=2, distinct=False, repeats=True),  # case 0
 ]
 
 

@@ -1,16 +1,33 @@
-// Host emulation of the CUDA features kernels/phase1_cuda.cu uses (scripts/cuda_emu/run.sh): one block at a time,
-// one std::thread per CUDA thread, std::barrier for __syncthreads / __syncwarp and the warp collectives.
+// Host emulation of the CUDA features the kernels of kernels/phase1_cuda.cu and kernels/steps_cuda.cu use
+// (scripts/cuda_emu/run.sh): one block at a time, one std::thread per CUDA thread (the threads of a launch are
+// started once and walk its blocks in turn), std::barrier for __syncthreads / __syncwarp and the warp collectives.
+// 1-3D grids and blocks (threads numbered x fastest, warps of 32 consecutive threads), dynamic shared memory (one
+// buffer of exactly the launch's size, refilled with a byte pattern before every block: 0xff, a float NaN, so that
+// a read of a cell no thread of the block wrote shows), vector types, __ldg, bfloat16 (round to nearest even, 16
+// bits) and the few runtime calls the launchers make. Only what the kernels' logic needs: nothing about speed.
 #pragma once
 #include <algorithm>
 #include <barrier>
+#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <thread>
-#include <vector>
+#include <map>
 #include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
-struct dim3 { unsigned x = 1, y = 1, z = 1; };
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+  unsigned count() const { return x * y * z; }
+};
 inline thread_local dim3 threadIdx, blockIdx;
 inline dim3 blockDim, gridDim;
 #define __global__
@@ -21,42 +38,116 @@ inline dim3 blockDim, gridDim;
 struct CUstream_st;
 typedef CUstream_st* cudaStream_t;
 typedef int cudaError_t;
-constexpr int cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaFuncAttributeMaxDynamicSharedMemorySize = 8;
-template <typename F> int cudaFuncSetAttribute(F, int, int) { return 0; }
-inline int cudaGetLastError() { return 0; }
-inline int min(int a, int b) { return a < b ? a : b; }
-inline int max(int a, int b) { return a > b ? a : b; }
+constexpr int cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidConfiguration = 9,
+              cudaFuncAttributeMaxDynamicSharedMemorySize = 8;
+namespace emu {
+// The launch limits of the GPUs the kernels are built for (sm_80 / sm_90): a launch past them fails on the GPU
+// (cudaGetLastError), so it fails here too, with a line on stderr naming it.
+constexpr unsigned kMaxThreads = 1024, kMaxBlockZ = 64, kMaxGridYZ = 65535;
+constexpr int kDefaultDynSmem = 48 * 1024, kMaxDynSmem = 227 * 1024;
+inline int last_error = 0;
+inline std::map<const void*, int> dyn_smem_allowed;  // per kernel, from cudaFuncSetAttribute
+}  // namespace emu
+template <typename F> int cudaFuncSetAttribute(F kernel, int attr, int value) {
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return 0;
+  if (value < 0 || value > emu::kMaxDynSmem) return cudaErrorInvalidValue;
+  emu::dyn_smem_allowed[reinterpret_cast<const void*>(kernel)] = value;
+  return 0;
+}
+inline int cudaGetLastError() { return std::exchange(emu::last_error, 0); }
+inline int cudaMemsetAsync(void* p, int v, size_t bytes, cudaStream_t) {
+  if (bytes) std::memset(p, v, bytes);
+  return 0;
+}
+// CUDA's integer min/max, for mixed widths too (int with int64_t: the common type).
+template <typename A, typename B>
+inline std::common_type_t<A, B> min(A a, B b) { return a < b ? a : b; }
+template <typename A, typename B>
+inline std::common_type_t<A, B> max(A a, B b) { return a > b ? a : b; }
+
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(16) int4 { int x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+template <typename T> inline T __ldg(const T* p) { return *p; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+
+// bfloat16: the high 16 bits of a float32, rounded to nearest even (NaN stays a quiet NaN).
+struct __nv_bfloat16 { uint16_t bits; };
+inline float __bfloat162float(__nv_bfloat16 h) { return std::bit_cast<float>(static_cast<uint32_t>(h.bits) << 16); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  uint32_t u = std::bit_cast<uint32_t>(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return __nv_bfloat16{static_cast<uint16_t>((u >> 16) | 0x40)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return __nv_bfloat16{static_cast<uint16_t>(u >> 16)};
+}
 
 namespace emu {
 inline std::unique_ptr<std::barrier<>> block_bar;
 inline std::vector<std::unique_ptr<std::barrier<>>> warp_bar;
 inline std::vector<unsigned> wvals;  // [warp * 32 + lane]
 inline std::vector<unsigned char> smem;
+inline unsigned char smem_fill = 0xff;  // the pattern dynamic shared memory holds when a block starts
+inline thread_local int tid;            // linear thread index in the block (x fastest)
+// The order the blocks of a launch run in, from CUDA_EMU_BLOCKS: forward (the default), reverse or shuffle (a
+// fixed permutation per launch). A GPU runs them in any order and at once: results that change with the order
+// show a dependence between the blocks of one launch (a row with two writers, a read of another block's write).
+inline std::vector<unsigned> block_order(unsigned blocks) {
+  static const std::string mode = [] {
+    const char* e = std::getenv("CUDA_EMU_BLOCKS");
+    return std::string(e ? e : "forward");
+  }();
+  static unsigned launches = 0;
+  std::vector<unsigned> order(blocks);
+  for (unsigned b = 0; b < blocks; ++b) order[b] = b;
+  if (mode == "reverse") std::reverse(order.begin(), order.end());
+  if (mode == "shuffle") std::shuffle(order.begin(), order.end(), std::mt19937(++launches));
+  return order;
+}
 inline unsigned char* dyn_smem() { return smem.data(); }
-inline int lane() { return threadIdx.x & 31; }
-inline int warp() { return threadIdx.x >> 5; }
+inline int lane() { return tid & 31; }
+inline int warp() { return tid >> 5; }
 inline void warp_sync() { warp_bar[warp()]->arrive_and_wait(); }
 
 template <typename K, typename... A>
-void launch(K kernel, unsigned blocks, int threads, size_t shmem, cudaStream_t, A... args) {
-  blockDim.x = threads;
-  gridDim.x = blocks;
-  smem.assign(shmem, 0xcd);
+void launch(K kernel, dim3 grid, dim3 block, size_t shmem, cudaStream_t, A... args) {
+  const int threads = static_cast<int>(block.count());
+  const unsigned blocks = grid.count();
+  const auto allowed = dyn_smem_allowed.find(reinterpret_cast<const void*>(kernel));
+  const size_t smem_max = std::max<size_t>(kDefaultDynSmem, allowed == dyn_smem_allowed.end() ? 0 : allowed->second);
+  if (threads == 0 || blocks == 0 || block.x > kMaxThreads || block.y > kMaxThreads || block.z > kMaxBlockZ ||
+      static_cast<unsigned>(threads) > kMaxThreads || grid.x > 0x7fffffffu || grid.y > kMaxGridYZ ||
+      grid.z > kMaxGridYZ || shmem > smem_max) {
+    std::fprintf(stderr, "emu::launch: invalid configuration: grid (%u, %u, %u), block (%u, %u, %u), %zu bytes of "
+                 "dynamic shared memory (at most %zu)\n", grid.x, grid.y, grid.z, block.x, block.y, block.z, shmem,
+                 smem_max);
+    if (!last_error) last_error = cudaErrorInvalidConfiguration;
+    return;
+  }
+  blockDim = block;
+  gridDim = grid;
+  smem.assign(shmem, smem_fill);
   block_bar = std::make_unique<std::barrier<>>(threads);
   warp_bar.clear();
-  for (int w = 0; w < threads / 32; ++w) warp_bar.push_back(std::make_unique<std::barrier<>>(32));
-  wvals.assign(threads, 0);
-  for (unsigned b = 0; b < blocks; ++b) {
-    std::vector<std::thread> ts;
-    for (int t = 0; t < threads; ++t) {
-      ts.emplace_back([=] {
-        threadIdx.x = t;
-        blockIdx.x = b;
+  for (int w = 0; w < threads; w += 32) warp_bar.push_back(std::make_unique<std::barrier<>>(std::min(32, threads - w)));
+  wvals.assign((threads + 31) / 32 * 32, 0);
+  const std::vector<unsigned> order = block_order(blocks);
+  std::vector<std::thread> ts;
+  for (int t = 0; t < threads; ++t) {
+    ts.emplace_back([=, &order] {
+      tid = t;
+      threadIdx = dim3(t % block.x, t / block.x % block.y, t / (block.x * block.y));
+      for (unsigned b = 0; b < blocks; ++b) {
+        const unsigned id = order[b];
+        blockIdx = dim3(id % grid.x, id / grid.x % grid.y, id / (grid.x * grid.y));
         kernel(args...);
-      });
-    }
-    for (auto& t : ts) t.join();
+        block_bar->arrive_and_wait();  // the block is done: its shared memory is refilled for the next
+        if (t == 0 && b + 1 < blocks) std::fill(smem.begin(), smem.end(), smem_fill);
+        block_bar->arrive_and_wait();
+      }
+    });
   }
+  for (auto& t : ts) t.join();
 }
 }  // namespace emu
 
@@ -97,4 +188,9 @@ inline int __shfl_up_sync(unsigned, int x, int o) {
 }
 inline int __shfl_sync(unsigned, int x, int src) {
   return emu::collective(static_cast<unsigned>(x), [&](const unsigned* w) { return static_cast<int>(w[src]); });
+}
+inline float __shfl_xor_sync(unsigned, float x, int mask) {
+  return std::bit_cast<float>(emu::collective(std::bit_cast<unsigned>(x), [&](const unsigned* w) {
+    return w[emu::lane() ^ mask];
+  }));
 }

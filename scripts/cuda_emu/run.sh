@@ -1,28 +1,67 @@
 #!/usr/bin/env bash
-# Runs the CUDA Phase 1 kernels (kernels/phase1_cuda.cu) on the CPU and compares every output with the CPU kernels
-# (kernels/phase1_cpu.cc): a check of the CUDA code's logic, barriers and indexing where no GPU is at hand. One
-# std::thread per CUDA thread, one block at a time; __syncthreads, __syncwarp and the warp collectives are barriers.
-# It says nothing about speed, and a GPU run stays the final word.
+# Runs CUDA kernels on the CPU and compares every output with the CPU kernels: a check of the CUDA code's logic,
+# barriers and indexing where no GPU is at hand. One std::thread per CUDA thread, one block at a time;
+# __syncthreads, __syncwarp and the warp collectives are barriers (cuda_emu.h). It says nothing about speed, and a
+# GPU run stays the final word.
 #
-#   bash scripts/cuda_emu/run.sh [plain|tsan|asan] [CASE | random SEED COUNT]
+#   bash scripts/cuda_emu/run.sh [plain|tsan|asan] [phase1|steps|all] [CASE [SEED] | random SEED COUNT]
+#   bash scripts/cuda_emu/run.sh [plain|tsan|asan] steps shape V NC P C W R K D f32|bf16 f32|bf16 INVALID PAD [SEED]
 #
+# Checks: phase1 (the default, as before) runs kernels/phase1_cuda.cu against kernels/phase1_cpu.cc
+# (phase1_check.cc); steps runs the chunk steps of kernels/steps_cuda.cu (forward_cuda, backward_cuda) against
+# kernels/steps_cpu.cc (steps_check.cc), on Phase 1's outputs from the CPU kernels; all runs both (then without
+# further arguments). The check may be left out: `run.sh plain 3` is Phase 1's case 3.
 # tsan: ThreadSanitizer reports any shared- or global-memory race that the barriers do not order; asan: out-of-range
-# accesses (the block's shared memory is a buffer of exactly the scratch size) and undefined behaviour. CASE is an
-# index into the fixed cases of phase1_check.cc (all by default); `random` draws COUNT random shapes.
+# accesses (the block's dynamic shared memory is a buffer of exactly the launch's size) and undefined behaviour
+# (misaligned vector loads included). CASE is an index into the fixed cases of the check (all by default; one case
+# prints the max errors of each output; the steps check takes a comma-separated list too); `random` draws COUNT
+# random shapes; `shape` runs one problem of the steps (sizes as in kernels/steps.h, the bank's and the gradient
+# bank's dtypes, the fraction of out-of-range ids, the trailing tokens of each chunk with no valid id).
+#
+# On 2 busy cores the steps check takes 30-50 s in plain mode, 3.5-6 minutes under tsan, about 2 minutes under
+# asan (Phase 1's: about 2 minutes in plain mode); it prints, per case, ok or FAIL with the outputs that differ, and at the end the
+# largest abs and relative errors per output over the cases. CUDA_EMU_OPT sets plain mode's optimisation (-O1 by
+# default; -O0 compiles faster for a few tiny cases: tests/test_cuda_emu.py). CUDA_EMU_BLOCKS=reverse|shuffle runs
+# the blocks of every launch in reverse or shuffled order (forward by default): a result that changes with the
+# order shows a dependence between blocks that a GPU, running them in any order and at once, would not honour.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 MODE=${1:-plain}
 shift || true
-WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
-python3 "$HERE/transform.py" "$REPO/kernels/phase1_cuda.cu" "$WORK/phase1_emu.inc"
+CHECK=phase1
+case "${1:-}" in
+  phase1|steps|all) CHECK=$1; shift ;;
+esac
 case "$MODE" in
-  plain) FLAGS="-O1" ;;
+  plain) FLAGS="${CUDA_EMU_OPT:--O1}" ;;
   tsan) FLAGS="-O1 -g -fsanitize=thread" ;;
   asan) FLAGS="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined" ;;
   *) echo "mode: plain, tsan or asan" >&2; exit 2 ;;
 esac
-${CXX:-g++} -std=c++20 $FLAGS -I"$REPO" -I"$HERE" -I"$WORK" "$HERE/phase1_check.cc" "$REPO/kernels/phase1_cpu.cc" \
-  -o "$WORK/phase1_check" -pthread
-"$WORK/phase1_check" "$@"
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+# build NAME CUDA_SOURCE LAUNCHES CPU_SOURCES...: the check NAME_check.cc against the CUDA source rewritten for
+# the host (transform.py; LAUNCHES: the launches it must have, "" for any number) and the CPU kernels.
+build() {
+  local name=$1 cu=$2 launches=$3
+  shift 3
+  python3 "$HERE/transform.py" "$REPO/kernels/$cu" "$WORK/${name}_emu.inc" $launches
+  local src objs=() pids=() pid
+  for src in "$HERE/${name}_check.cc" "$@"; do  # one compiler per source, at once
+    objs+=("$WORK/${name}_$(basename "$src").o")
+    ${CXX:-g++} -c -std=c++20 $FLAGS -fno-strict-aliasing -I"$REPO" -I"$HERE/shim" -I"$HERE" -I"$WORK" "$src" \
+      -o "${objs[-1]}" &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  ${CXX:-g++} $FLAGS "${objs[@]}" -o "$WORK/${name}_check" -pthread
+}
+if [[ $CHECK == phase1 || $CHECK == all ]]; then
+  build phase1 phase1_cuda.cu 2 "$REPO/kernels/phase1_cpu.cc"
+  "$WORK/phase1_check" "$@"
+fi
+if [[ $CHECK == steps || $CHECK == all ]]; then
+  build steps steps_cuda.cu "" "$REPO/kernels/steps_cpu.cc" "$REPO/kernels/phase1_cpu.cc" "$REPO/kernels/solve_cpu.cc"
+  "$WORK/steps_check" "$@"
+fi

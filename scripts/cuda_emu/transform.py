@@ -1,12 +1,25 @@
-"""Rewrites kernels/phase1_cuda.cu for the host emulation (cuda_emu.h): the CUDA runtime include, the block's shared
-arrays (one block runs at a time, so they are plain statics / one buffer) and the two kernel launches."""
+"""Rewrites a CUDA source (kernels/phase1_cuda.cu, kernels/steps_cuda.cu) for the host emulation (cuda_emu.h; the
+CUDA headers are the shims in shim/): the block's shared arrays (one block runs at a time, so static ones are
+plain statics and the dynamic one is the launch's buffer), inline PTX (prefetch hints: no-ops on the host) and
+the kernel launches `kernel<...><<<grid, block, smem, stream>>>(args)`.
+
+    python3 transform.py IN.cu OUT.inc [LAUNCHES]
+
+LAUNCHES, when given, is the number of launches the source must have (a check that it did not change shape); any
+construct the rewrite does not know (a `__shared__` or `asm` left, a launch not rewritten) stops it."""
 import re
 import sys
 
 s = open(sys.argv[1]).read()
 s = s.replace("#include <cuda_runtime.h>", '#include "cuda_emu.h"')
-s = s.replace("extern __shared__ __align__(16) unsigned char dyn_smem[];", "unsigned char* dyn_smem = emu::dyn_smem();")
-s = s.replace("__shared__ int scan_sh[32 * 4];", "static int scan_sh[32 * 4];")
-s, n = re.subn(r"(\w+)<<<(.*?)>>>\(", r"emu::launch(\1, \2, ", s, flags=re.S)
-assert n == 2 and "__shared__" not in s, "phase1_cuda.cu changed shape: update transform.py"
-open(sys.argv[2], "w").write(s)
+# extern __shared__ [__align__(N)] T name[];  ->  T* name = (T*) the launch's dynamic shared memory
+s = re.sub(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w ]+?)\s+(\w+)\[\];",
+           r"\1* \2 = reinterpret_cast<\1*>(emu::dyn_smem());", s)
+s = re.sub(r"\b__shared__\s+", "static ", s)
+s = re.sub(r'asm\s+volatile\s*\(".*?"\s*::.*?\);', ";", s, flags=re.S)
+s, n = re.subn(r"(\w+(?:<[^<>;]*>)?)\s*<<<(.*?)>>>\s*\(", r"emu::launch(\1, \2, ", s, flags=re.S)
+assert "__shared__" not in s and "asm" not in s and "<<<" not in s, f"{sys.argv[1]} changed shape: update transform.py"
+if len(sys.argv) > 3:
+    assert n == int(sys.argv[3]), f"{sys.argv[1]}: {n} launches, expected {sys.argv[3]}: update transform.py"
+# Diagnostics (sanitizer reports, compiler errors) name the CUDA source's own lines: the rewrite keeps every line.
+open(sys.argv[2], "w").write(f'#line 1 "{sys.argv[1]}"\n' + s)

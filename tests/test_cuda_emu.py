@@ -1,0 +1,38 @@
+"""The CUDA chunk steps (kernels/steps_cuda.cu) run on the CPU by the host emulation of scripts/cuda_emu against
+the CPU kernels (kernels/steps_cpu.cc): a smoke run of two tiny cases of the steps check (a float32 bank with
+4-column rows, C = 5, V = 2; a bfloat16 bank and gradient bank with 16-byte rows and long write groups), so that
+the emulation keeps building as the CUDA source changes. The full check is `bash scripts/cuda_emu/run.sh plain
+steps` (a developer tool: a few minutes). Skipped without a C++20 g++ or bash."""
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RUN = ROOT / "scripts" / "cuda_emu" / "run.sh"
+
+
+def _has_cxx20_barrier():
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None or shutil.which("bash") is None:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        src = pathlib.Path(tmp) / "t.cc"
+        src.write_text("#include <barrier>\n#include <bit>\nint main() { std::barrier<> b(1); b.arrive_and_wait(); }\n")
+        r = subprocess.run([cxx, "-std=c++20", "-pthread", str(src), "-o", str(pathlib.Path(tmp) / "t")],
+                           capture_output=True)
+        return r.returncode == 0
+
+
+@pytest.mark.skipif(not RUN.exists() or not _has_cxx20_barrier(), reason="needs bash and g++ with C++20 <barrier>")
+def test_cuda_steps_on_cpu_match_cpu_kernels():
+    env = dict(os.environ, CUDA_EMU_OPT="-O0")
+    r = subprocess.run(["bash", str(RUN), "plain", "steps", "1,4"], capture_output=True, text=True, timeout=600,
+                       env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert sum(line.startswith("ok ") for line in r.stdout.splitlines()) == 2, out[-4000:]
+    assert "0 failing cases" in r.stdout
