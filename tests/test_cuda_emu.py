@@ -1,8 +1,9 @@
 """The CUDA chunk steps (kernels/steps_cuda.cu) run on the CPU by the host emulation of scripts/cuda_emu against
 the CPU kernels (kernels/steps_cpu.cc): a smoke run of two tiny cases of the steps check (a float32 bank with
 4-column rows, C = 5, V = 2; a bfloat16 bank and gradient bank with 16-byte rows and long write groups), so that
-the emulation keeps building as the CUDA source changes. The full check is `bash scripts/cuda_emu/run.sh plain
-steps` (a developer tool: a few minutes). Skipped without a C++20 g++ or bash."""
+the emulation keeps building as the CUDA source changes; and the decode step (kernels/decode_step_cuda.cu) against
+kernels/decode_step_cpu.cc, bitwise. The full checks are `bash scripts/cuda_emu/run.sh plain steps|decode` (developer
+tools: a few minutes). Skipped without a C++20 g++ or bash."""
 import os
 import pathlib
 import shutil
@@ -35,4 +36,14 @@ def test_cuda_steps_on_cpu_match_cpu_kernels():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert sum(line.startswith("ok ") for line in r.stdout.splitlines()) == 2, out[-4000:]
+    assert "0 failing cases" in r.stdout
+
+
+@pytest.mark.skipif(not RUN.exists() or not _has_cxx20_barrier(), reason="needs bash and g++ with C++20 <barrier>")
+def test_cuda_decode_step_on_cpu_matches_cpu_kernel():
+    env = dict(os.environ, CUDA_EMU_OPT="-O0")
+    r = subprocess.run(["bash", str(RUN), "plain", "decode"], capture_output=True, text=True, timeout=600, env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert sum(line.startswith("ok ") for line in r.stdout.splitlines()) == 12, out[-4000:]
     assert "0 failing cases" in r.stdout
