@@ -2,7 +2,8 @@
 // columns, a thread one column: it runs the stream's whole token on its column in lane order, so every bank cell
 // has one writer and every sum a fixed order, with no barrier but the one after the block computes the stream's
 // lane maps (first write lane of each write and read slot) into shared memory. Only the W written rows are
-// touched. Built with -fmad=false: multiplies and adds are rounded separately, as on the CPU.
+// touched; each thread loads its column of several rows before using the first. Built with -fmad=false: multiplies
+// and adds are rounded separately, as on the CPU.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -23,8 +24,14 @@ __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float
 __device__ __forceinline__ float from_f(float x, float*) { return x; }
 __device__ __forceinline__ __nv_bfloat16 from_f(float x, __nv_bfloat16*) { return __float2bfloat16_rn(x); }
 
-// Shared memory of a block: the working rows cur [W][threads] (float), then first [W] and read_lane [R] (int32).
-int64_t shared_bytes(const DecodeDims& dm, int threads) { return 4 * (dm.W * threads + dm.W + dm.R); }
+// Shared memory of a block: the working rows cur [W][threads] (float), then first [W], read_lane [R], the token's
+// slot ids k_idx [W], q_idx [R] (int32) and weights k_val [W], q_val [R] (float): loaded once by the block, in
+// parallel, instead of once per lane in each thread's serial loops.
+int64_t shared_bytes(const DecodeDims& dm, int threads) { return 4 * (dm.W * threads + 3 * (dm.W + dm.R)); }
+
+// Bank rows a thread loads before using the first (one per lane): the step is a short chain of dependent loads,
+// and a loop that waits for each row in turn costs one memory latency per lane.
+constexpr int kInFlight = 8;
 
 template <typename T>
 __global__ void decode_step_kernel(DecodeDims dm, DecodeToken<T> tok, T* __restrict__ bank, int64_t tiles) {
@@ -35,38 +42,71 @@ __global__ void decode_step_kernel(DecodeDims dm, DecodeToken<T> tok, T* __restr
   float* cur = shared + threadIdx.x;  // this column's working row of lane n at cur[n * blockDim.x]
   int32_t* first = reinterpret_cast<int32_t*>(shared + W * blockDim.x);
   int32_t* read_lane = first + W;
-  const int32_t* k_idx = tok.k_idx + s * W;
-  const int32_t* q_idx = tok.q_idx + s * R;
-  for (int64_t n = threadIdx.x; n < W; n += blockDim.x) first[n] = first_write_lane(k_idx, W, K, k_idx[n]);
-  for (int64_t m = threadIdx.x; m < R; m += blockDim.x) read_lane[m] = first_write_lane(k_idx, W, K, q_idx[m]);
+  int32_t* k_idx = read_lane + R;  // the token's slot ids, in shared memory: the row loads depend on them
+  int32_t* q_idx = k_idx + W;
+  float* k_val = reinterpret_cast<float*>(q_idx + R);
+  float* q_val = k_val + W;
+  const int32_t* k_idx_in = tok.k_idx + s * W;
+  for (int64_t n = threadIdx.x; n < W; n += blockDim.x) {
+    k_idx[n] = k_idx_in[n];
+    k_val[n] = to_f(tok.k_val[s * W + n]);
+    first[n] = first_write_lane(k_idx_in, W, K, k_idx_in[n]);
+  }
+  for (int64_t m = threadIdx.x; m < R; m += blockDim.x) {
+    q_idx[m] = tok.q_idx[s * R + m];
+    q_val[m] = to_f(tok.q_val[s * R + m]);
+    read_lane[m] = first_write_lane(k_idx_in, W, K, q_idx[m]);
+  }
   __syncthreads();
   if (j >= D) return;
 
-  const T* k_val = tok.k_val + s * W;
   const float* x = tok.x + (dm.per_write_gates ? s * W : s);
   T* col = bank + s * K * D + j;  // column j of the stream's rows: row r at col[r * D]
-  for (int64_t n = 0; n < W; ++n) {  // each distinct written row decays once
-    if (first[n] == n) cur[n * blockDim.x] = expf(x[dm.per_write_gates ? n : 0]) * to_f(col[k_idx[n] * D]);
+  for (int64_t n0 = 0; n0 < W; n0 += kInFlight) {  // each distinct written row decays once
+    float row[kInFlight];
+#pragma unroll
+    for (int i = 0; i < kInFlight; ++i) {
+      const int64_t n = n0 + i;
+      if (n < W && first[n] == n) row[i] = to_f(col[k_idx[n] * D]);
+    }
+#pragma unroll
+    for (int i = 0; i < kInFlight; ++i) {
+      const int64_t n = n0 + i;
+      if (n < W && first[n] == n) cur[n * blockDim.x] = expf(x[dm.per_write_gates ? n : 0]) * row[i];
+    }
   }
   float d = 0.0f;  // pred, then the delta-rule correction
   for (int64_t n = 0; n < W; ++n) {
-    if (first[n] >= 0) d += to_f(k_val[n]) * cur[first[n] * blockDim.x];
+    if (first[n] >= 0) d += k_val[n] * cur[first[n] * blockDim.x];
   }
   d = tok.beta[s] * (to_f(tok.v[s * D + j]) - d);
   for (int64_t n = 0; n < W; ++n) {
-    if (first[n] >= 0) cur[first[n] * blockDim.x] += to_f(k_val[n]) * d;
+    if (first[n] >= 0) cur[first[n] * blockDim.x] += k_val[n] * d;
   }
   for (int64_t n = 0; n < W; ++n) {
     if (first[n] == n) col[k_idx[n] * D] = from_f(cur[n * blockDim.x], col);
   }
-  // Reads after the write: a written row from its float32 working row, any other from the bank.
-  const T* q_val = tok.q_val + s * R;
+  // Reads after the write: a written row from its float32 working row, any other from the bank (kInFlight at a
+  // time, summed in lane order).
   float y = 0.0f;
-  for (int64_t m = 0; m < R; ++m) {
-    const int32_t r = q_idx[m];
-    if (r < 0 || r >= K) continue;
-    const float row = read_lane[m] >= 0 ? cur[read_lane[m] * blockDim.x] : to_f(col[r * D]);
-    y += to_f(q_val[m]) * row;
+  for (int64_t m0 = 0; m0 < R; m0 += kInFlight) {
+    float row[kInFlight];
+#pragma unroll
+    for (int i = 0; i < kInFlight; ++i) {
+      const int64_t m = m0 + i;
+      if (m >= R) break;
+      const int32_t r = q_idx[m];
+      if (r < 0 || r >= K) continue;
+      row[i] = read_lane[m] >= 0 ? cur[read_lane[m] * blockDim.x] : to_f(col[r * D]);
+    }
+#pragma unroll
+    for (int i = 0; i < kInFlight; ++i) {
+      const int64_t m = m0 + i;
+      if (m >= R) break;
+      const int32_t r = q_idx[m];
+      if (r < 0 || r >= K) continue;
+      y += q_val[m] * row[i];
+    }
   }
   tok.y[s * D + j] = from_f(y, tok.y);
 }
