@@ -23,18 +23,19 @@ def op_case(seed, dtype, bank_grad_dtype=None, chunk=16, **shape):
 
 
 def op_case_slot_args(seed, dtype, chunk=16, **shape):
-    """op_case through one `jax.jit(jax.grad(...))` with the slot ids as arguments of the jitted function (op_case
-    closes the jitted forward over them as NumPy constants, which XLA embeds in its executable)."""
+    """op_case through one `jax.jit(jax.grad(...))` with every array (slot ids and cotangents too) an argument of
+    the jitted function: op_case closes the jitted forward over the slot ids and cotangents as constants, which
+    XLA embeds in its executable, and initcheck cannot see those initialized."""
     args = random_problem(seed, dtype=dtype, **shape)
     dy, dbank = cotangents(seed, args)
     ints = {k: jnp.asarray(args[k]) for k in ("k_idx", "q_idx")}
     floats = {k: jnp.asarray(args[k]) for k in FLOAT_ARGS}
 
-    def loss(f, i):
+    def loss(f, i, dy, dbank):
         y, final = sdm_write_read(**f, **i, chunk_size=chunk, impl="ffi")
         return jnp.sum(y * dy) + jnp.sum(final * dbank)
 
-    g = jax.jit(jax.grad(loss))(floats, ints)
+    g = jax.jit(jax.grad(loss))(floats, ints, jnp.asarray(dy), jnp.asarray(dbank))
     return [g[k] for k in FLOAT_ARGS]
 
 

@@ -1,0 +1,147 @@
+"""A device timeline of bench.py's calls (the stand-in for an nsys timeline: nsys is not on the GPU machine):
+where the wall time of one call goes between kernels, copies and idle gaps.
+
+    python3 scripts/timeline.py [shape] [chunk] [grad|nograd] [--calls N] [--trace-dir DIR]
+
+Runs the function a few times to warm up, then `--calls` times under `jax.profiler` (a Perfetto trace with the
+device's activity), and prints for the median call: its span on the device (first activity to last), the time
+in kernels, in copies and memsets, the idle time between activities, the largest gaps and which activities they
+sit between, and the time each kind of activity takes in all.
+"""
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
+from bench import SHAPES, make_functions, make_inputs  # noqa: E402
+
+
+def device_events(trace):
+    """The trace's complete events ("X") on the device's streams, as (start us, end us, name, kind) sorted by
+    start. A process counts as the device's when its name says GPU (XLA's profiler names them /device:GPU:n)."""
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {pid for pid, name in names.items() if "GPU" in name or "gpu" in name}
+    events = []
+    for e in trace["traceEvents"]:
+        if e.get("ph") != "X" or e.get("pid") not in gpu:
+            continue
+        name = e.get("name", "")
+        low = name.lower()
+        kind = "copy" if "memcpy" in low or "memset" in low else "kernel"
+        events.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), name, kind))
+    events.sort()
+    return events, sorted(names.values())
+
+
+def split_calls(events, calls):
+    """Cut the event list into `calls` groups at the `calls - 1` widest idle gaps (the host's waits between calls)."""
+    if calls <= 1 or len(events) < calls:
+        return [events]
+    gaps, frontier = [], events[0][1]
+    for i in range(1, len(events)):
+        gaps.append((events[i][0] - frontier, i))
+        frontier = max(frontier, events[i][1])
+    cuts = sorted(i for _, i in sorted(gaps)[-(calls - 1):])
+    bounds = [0] + cuts + [len(events)]
+    return [events[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def short(name, width=48):
+    name = name.split("(")[0].replace("void ", "")
+    return name if len(name) <= width else name[:width - 3] + "..."
+
+
+def summarize(call):
+    start, end = call[0][0], max(e[1] for e in call)
+    busy = collections.Counter()
+    per_name = collections.defaultdict(lambda: [0, 0.0])
+    gaps = []
+    frontier = start
+    previous = "(start)"
+    for s, e, name, kind in call:
+        if s > frontier:
+            gaps.append((s - frontier, previous, name))
+        # Busy time: the union of activities (overlapping streams count once).
+        busy[kind] += max(0.0, e - max(s, frontier))
+        frontier = max(frontier, e)
+        previous = name
+        per_name[short(name)][0] += 1
+        per_name[short(name)][1] += e - s
+    idle = sum(g for g, _, _ in gaps)
+    lines = [f"span {end - start:9.1f} us   kernels {busy['kernel']:9.1f} us   copies/memsets {busy['copy']:8.1f} us"
+             f"   idle {idle:8.1f} us in {len(gaps)} gaps (mean {idle / max(len(gaps), 1):.2f} us)"]
+    pairs = collections.defaultdict(lambda: [0, 0.0])
+    for g, a, b in gaps:
+        pairs[(short(a, 32), short(b, 32))][0] += 1
+        pairs[(short(a, 32), short(b, 32))][1] += g
+    lines.append("idle time by neighbours (after -> before), largest first:")
+    for (a, b), (n, t) in sorted(pairs.items(), key=lambda kv: -kv[1][1])[:12]:
+        lines.append(f"  {t:8.1f} us in {n:4d} gaps   {a} -> {b}")
+    lines.append("largest single gaps:")
+    for g, a, b in sorted(gaps, reverse=True)[:8]:
+        lines.append(f"  {g:8.1f} us   {short(a, 32)} -> {short(b, 32)}")
+    lines.append("time by activity:")
+    for name, (n, t) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:20]:
+        lines.append(f"  {t:9.1f} us  {n:4d} x  {name}")
+    return end - start, "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("shape", nargs="?", default="flagship", choices=sorted(SHAPES))
+    ap.add_argument("chunk", nargs="?", type=int)
+    ap.add_argument("mode", nargs="?", default="grad", choices=["grad", "nograd"])
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--trace-dir")
+    a = ap.parse_args()
+    shape = dict(SHAPES[a.shape])
+    if a.chunk:
+        shape["chunk"] = a.chunk
+    args, dy, dbank = make_inputs(shape, 0)
+    forward, step = make_functions("ffi", shape["chunk"], dy, dbank)
+    fn = forward if a.mode == "nograd" else step
+    deadline = time.perf_counter() + 0.5  # warm up: compile, and raise an idle GPU's clock
+    while True:
+        jax.block_until_ready(fn(*args))
+        if time.perf_counter() > deadline:
+            break
+    trace_dir = a.trace_dir or tempfile.mkdtemp(prefix="sdm_trace_")
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    walls = []
+    for _ in range(a.calls):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        walls.append((time.perf_counter() - t0) * 1e6)
+        time.sleep(0.002)  # a clear gap between calls on the device
+    jax.profiler.stop_trace()
+    files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    if not files:
+        sys.exit(f"no Perfetto trace under {trace_dir}")
+    with gzip.open(max(files, key=os.path.getmtime)) as f:
+        trace = json.load(f)
+    events, processes = device_events(trace)
+    print(f"{a.shape} chunk {shape['chunk']} {a.mode} on {jax.devices()[0].device_kind}: wall per call (host) "
+          f"median {statistics.median(walls):.1f} us over {a.calls} calls")
+    if not events:
+        print("no device activity in the trace; processes:", processes)
+        return
+    print("device activity from:", ", ".join(p for p in processes if "GPU" in p or "gpu" in p))
+    calls = split_calls(events, a.calls)
+    spans = [summarize(c) for c in calls]
+    spans.sort(key=lambda s: s[0])
+    print(f"device span per call: {', '.join(f'{s:.0f}' for s, _ in spans)} us; the median call:")
+    print(spans[len(spans) // 2][1])
+
+
+if __name__ == "__main__":
+    main()
