@@ -2,7 +2,7 @@
 # The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
 #
 #   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,memory,profile,
-#                                          sanitize (default: build,tests,determinism,bench)
+#                                          timeline,sanitize (default: build,tests,determinism,bench)
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
 # metadata, so the commit the logs name is taken from SDM_COMMIT when set.
@@ -121,6 +121,16 @@ if has profile; then
       > "$OUT/ncu_detail.txt" 2>> "$OUT/ncu_err.log"
     summary "profile detail rc=$?"
   fi
+fi
+if has timeline; then
+  # Where each call's device time goes: kernels, copies, idle gaps (a jax.profiler trace; nsys is absent).
+  for shape in ${PROFILE_SHAPES:-flagship}; do
+    for mode in ${PROFILE_MODES:-grad nograd}; do
+      name=timeline_${shape}_${PROFILE_CHUNKS:-64}_$mode${TIMELINE_TAG:-}
+      timeout 200 python3 "$REPO/scripts/timeline.py" "$shape" ${PROFILE_CHUNKS:-64} "$mode" > "$OUT/$name.txt" 2>&1
+      summary "timeline $shape $mode${TIMELINE_TAG:-} rc=$?: $(grep -E "^span" "$OUT/$name.txt" | head -1)"
+    done
+  done
 fi
 if has memory; then
   # XLA's buffer assignment for the no-grad forward and the one-jit forward + backward at each anchor shape.
