@@ -41,7 +41,7 @@ namespace sdm {
 namespace {
 
 constexpr int kSlice = 32;          // columns per block of the solve kernels
-constexpr int kSolveThreadsMax = 1024;  // threads per block of the solve kernels: one per 4 x 4 tile
+constexpr int kSolveThreadsMax = 1024;  // threads per block of the solve kernels: one per tile
 constexpr int kRowThreadsMax = 256;  // column threads (x) per block of the per-token row kernels
 constexpr int kRowThreadsCap = 512;  // threads (x times parts) per block of the per-token row kernels
 constexpr int kRowBlocksPerSM = 2;   // their register budget: 2 blocks of 512 threads per SM (64 registers)
@@ -434,58 +434,74 @@ __device__ __forceinline__ void stage_quads(int C, float* out, Quad quad) {
   }
 }
 
-// body(r0, q) for every 4 x 4 tile (rows r0..r0+3, quad q) of a slice, one tile per thread and turn.
-template <typename Body>
+// Rows per tile of the solve kernels' products. Staged (operands in shared memory), a tile is one row and 4 columns:
+// a block has a thread per tile (512 at C = 64), enough warps per SM to hide the shared-memory and FMA latency of
+// the others (with 4 x 4 tiles, one warp per scheduler issued about every 4 cycles). From global memory, 4 x 4
+// tiles: one 16-byte load of M then feeds 16 multiply-adds.
+template <bool kStaged>
+constexpr int kTileRows = kStaged ? 1 : 4;
+
+// Threads per block of a solve kernel: one per tile of a slice, whole warps, at most kSolveThreadsMax (more tiles
+// take turns).
+inline int solve_threads(int64_t C) {
+  const int rows = solve_staged(C) ? kTileRows<true> : kTileRows<false>;
+  return std::min(kSolveThreadsMax, (tile_rows(C) / rows * kQuads + 31) / 32 * 32);
+}
+
+// body(r0, q) for every tile (rows r0 .. r0 + kRows - 1, quad q) of a slice, one tile per thread and turn.
+template <int kRows, typename Body>
 __device__ __forceinline__ void for_tiles(int C, Body body) {
-  const int n = tile_rows(C) / 4 * kQuads;
-  for (int idx = threadIdx.x; idx < n; idx += blockDim.x) body(4 * (idx / kQuads), idx % kQuads);
+  const int n = tile_rows(C) / kRows * kQuads;
+  for (int idx = threadIdx.x; idx < n; idx += blockDim.x) body(kRows * (idx / kQuads), idx % kQuads);
 }
 
 // The triangular products of the solve kernels on a [tile_rows(C), kSlice] shared-memory slice `cols`, for the
-// 4 x 4 tile of rows r = r0 + j (j < 4) and columns [4q, 4q + 4), with M's rows `ms` floats apart (in shared memory
-// when kStaged, zeros past C; else in global memory, ms = C):
+// tile of rows r = r0 + j (j < kRows = kTileRows<kStaged>) and columns [4q, 4q + 4), with M's rows `ms` floats
+// apart (in shared memory when kStaged, zeros past C; else in global memory, ms = C):
 //   lower:      x[j] = sum_{k = 0..r} M[r, k] cols[k]       (k ascending)
 //   transposed: x[j] = sum_{k = r..C-1} M[k, r] cols[k]     (k ascending)
-// Each column's sum runs in the order of a one-column loop. A thread keeps the tile's 16 sums, so a 16-byte load
-// of M and one of `cols` feed 16 multiply-adds, and the main loop issues 4 steps of loads before using the first.
-// Rows past C (the last tile when C % 4 != 0) read M's row C - 1; their sums are not used.
-template <bool kTransposed, bool kStaged>
+// Each column's sum runs in the order of a one-column loop, whatever the tile's shape. The main loop issues 4 steps
+// of loads before using the first. Rows past C (the last tile when C % 4 != 0) read M's row C - 1; their sums are
+// not used.
+template <bool kTransposed, bool kStaged, int kRows = kTileRows<kStaged>>
 __device__ __forceinline__ void tri_tile(const float* __restrict__ M, int ms, const float* cols, int r0, int q, int C,
-                                         float4 (&x)[4]) {
+                                         float4 (&x)[kRows]) {
   const bool vec = kStaged || C % 4 == 0;  // rows of M 16-byte aligned, and (global) no tile row past C
-  int r[4];
+  int r[kRows];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
+  for (int j = 0; j < kRows; ++j) {
     r[j] = min(r0 + j, C - 1);
     x[j] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
   const float4* c4 = reinterpret_cast<const float4*>(cols) + q;
   auto m = [&](int j, int k) { return load_m<kStaged>(kTransposed ? M + k * ms + r[j] : M + r[j] * ms + k); };
-  // Steps k that only some rows of the tile take: transposed k < r0 + 3 (before), lower k > r0 (after).
+  // Steps k that only some rows of the tile take: transposed k < r0 + kRows - 1 (before), lower k > r0 (after).
   if constexpr (kTransposed) {
-    for (int k = r0; k < min(r0 + 3, C); ++k) {
+    for (int k = r0; k < min(r0 + kRows - 1, C); ++k) {
       const float4 c = c4[k * kQuads];
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < kRows; ++j)
         if (k >= r0 + j) fma_quad(x[j], m(j, k), c);
     }
   }
-  int k = kTransposed ? r0 + 3 : 0;
+  int k = kTransposed ? r0 + kRows - 1 : 0;
   const int hi = kTransposed ? C : r0 + 1;
   for (; k + 4 <= hi; k += 4) {
     float4 c[4];
-    float mk[4][4];  // [step][row]
+    float mk[4][kRows];  // [step][row]
 #pragma unroll
     for (int s = 0; s < 4; ++s) c[s] = c4[(k + s) * kQuads];
-    if (vec && kTransposed) {
+    if (vec && kTransposed && kRows == 4) {
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
         const float4 t = load_m4<kStaged>(M + (k + s) * ms + r0);
-        mk[s][0] = t.x, mk[s][1] = t.y, mk[s][2] = t.z, mk[s][3] = t.w;
-      }
-    } else if (vec) {
+        const float tv[4] = {t.x, t.y, t.z, t.w};
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < kRows; ++j) mk[s][j] = tv[j];
+      }
+    } else if (vec && !kTransposed) {
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
         const float4 t = load_m4<kStaged>(M + r[j] * ms + k);
         mk[0][j] = t.x, mk[1][j] = t.y, mk[2][j] = t.z, mk[3][j] = t.w;
       }
@@ -493,33 +509,34 @@ __device__ __forceinline__ void tri_tile(const float* __restrict__ M, int ms, co
 #pragma unroll
       for (int s = 0; s < 4; ++s)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) mk[s][j] = m(j, k + s);
+        for (int j = 0; j < kRows; ++j) mk[s][j] = m(j, k + s);
     }
 #pragma unroll
     for (int s = 0; s < 4; ++s)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) fma_quad(x[j], mk[s][j], c[s]);
+      for (int j = 0; j < kRows; ++j) fma_quad(x[j], mk[s][j], c[s]);
   }
   for (; k < hi; ++k) {
     const float4 c = c4[k * kQuads];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) fma_quad(x[j], m(j, k), c);
+    for (int j = 0; j < kRows; ++j) fma_quad(x[j], m(j, k), c);
   }
   if constexpr (!kTransposed) {
-    for (int k = r0 + 1; k < min(r0 + 4, C); ++k) {
+    for (int k = r0 + 1; k < min(r0 + kRows, C); ++k) {
       const float4 c = c4[k * kQuads];
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < kRows; ++j)
         if (k <= r0 + j) fma_quad(x[j], m(j, k), c);
     }
   }
 }
 
-// One block per (stream, kSlice-column slice), one thread per 4 x 4 tile (rows, 4 columns) and turn. Shared
+// One block per (stream, kSlice-column slice), one thread per tile (kTileRows rows, 4 columns) and turn. Shared
 // memory: u and delta slices; staged, also the G and Q0 slices and Minv, QK.
 template <bool kStaged>
 __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64_t c, ChunkRows rows) {
   chain_start();
+  constexpr int kRows = kTileRows<kStaged>;
   extern __shared__ __align__(16) float sh[];
   const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
   const int64_t D = dm.D;
@@ -563,23 +580,23 @@ __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64
   }
   __syncthreads();
   float* delta = rows.delta + rows.at(dm, u, s);
-  for_tiles(C, [&](int r0, int q) {  // delta = Minv u
-    float4 x[4];
+  for_tiles<kRows>(C, [&](int r0, int q) {  // delta = Minv u
+    float4 x[kRows];
     tri_tile<false, kStaged>(kStaged ? smi : minv, ms, su, r0, q, C, x);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kRows; ++j) {
       if (r0 + j >= C) break;
       reinterpret_cast<float4*>(sdelta + (r0 + j) * kSlice)[q] = x[j];
       store_quad(delta + (r0 + j) * D, d0 + 4 * q, D, x[j]);
     }
   });
   __syncthreads();
-  for_tiles(C, [&](int r0, int q) {  // y = Q0 + QK delta
-    float4 x[4];
+  for_tiles<kRows>(C, [&](int r0, int q) {  // y = Q0 + QK delta
+    float4 x[kRows];
     tri_tile<false, kStaged>(kStaged ? sqk : QK, ms, sdelta, r0, q, C, x);
     const int64_t d = d0 + 4 * q;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kRows; ++j) {
       if (r0 + j >= C) break;
       const float4 q0 = kStaged ? reinterpret_cast<const float4*>(sq0 + (r0 + j) * kSlice)[q]
                                 : load_quad(Q0 + (r0 + j) * D, d, D);
@@ -725,6 +742,7 @@ struct BackRows {
 template <bool kStaged>
 __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
   chain_start();
+  constexpr int kRows = kTileRows<kStaged>;
   extern __shared__ __align__(16) float sh[];
   const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
   const int64_t D = dm.D;
@@ -747,19 +765,19 @@ __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
     stage_quads(C, sdy, [&](int t, int q) { return load_quad(dy + t * D, d0 + 4 * q, D); });
     __syncthreads();
   }
-  for_tiles(C, [&](int r0, int q) {
-    float4 x[4];
+  for_tiles<kRows>(C, [&](int r0, int q) {
+    float4 x[kRows];
     tri_tile<true, kStaged>(kStaged ? sqk : QK, ms, sdy, r0, q, C, x);
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < kRows; ++j)
       if (r0 + j < C) reinterpret_cast<float4*>(sdd + (r0 + j) * kSlice)[q] = x[j];
   });
   __syncthreads();
-  for_tiles(C, [&](int r0, int q) {
-    float4 x[4];
+  for_tiles<kRows>(C, [&](int r0, int q) {
+    float4 x[kRows];
     tri_tile<true, kStaged>(kStaged ? smi : minv, ms, sdd, r0, q, C, x);
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < kRows; ++j)
       if (r0 + j < C) store_quad(io.dv + (u * C + r0 + j) * D, d0 + 4 * q, D, x[j]);
   });
 }
@@ -779,6 +797,7 @@ __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) bwd_gwr_kerne
 template <bool kStaged>
 __global__ void bwd_solve_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackRows rows) {
   chain_start();
+  constexpr int kRows = kTileRows<kStaged>;
   extern __shared__ __align__(16) float sh[];
   const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
   const int64_t D = dm.D;
@@ -801,12 +820,12 @@ __global__ void bwd_solve_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int6
     stage_quads(C, sg, [&](int t, int q) { return load_quad(gwr + t * D, d0 + 4 * q, D); });
     __syncthreads();
   }
-  for_tiles(C, [&](int r0, int q) {
-    float4 x[4];
+  for_tiles<kRows>(C, [&](int r0, int q) {
+    float4 x[kRows];
     tri_tile<true, kStaged>(kStaged ? smi : minv, ms, sg, r0, q, C, x);
     const int64_t d = d0 + 4 * q;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kRows; ++j) {
       const int r = r0 + j;
       if (r >= C) break;
       const float4 old = kStaged ? reinterpret_cast<const float4*>(sdu + r * kSlice)[q] : load_quad(du + r * D, d, D);
@@ -1075,12 +1094,6 @@ template <typename Kernel>
 int smem_attribute(Kernel kernel, size_t bytes) {
   return static_cast<int>(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(bytes)));
-}
-
-// Threads per block of the solve kernels: one per 4 x 4 tile of a slice, whole warps, at most 1024 (more tiles
-// take turns).
-inline int solve_threads(int64_t C) {
-  return std::min(kSolveThreadsMax, (tile_rows(C) / 4 * kQuads + 31) / 32 * 32);
 }
 
 // Shared memory of a solve kernel: `slices` [tile_rows(C), kSlice] float32 slices, and when staged `staged_slices`
