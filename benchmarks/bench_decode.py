@@ -15,6 +15,7 @@
   K = 2^20 and the default shape). An implementation that raises `NotImplementedError` shows as "n/a".
 """
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -55,16 +56,35 @@ def microseconds_per_step(impl, dtype, K, args):
     tokens = make_tokens(K, 16, args.B, args.H, K, args.D, args.W, args.R, dtype)
     if impl == "noop":  # the dispatch floor: a jitted, donated call with the same arguments and results that
         # computes nothing (y = v, the bank passed through)
-        step = jax.jit(lambda bank, tok: (tok["v"], bank), donate_argnums=0)
+        def one(bank, tok):
+            return tok["v"], bank
     else:
-        step = jax.jit(lambda bank, tok: sdm_step(bank, **tok, impl=impl), donate_argnums=0)
+        def one(bank, tok):
+            return sdm_step(bank, **tok, impl=impl)
 
-    def run(bank):
-        y = None
-        for i in range(args.steps):
-            y, bank = step(bank, tokens[i % len(tokens)])
-        jax.block_until_ready((y, bank))
-        return bank
+    if args.in_jit:  # every step inside one jitted, donated call: a loop over the stacked tokens
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *tokens)
+
+        @functools.partial(jax.jit, donate_argnums=0)
+        def steps(bank, stacked):
+            def body(i, carry):
+                y, bank = one(carry[1], jax.tree.map(lambda x: x[i % len(tokens)], stacked))
+                return y, bank
+            return jax.lax.fori_loop(0, args.steps, body, (jnp.zeros_like(tokens[0]["v"]), bank))
+
+        def run(bank):
+            y, bank = steps(bank, stacked)
+            jax.block_until_ready((y, bank))
+            return bank
+    else:
+        step = jax.jit(one, donate_argnums=0)
+
+        def run(bank):
+            y = None
+            for i in range(args.steps):
+                y, bank = step(bank, tokens[i % len(tokens)])
+            jax.block_until_ready((y, bank))
+            return bank
 
     try:
         bank = run(bank)  # warm-up: compile
@@ -91,6 +111,9 @@ def main():
     parser.add_argument("--max-log-k", type=int, default=20 if on_gpu else 16)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--in-jit", action="store_true",
+                        help="run the steps inside one jitted call (a fori_loop): the time per step without "
+                             "Python's dispatch, as in a generation loop compiled whole")
     for name, default in (("B", 4), ("H", 4), ("D", 128), ("W", 16), ("R", 16)):
         parser.add_argument(f"--{name}", type=int, default=default)
     args = parser.parse_args()
@@ -98,7 +121,8 @@ def main():
     dtypes = [jnp.dtype(d) for d in args.dtypes.split(",")]
 
     columns = [(impl, dtype) for dtype in dtypes for impl in impls]
-    print(f"`sdm_step`, wall time per jitted, donated step (us), median of {args.repeats} runs of {args.steps} "
+    how = "inside one jitted loop" if args.in_jit else "per jitted, donated call"
+    print(f"`sdm_step`, wall time per step {how} (us), median of {args.repeats} runs of {args.steps} "
           f"steps; B {args.B}, H {args.H}, D {args.D}, W {args.W}, R {args.R}; device: {jax.devices()[0].device_kind}"
           f", jax {jax.__version__}\n")
     print("| K | " + " | ".join(f"{impl} {dtype.name}" for impl, dtype in columns) + " |")

@@ -434,17 +434,18 @@ __device__ __forceinline__ void stage_quads(int C, float* out, Quad quad) {
   }
 }
 
-// Rows per tile of the solve kernels' products. Staged (operands in shared memory), a tile is one row and 4 columns:
-// a block has a thread per tile (512 at C = 64), enough warps per SM to hide the shared-memory and FMA latency of
-// the others (with 4 x 4 tiles, one warp per scheduler issued about every 4 cycles). From global memory, 4 x 4
-// tiles: one 16-byte load of M then feeds 16 multiply-adds.
-template <bool kStaged>
-constexpr int kTileRows = kStaged ? 1 : 4;
+// Rows per tile of the solve kernels' products. The in-loop solves (forward, backward), staged: a tile is one row
+// and 4 columns, a thread per tile (512 at C = 64): one block per SM, and with 4 x 4 tiles its 4 warps (one per
+// scheduler) issued about every 4 cycles. Otherwise 4 x 4 tiles: one 16-byte load of M feeds 16 multiply-adds,
+// which suits the dy part (one launch with many blocks per SM, throughput-bound) and the global-memory path.
+template <bool kStaged, bool kInLoop>
+constexpr int kTileRows = kStaged && kInLoop ? 1 : 4;
 
-// Threads per block of a solve kernel: one per tile of a slice, whole warps, at most kSolveThreadsMax (more tiles
-// take turns).
-inline int solve_threads(int64_t C) {
-  const int rows = solve_staged(C) ? kTileRows<true> : kTileRows<false>;
+// Threads per block of a solve kernel (in the loop or the dy part): one per tile of a slice, whole warps, at most
+// kSolveThreadsMax (more tiles take turns).
+inline int solve_threads(int64_t C, bool in_loop) {
+  const int rows = solve_staged(C) ? (in_loop ? kTileRows<true, true> : kTileRows<true, false>)
+                                   : (in_loop ? kTileRows<false, true> : kTileRows<false, false>);
   return std::min(kSolveThreadsMax, (tile_rows(C) / rows * kQuads + 31) / 32 * 32);
 }
 
@@ -456,14 +457,14 @@ __device__ __forceinline__ void for_tiles(int C, Body body) {
 }
 
 // The triangular products of the solve kernels on a [tile_rows(C), kSlice] shared-memory slice `cols`, for the
-// tile of rows r = r0 + j (j < kRows = kTileRows<kStaged>) and columns [4q, 4q + 4), with M's rows `ms` floats
+// tile of rows r = r0 + j (j < kRows, 1 or 4) and columns [4q, 4q + 4), with M's rows `ms` floats
 // apart (in shared memory when kStaged, zeros past C; else in global memory, ms = C):
 //   lower:      x[j] = sum_{k = 0..r} M[r, k] cols[k]       (k ascending)
 //   transposed: x[j] = sum_{k = r..C-1} M[k, r] cols[k]     (k ascending)
 // Each column's sum runs in the order of a one-column loop, whatever the tile's shape. The main loop issues 4 steps
 // of loads before using the first. Rows past C (the last tile when C % 4 != 0) read M's row C - 1; their sums are
 // not used.
-template <bool kTransposed, bool kStaged, int kRows = kTileRows<kStaged>>
+template <bool kTransposed, bool kStaged, int kRows>
 __device__ __forceinline__ void tri_tile(const float* __restrict__ M, int ms, const float* cols, int r0, int q, int C,
                                          float4 (&x)[kRows]) {
   const bool vec = kStaged || C % 4 == 0;  // rows of M 16-byte aligned, and (global) no tile row past C
@@ -536,7 +537,7 @@ __device__ __forceinline__ void tri_tile(const float* __restrict__ M, int ms, co
 template <bool kStaged>
 __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64_t c, ChunkRows rows) {
   chain_start();
-  constexpr int kRows = kTileRows<kStaged>;
+  constexpr int kRows = kTileRows<kStaged, true>;
   extern __shared__ __align__(16) float sh[];
   const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
   const int64_t D = dm.D;
@@ -582,7 +583,7 @@ __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64
   float* delta = rows.delta + rows.at(dm, u, s);
   for_tiles<kRows>(C, [&](int r0, int q) {  // delta = Minv u
     float4 x[kRows];
-    tri_tile<false, kStaged>(kStaged ? smi : minv, ms, su, r0, q, C, x);
+    tri_tile<false, kStaged, kRows>(kStaged ? smi : minv, ms, su, r0, q, C, x);
 #pragma unroll
     for (int j = 0; j < kRows; ++j) {
       if (r0 + j >= C) break;
@@ -593,7 +594,7 @@ __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64
   __syncthreads();
   for_tiles<kRows>(C, [&](int r0, int q) {  // y = Q0 + QK delta
     float4 x[kRows];
-    tri_tile<false, kStaged>(kStaged ? sqk : QK, ms, sdelta, r0, q, C, x);
+    tri_tile<false, kStaged, kRows>(kStaged ? sqk : QK, ms, sdelta, r0, q, C, x);
     const int64_t d = d0 + 4 * q;
 #pragma unroll
     for (int j = 0; j < kRows; ++j) {
@@ -742,7 +743,7 @@ struct BackRows {
 template <bool kStaged>
 __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
   chain_start();
-  constexpr int kRows = kTileRows<kStaged>;
+  constexpr int kRows = kTileRows<kStaged, false>;
   extern __shared__ __align__(16) float sh[];
   const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
   const int64_t D = dm.D;
@@ -767,7 +768,7 @@ __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
   }
   for_tiles<kRows>(C, [&](int r0, int q) {
     float4 x[kRows];
-    tri_tile<true, kStaged>(kStaged ? sqk : QK, ms, sdy, r0, q, C, x);
+    tri_tile<true, kStaged, kRows>(kStaged ? sqk : QK, ms, sdy, r0, q, C, x);
 #pragma unroll
     for (int j = 0; j < kRows; ++j)
       if (r0 + j < C) reinterpret_cast<float4*>(sdd + (r0 + j) * kSlice)[q] = x[j];
@@ -775,7 +776,7 @@ __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
   __syncthreads();
   for_tiles<kRows>(C, [&](int r0, int q) {
     float4 x[kRows];
-    tri_tile<true, kStaged>(kStaged ? smi : minv, ms, sdd, r0, q, C, x);
+    tri_tile<true, kStaged, kRows>(kStaged ? smi : minv, ms, sdd, r0, q, C, x);
 #pragma unroll
     for (int j = 0; j < kRows; ++j)
       if (r0 + j < C) store_quad(io.dv + (u * C + r0 + j) * D, d0 + 4 * q, D, x[j]);
@@ -797,7 +798,7 @@ __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) bwd_gwr_kerne
 template <bool kStaged>
 __global__ void bwd_solve_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackRows rows) {
   chain_start();
-  constexpr int kRows = kTileRows<kStaged>;
+  constexpr int kRows = kTileRows<kStaged, true>;
   extern __shared__ __align__(16) float sh[];
   const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
   const int64_t D = dm.D;
@@ -822,7 +823,7 @@ __global__ void bwd_solve_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int6
   }
   for_tiles<kRows>(C, [&](int r0, int q) {
     float4 x[kRows];
-    tri_tile<true, kStaged>(kStaged ? smi : minv, ms, sg, r0, q, C, x);
+    tri_tile<true, kStaged, kRows>(kStaged ? smi : minv, ms, sg, r0, q, C, x);
     const int64_t d = d0 + 4 * q;
 #pragma unroll
     for (int j = 0; j < kRows; ++j) {
@@ -1182,7 +1183,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   for (int64_t c = 0; c < dm.NC && !rc; ++c) {
     rc = launch(pdl, fwd_gather_kernel<VEC, T>, gather_grid, rb.threads, rb.smem, stream, dm, p1,
                 static_cast<const T*>(bank), c, rows);
-    if (!rc) rc = launch(pdl, fwd_solve, slice_grid, dim3(solve_threads(dm.C)), smem, stream, dm, p1, io, c, rows);
+    if (!rc) rc = launch(pdl, fwd_solve, slice_grid, dim3(solve_threads(dm.C, true)), smem, stream, dm, p1, io, c, rows);
     if (!rc)
       rc = launch(pdl, fwd_write_kernel<VEC, T>, group_grid, dim3(kGroupWarps * 32), 0, stream, dm, p1, io, bank, c,
                   rows, tables);
@@ -1215,14 +1216,14 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const RowBlock rb = row_block(dm.D, kGVec);
   if (!rc) rc = smem_attribute(bwd_gwr_kernel<kGVec, GT>, rb.smem);
   if (!rc) {
-    rc = launch(pdl, bwd_dy, dim3(dm.units(), (dm.D + kSlice - 1) / kSlice), dim3(solve_threads(dm.C)), dy_smem,
+    rc = launch(pdl, bwd_dy, dim3(dm.units(), (dm.D + kSlice - 1) / kSlice), dim3(solve_threads(dm.C, false)), dy_smem,
                 stream, dm, p1, io);
   }
   for (int64_t c = dm.NC - 1; c >= 0 && !rc; --c) {
     rc = launch(pdl, bwd_gwr_kernel<kGVec, GT>, row_grid, rb.threads, rb.smem, stream, dm, p1,
                 static_cast<const GT*>(dbank), c, rows);
     if (!rc)
-      rc = launch(pdl, bwd_solve, slice_grid, dim3(solve_threads(dm.C)), solve_smem_bytes, stream, dm, p1, io, c, rows);
+      rc = launch(pdl, bwd_solve, slice_grid, dim3(solve_threads(dm.C, true)), solve_smem_bytes, stream, dm, p1, io, c, rows);
     if (!rc)
       rc = launch(pdl, bwd_phase_a_kernel<VEC, T, GT>, write_grid, dim3(kGroupWarps * 32), 0, stream, dm, p1, io, bank,
                   dbank, c, rows, tables);
