@@ -77,13 +77,17 @@ fi
 if has sanitize; then
   # compute-sanitizer on every jax_sdm kernel (kernel names in namespace sdm), one tool per process
   # (SANITIZE_TOOLS, default all four). No XLA preallocation, autotuning or command buffers under the tools.
-  # SANITIZE_CASES: sanitize_case.py's --cases (default all); SANITIZE_ALL_KERNELS=1 checks XLA's kernels too
-  # (initcheck then sees the writes of XLA's own kernels to the buffers ours read).
-  regex=(--kernel-regex kns=sdm)
-  [ "${SANITIZE_ALL_KERNELS:-0}" = 1 ] && regex=()
+  # SANITIZE_CASES: sanitize_case.py's --cases (default all); SANITIZE_ALL_KERNELS=1 checks XLA's kernels too.
+  # initcheck always instruments every kernel: it must see the writes of XLA's kernels to the buffers ours read.
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
     log=$OUT/sanitize_${tool}${SANITIZE_TAG:-}.log
-    XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    regex=(--kernel-regex kns=sdm)
+    [[ "${SANITIZE_ALL_KERNELS:-0}" = 1 || $tool == initcheck ]] && regex=()
+    # racecheck and synccheck (CUDA 13) crash on kernels launched with programmatic dependent launch: they check
+    # each block's shared memory and barriers, which PDL does not change, so they run with it off.
+    pdl=${SDM_CUDA_PDL:-1}
+    [[ $tool == racecheck || $tool == synccheck ]] && pdl=0
+    SDM_CUDA_PDL=$pdl XLA_PYTHON_CLIENT_PREALLOCATE=false \
     XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
     timeout ${SANITIZE_TIMEOUT:-200} compute-sanitizer --tool "$tool" --error-exitcode 3 "${regex[@]}" \
       --print-limit ${SANITIZE_PRINT_LIMIT:-100} \
