@@ -5,6 +5,7 @@
 * forward: `jax.jit` of the op, returning `(y, final_bank)`.
 * forward+backward: `jax.jit(jax.grad(loss))` with `loss = sum(y * dy) + sum(final_bank * dbank)` (fixed random
   cotangents `dy`, `dbank`), differentiated with respect to every float input (bank, k_val, v, beta, g, q_val).
+  `--loss y` drops the final bank's term, as when a model's loss reads only the readings.
 * Each function is called once to warm up (tracing and compilation), then timed over `--repeats` calls with
   `jax.block_until_ready`; the table shows the median. tokens/s is `B*T*H / time`.
 * An implementation that raises `NotImplementedError` (not built in this install) is reported as "n/a", one that
@@ -78,7 +79,9 @@ def make_functions(impl, chunk, dy, dbank):
 
     def loss(*args):
         y, final = forward(*args)
-        return jnp.sum(y.astype(jnp.float32) * dy) + jnp.sum(final.astype(jnp.float32) * dbank)
+        out = jnp.sum(y.astype(jnp.float32) * dy)
+        # dbank None: a loss of the readings only (the final bank's cotangent is then zeros made inside the jit)
+        return out if dbank is None else out + jnp.sum(final.astype(jnp.float32) * dbank)
 
     return jax.jit(forward), jax.jit(jax.grad(loss, argnums=FLOAT_ARGS))
 
@@ -138,7 +141,7 @@ def detail_row(impl, name, shape, args, dy, dbank, repeats):
     nograd = jax.jit(op)
     train_fwd = jax.jit(lambda *fl: jax.vjp(op, *fl))
     y, final = jax.eval_shape(nograd, *floats)
-    cts = (dy.astype(y.dtype), dbank.astype(final.dtype))
+    cts = (dy.astype(y.dtype), jnp.zeros(final.shape, final.dtype) if dbank is None else dbank.astype(final.dtype))
     bwd = jax.jit(lambda vjp_fn: vjp_fn(cts))
     # The one-jit grad first: the peak after it is a training step's (inputs, cotangents, residuals, gradients).
     _, grad = make_functions(impl, chunk, dy, dbank)
@@ -222,6 +225,10 @@ def main(argv=None):
                         help="the GPU table instead: no-grad fwd, training fwd, bwd, peak memory, bank bandwidth "
                              "(bytes: (3W + R) * D per token and stream), ratios to the reference package; run one "
                              "shape per process for a meaningful peak")
+    parser.add_argument("--loss", choices=["y+bank", "y"], default="y+bank",
+                        help="the training loss: sum(y * dy) + sum(final_bank * dbank) (the default), or sum(y * dy) "
+                             "alone, as when a model's loss reads only the readings (no bank-sized cotangent "
+                             "argument)")
     opts = parser.parse_args(argv)
 
     backend = jax.default_backend()
@@ -239,7 +246,7 @@ def main(argv=None):
     device = jax.devices()[0]
     print(f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}, commit {git_commit()}, "
           f"jax {jax.__version__}, backend {backend}, device {device.device_kind}, "
-          f"median of {opts.repeats} runs after one warm-up call{_load()}", flush=True)
+          f"median of {opts.repeats} runs after one warm-up call, loss {opts.loss}{_load()}", flush=True)
     print()
 
     rows = []
@@ -249,6 +256,8 @@ def main(argv=None):
         if opts.chunk is not None:
             shape["chunk"] = opts.chunk
         args, dy, dbank = make_inputs(shape, opts.seed)
+        if opts.loss == "y":
+            dbank = None
         tokens = shape["B"] * shape["T"] * shape["H"]
         anchor = ANCHORS.get(name)
         for impl in impls:
