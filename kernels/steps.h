@@ -107,12 +107,14 @@ inline int64_t step_rows_floats(const StepDims& dims) { return dims.V * ((3 * di
 inline int64_t step_workspace_floats(const StepDims& dims) {
   return step_rows_floats(dims) + 4 * dims.units() * dims.C * (dims.W + dims.R);
 }
+// With `segments` (packed sequences, null without) the loops follow forward_cpu / backward_cpu's semantics; the
+// stamps are zeroed by the forward (cudaMemsetAsync) and restored to zero by the backward.
 template <typename BankT>
 int forward_cuda(const StepDims& dims, const StepPhase1& p1, const ForwardIO& io, BankT* bank, float* workspace,
-                 CUstream_st* stream);
+                 CUstream_st* stream, const StepSegments* segments = nullptr);
 template <typename BankT, typename GradT>
 int backward_cuda(const StepDims& dims, const StepPhase1& p1, const BackwardIO& io, BankT* bank, GradT* dbank,
-                  float* workspace, CUstream_st* stream);
+                  float* workspace, CUstream_st* stream, const StepSegments* segments = nullptr);
 
 }  // namespace sdm
 

@@ -1246,7 +1246,8 @@ inline int vec_of(int64_t D) { return D % 8 == 0 ? 8 : D % 4 == 0 ? 4 : 1; }
 
 template <typename BankT>
 int forward_cuda(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, BankT* bank_in, float* workspace,
-                 CUstream_st* stream) {
+                 CUstream_st* stream, const StepSegments* segments) {
+  if (segments) return static_cast<int>(cudaErrorNotSupported);  // not yet
   using T = typename Device<BankT>::type;
   T* bank = reinterpret_cast<T*>(bank_in);
   if (dm.streams() == 0 || dm.NC == 0 || dm.C == 0 || dm.D == 0) return 0;
@@ -1259,7 +1260,8 @@ int forward_cuda(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
 
 template <typename BankT, typename GradT>
 int backward_cuda(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, BankT* bank_in, GradT* dbank_in,
-                  float* workspace, CUstream_st* stream) {
+                  float* workspace, CUstream_st* stream, const StepSegments* segments) {
+  if (segments) return static_cast<int>(cudaErrorNotSupported);  // not yet
   using T = typename Device<BankT>::type;
   using GT = typename Device<GradT>::type;
   T* bank = reinterpret_cast<T*>(bank_in);
@@ -1278,13 +1280,15 @@ int backward_cuda(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   }
 }
 
-template int forward_cuda<float>(const StepDims&, const StepPhase1&, const ForwardIO&, float*, float*, CUstream_st*);
-template int forward_cuda<bf16>(const StepDims&, const StepPhase1&, const ForwardIO&, bf16*, float*, CUstream_st*);
+template int forward_cuda<float>(const StepDims&, const StepPhase1&, const ForwardIO&, float*, float*, CUstream_st*,
+                                 const StepSegments*);
+template int forward_cuda<bf16>(const StepDims&, const StepPhase1&, const ForwardIO&, bf16*, float*, CUstream_st*,
+                                const StepSegments*);
 template int backward_cuda<float, float>(const StepDims&, const StepPhase1&, const BackwardIO&, float*, float*,
-                                         float*, CUstream_st*);
+                                         float*, CUstream_st*, const StepSegments*);
 template int backward_cuda<bf16, float>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, float*,
-                                        float*, CUstream_st*);
+                                        float*, CUstream_st*, const StepSegments*);
 template int backward_cuda<bf16, bf16>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, bf16*,
-                                       float*, CUstream_st*);
+                                       float*, CUstream_st*, const StepSegments*);
 
 }  // namespace sdm
