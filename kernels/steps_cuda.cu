@@ -1247,7 +1247,7 @@ inline int vec_of(int64_t D) { return D % 8 == 0 ? 8 : D % 4 == 0 ? 4 : 1; }
 template <typename BankT>
 int forward_cuda(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, BankT* bank_in, float* workspace,
                  CUstream_st* stream, const StepSegments* segments) {
-  if (segments) return static_cast<int>(cudaErrorNotSupported);  // not yet
+  if (segments) return static_cast<int>(cudaErrorInvalidValue);  // not yet
   using T = typename Device<BankT>::type;
   T* bank = reinterpret_cast<T*>(bank_in);
   if (dm.streams() == 0 || dm.NC == 0 || dm.C == 0 || dm.D == 0) return 0;
@@ -1261,7 +1261,7 @@ int forward_cuda(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
 template <typename BankT, typename GradT>
 int backward_cuda(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, BankT* bank_in, GradT* dbank_in,
                   float* workspace, CUstream_st* stream, const StepSegments* segments) {
-  if (segments) return static_cast<int>(cudaErrorNotSupported);  // not yet
+  if (segments) return static_cast<int>(cudaErrorInvalidValue);  // not yet
   using T = typename Device<BankT>::type;
   using GT = typename Device<GradT>::type;
   T* bank = reinterpret_cast<T*>(bank_in);
