@@ -29,6 +29,8 @@
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -238,13 +240,22 @@ struct ChunkRows {
   }
 };
 
+// The rows a gather reads: slot s's row of one bank.
+template <typename T>
+struct BankRows {
+  const T* rows;
+  int64_t D;
+  __device__ __forceinline__ const T* operator()(int32_t s) const { return rows + s * D; }
+};
+
 // out_row = sum over lanes of weight * rows[idx] for one token; one block per (stream, token). Threads are
 // (column, part): blockDim.x threads cover the columns VEC at a time, and the lanes are split into blockDim.y
 // contiguous parts whose partial sums are added in part order (a fixed order): more rows in flight per token.
 // `partial` is dynamic shared memory of blockDim.y * blockDim.x * VEC floats. Used for the gathers G, Q0 (bank
-// rows) and the GWR gather (gradient rows).
-template <int VEC, typename T>
-__device__ __forceinline__ void gather_row(const T* __restrict__ rows, const int32_t* idx, const float* weight,
+// rows) and the GWR gather (gradient rows). `row_of(slot)` is the row of a slot (BankRows, or with packed sequences
+// the working or the initial bank's row).
+template <int VEC, typename T, typename RowOf>
+__device__ __forceinline__ void gather_row(RowOf row_of, const int32_t* idx, const float* weight,
                                            int64_t lanes, int64_t K, int64_t D, float* __restrict__ out,
                                            float* partial) {
   constexpr int kInFlight = sizeof(T) == 2 ? 6 : 4;  // independent row loads issued before the first is used
@@ -263,7 +274,7 @@ __device__ __forceinline__ void gather_row(const T* __restrict__ rows, const int
         for (int j = 0; j < kInFlight; ++j) {
           const int32_t slot = n0 + j < n_hi ? idx[n0 + j] : -1;
           ok[j] = slot >= 0 && slot < K;  // an out-of-range id touches no row
-          if (ok[j]) x[j].load(rows + slot * D + d);
+          if (ok[j]) x[j].load(row_of(slot) + d);
         }
 #pragma unroll
         for (int j = 0; j < kInFlight; ++j) {  // lanes in order within the part
@@ -290,21 +301,75 @@ __device__ __forceinline__ void gather_row(const T* __restrict__ rows, const int
   }
 }
 
+// Packed sequences (kernels/steps.h StepSegments, docs/DESIGN.md "Packed sequences") as the kernels see them. The
+// kernels follow forward_cpu / backward_cpu: a token reads a row from the working bank if it continues the
+// segment running at its chunk's start (local 0) and the row's stamp is that segment, else the initial bank's.
+template <typename T>
+struct SegView {
+  const int32_t* local;     // [units, C]
+  const int32_t* seg0;      // [units]
+  const T* initial;         // the initial bank, in the bank's layout
+  int32_t* stamp;           // [streams, K]
+  int32_t* stamp_snapshot;  // [units, C * W], null in a forward without residuals
+  void* dinitial;           // backward: the initial bank's gradient, in the gradient bank's dtype and layout
+};
+
+// Without packed sequences: no view (the kernels' `kPacked` is false).
+struct NoSegments {};
+
+// Whether token t of unit u reads slot `slot` of stream s from the working bank.
+template <typename T>
+__device__ __forceinline__ bool seg_current(const SegView<T>& sv, const StepDims& dm, int64_t s, int64_t u,
+                                            int64_t t, int32_t slot) {
+  return sv.local[u * dm.C + t] == 0 && sv.stamp[s * dm.K + slot] == sv.seg0[u];
+}
+
+// The unit's last segment (its largest local), by every lane of a whole warp.
+__device__ __forceinline__ int32_t warp_unit_last(const int32_t* local_u, int64_t C) {
+  int32_t m = local_u[0];
+  for (int64_t t = threadIdx.x % 32; t < C; t += 32) m = max(m, local_u[t]);
+  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  return m;
+}
+
+// The row a token of a packed chunk reads: the working bank's if current, else the initial bank's.
+template <typename T>
+struct SegmentRows {
+  const T* bank;
+  const T* initial;
+  const int32_t* stamp;  // the stream's stamps
+  int32_t seg0;
+  bool continues;        // the token's local is 0
+  int64_t D;
+  __device__ __forceinline__ const T* operator()(int32_t s) const {
+    return (continues && stamp[s] == seg0 ? bank : initial) + s * D;
+  }
+};
+
 // One block per (stream, token, side): side 0 gathers the write lanes' G row, side 1 the read lanes' Q0 row (two
 // blocks rather than one doing both in turn: twice the rows in flight per chunk).
-template <int VEC, typename T>
-__global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) fwd_gather_kernel(StepDims dm, StepPhase1 p1, const T* __restrict__ bank, int64_t c, ChunkRows rows) {
+// With packed sequences (kPacked, `sg` a SegView<T>) each lane's row comes from the working or the initial bank.
+template <int VEC, typename T, bool kPacked, typename Seg>
+__global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) fwd_gather_kernel(StepDims dm, StepPhase1 p1, const T* __restrict__ bank, int64_t c, ChunkRows rows, Seg sg) {
   chain_start();
   extern __shared__ float partial[];
   const int64_t s = blockIdx.x, t = blockIdx.y;
   const int64_t u = unit_of(dm, s, c);
   const T* S = bank + s * dm.K * dm.D;
-  if (blockIdx.z == 0) {
-    gather_row<VEC>(S, p1.k_idx + (u * dm.C + t) * dm.W, p1.k_eff + (u * dm.C + t) * dm.W, dm.W, dm.K, dm.D,
-                    rows.G + rows.at(dm, u, s) + t * dm.D, partial);
+  const auto side = [&](auto row_of) {
+    if (blockIdx.z == 0) {
+      gather_row<VEC, T>(row_of, p1.k_idx + (u * dm.C + t) * dm.W, p1.k_eff + (u * dm.C + t) * dm.W, dm.W, dm.K,
+                         dm.D, rows.G + rows.at(dm, u, s) + t * dm.D, partial);
+    } else {
+      gather_row<VEC, T>(row_of, p1.q_idx + (u * dm.C + t) * dm.R, p1.q_w + (u * dm.C + t) * dm.R, dm.R, dm.K,
+                         dm.D, rows.Q0 + s * dm.C * dm.D + t * dm.D, partial);
+    }
+  };
+  if constexpr (kPacked) {
+    side(SegmentRows<T>{S, sg.initial + s * dm.K * dm.D, sg.stamp + s * dm.K, sg.seg0[u],
+                        sg.local[u * dm.C + t] == 0, dm.D});
   } else {
-    gather_row<VEC>(S, p1.q_idx + (u * dm.C + t) * dm.R, p1.q_w + (u * dm.C + t) * dm.R, dm.R, dm.K, dm.D,
-                    rows.Q0 + s * dm.C * dm.D + t * dm.D, partial);
+    side(BankRows<T>{S, dm.D});
   }
 }
 
@@ -783,14 +848,21 @@ __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
   });
 }
 
-template <int VEC, typename GT>
-__global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) bwd_gwr_kernel(StepDims dm, StepPhase1 p1, const GT* __restrict__ dbank, int64_t c, BackRows rows) {
+// With packed sequences (kPacked, `local` the tokens' segments) only the chunk's last segment's writes were
+// stored: the other tokens' rows are zero (and their dw stays 0).
+template <int VEC, typename GT, bool kPacked>
+__global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) bwd_gwr_kernel(StepDims dm, StepPhase1 p1, const GT* __restrict__ dbank, int64_t c, BackRows rows, const int32_t* local) {
   chain_start();
   extern __shared__ float partial[];
   const int64_t s = blockIdx.x, t = blockIdx.y;
   const int64_t u = unit_of(dm, s, c);
-  gather_row<VEC>(dbank + s * dm.K * dm.D, p1.k_idx + (u * dm.C + t) * dm.W, p1.w + (u * dm.C + t) * dm.W,
-                  dm.W, dm.K, dm.D, rows.gwr + (s * dm.C + t) * dm.D, partial);
+  int64_t lanes = dm.W;
+  if constexpr (kPacked) {
+    const int32_t* local_u = local + u * dm.C;
+    if (local_u[t] != warp_unit_last(local_u, dm.C)) lanes = 0;
+  }
+  gather_row<VEC, GT>(BankRows<GT>{dbank + s * dm.K * dm.D, dm.D}, p1.k_idx + (u * dm.C + t) * dm.W,
+                      p1.w + (u * dm.C + t) * dm.W, lanes, dm.K, dm.D, rows.gwr + (s * dm.C + t) * dm.D, partial);
 }
 
 // In the loop: du += Minv^T gwr (the bank-dependent part), dG = -beta du. Shared memory: the gwr slice; staged,
@@ -1089,6 +1161,217 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
   }
 }
 
+// ---- Packed sequences: the group kernels (docs/DESIGN.md "Packed sequences"). Phase 1 ran on virtual slots
+// (slot + K * local), so a group holds the entries of one slot and one segment of the chunk, and the unit's group
+// table is sorted by (local, slot). The forward stores only the last segment's groups (one per slot: one writer
+// per row); the backward's earlier-segment groups and the read side can meet a row several times per chunk (once
+// per segment), so one warp takes all of a slot's groups, in segment order (the CPU loops' order).
+
+// The group of slot + K * local in the unit's table (n entries, valid groups first in increasing virtual slot,
+// then empty ones), or -1: a binary search on (local of the group's first entry, slot).
+__device__ __forceinline__ int64_t find_group(const GroupEntry* table, int64_t n, const int32_t* local_u,
+                                              int64_t lanes, int64_t K, int64_t target) {
+  const auto key = [&](int64_t g) {
+    const GroupEntry e = table[g];
+    return e.slot < 0 ? INT64_MAX : e.slot + K * static_cast<int64_t>(local_u[e.first / lanes]);
+  };
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (key(mid) < target) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo < n && key(lo) == target ? lo : -1;
+}
+
+// For the warp of a group (slot `slot`, segment `l`) whose slot may have groups in other segments of the chunk:
+// false if an earlier segment has one (that group's warp takes this one too); else body(group, segment) for this
+// group and then for the slot's groups of the segments l + 1 .. until - 1, in order.
+template <typename Body>
+__device__ __forceinline__ void slot_chain(const GroupEntry* table, int64_t n, const int32_t* local_u, int64_t lanes,
+                                           int64_t K, int32_t slot, int64_t g, int32_t l, int32_t until, Body body) {
+  for (int32_t e = 0; e < l; ++e)
+    if (find_group(table, n, local_u, lanes, K, slot + K * static_cast<int64_t>(e)) >= 0) return;
+  body(g, l);
+  for (int32_t next = l + 1; next < until; ++next) {
+    const int64_t h = find_group(table, n, local_u, lanes, K, slot + K * static_cast<int64_t>(next));
+    if (h >= 0) body(h, next);
+  }
+}
+
+// Forward write with packed sequences: the groups of the chunk's last segment only. The row starts from the row
+// as at its segment's start (the working row if current, else the initial bank's); the snapshot keeps the working
+// row as it was and the stamp snapshot its stamp; the row is then stamped seg0 + last.
+template <int VEC, typename T>
+__global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
+    fwd_write_packed_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, T* __restrict__ bank, int64_t c,
+                            ChunkRows rows, GroupTables tables, SegView<T> sg) {
+  chain_start();
+  Group gr;
+  if (!warp_group(dm, c, tables.w, dm.W, &gr)) return;
+  const int64_t C = dm.C, W = dm.W, D = dm.D, K = dm.K, s = gr.s, u = gr.u, g = gr.g;
+  const int32_t* local_u = sg.local + u * C;
+  const int32_t last = warp_unit_last(local_u, C);
+  if (local_u[gr.first / W] != last) return;  // an earlier segment's group: that segment is over
+  const int32_t stamp = sg.stamp[s * K + gr.slot];
+  const bool current = local_u[gr.first / W] == 0 && stamp == sg.seg0[u];
+  T* row = bank + (s * K + gr.slot) * D;
+  const T* old = current ? row : sg.initial + (s * K + gr.slot) * D;
+  T* snap = io.snapshot ? static_cast<T*>(io.snapshot) + (u * C * W + g) * D : nullptr;
+  const int32_t* order = p1.w_order + u * C * W;
+  const float cpe = p1.cpe[u * C * W + gr.first];
+  const float* delta = rows.delta + rows.at(dm, u, s);
+  for (int64_t d = static_cast<int64_t>(gr.lane) * VEC; d < D; d += 32 * VEC) {
+    float acc[VEC];
+    load_cols<VEC>(old + d, acc);
+    if (snap) copy_cols<VEC>(row + d, snap + d);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] *= cpe;
+    group_add<VEC>(order, gr.lo, gr.hi, p1.w + u * C * W, delta + d, W, D, acc);
+    store_cols<VEC>(row + d, acc);
+  }
+  __syncwarp();  // every lane has read the stamp
+  if (gr.lane == 0) {
+    if (sg.stamp_snapshot) sg.stamp_snapshot[u * C * W + g] = stamp;
+    sg.stamp[s * K + gr.slot] = sg.seg0[u] + last;
+  }
+}
+
+// Phase A with packed sequences, the stored groups (the chunk's last segment; one per slot): restore the stamp,
+// take the dots on the row as at the segment's start (the snapshot if current, else the initial bank's row), send
+// cpe dS1 + sum k_eff dG to the row's gradient if current, else to the initial bank's (the row's gradient is then
+// 0: the write replaced a row it did not read), restore the row.
+template <int VEC, typename T, typename GT>
+__global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
+    bwd_phase_a_packed_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T* __restrict__ bank, GT* __restrict__ dbank,
+                              int64_t c, BackRows rows, GroupTables tables, SegView<T> sg) {
+  chain_start();
+  Group gr;
+  if (!warp_group(dm, c, tables.w, dm.W, &gr)) return;
+  const int64_t C = dm.C, W = dm.W, D = dm.D, K = dm.K, s = gr.s, u = gr.u, g = gr.g;
+  const int lane = gr.lane;
+  const int32_t* local_u = sg.local + u * C;
+  if (local_u[gr.first / W] != warp_unit_last(local_u, C)) return;  // earlier segments: the next kernel
+  const int32_t stamp = sg.stamp_snapshot[u * C * W + g];
+  const bool current = local_u[gr.first / W] == 0 && stamp == sg.seg0[u];
+  const int64_t at = (s * K + gr.slot) * D;
+  GT* drow = dbank + at;
+  GT* target = current ? drow : static_cast<GT*>(sg.dinitial) + at;
+  const T* snap = static_cast<const T*>(io.snapshot) + (u * C * W + g) * D;
+  const T* s0 = current ? snap : sg.initial + at;
+  const int32_t* order = p1.w_order + u * C * W;
+  const int64_t e0 = u * C * W + gr.first;
+  const float cpe = p1.cpe[e0];
+  const float* delta = io.delta + u * C * D;
+  const float* dG = rows.dG + s * C * D;
+  const float dcpe = warp_dot<VEC>(drow, s0, D, lane);
+  if (lane == 0) io.dcpe[e0] = dcpe;
+  for (int32_t k = gr.lo; k < gr.hi; ++k) {
+    const int32_t e = order[k];
+    const float dw = warp_dot<VEC>(delta + (e / W) * D, drow, D, lane);
+    const float dk = warp_dot<VEC>(dG + (e / W) * D, s0, D, lane);
+    if (lane == 0) {
+      io.dw[u * C * W + e] = dw;
+      io.dk_eff[u * C * W + e] = dk;
+    }
+  }
+  for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
+    float acc[VEC];
+    load_cols<VEC>(drow + d, acc);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] *= cpe;
+    if (!current) {
+      float x[VEC];
+      const float zero[VEC] = {};
+      load_cols<VEC>(target + d, x);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] += x[i];
+      store_cols<VEC>(drow + d, zero);
+    }
+    group_add<VEC>(order, gr.lo, gr.hi, p1.k_eff + u * C * W, dG + d, W, D, acc);
+    store_cols<VEC>(target + d, acc);
+    copy_cols<VEC>(snap + d, bank + at + d);
+  }
+  if (lane == 0) sg.stamp[s * K + gr.slot] = stamp;
+}
+
+// Phase A with packed sequences, the groups of the chunk's earlier segments (not stored), after the stored ones:
+// on the restored rows and stamps, each adds only its gathers' gradient, sum k_eff dG, to the row's gradient if
+// current, else to the initial bank's; dk_eff on the row as at its segment's start.
+template <int VEC, typename T, typename GT>
+__global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
+    bwd_phase_a_earlier_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const T* __restrict__ bank,
+                               GT* __restrict__ dbank, int64_t c, BackRows rows, GroupTables tables, SegView<T> sg) {
+  chain_start();
+  Group gr;
+  if (!warp_group(dm, c, tables.w, dm.W, &gr)) return;
+  const int64_t C = dm.C, W = dm.W, D = dm.D, K = dm.K, s = gr.s, u = gr.u, n = C * W;
+  const int lane = gr.lane;
+  const int32_t* local_u = sg.local + u * C;
+  const int32_t last = warp_unit_last(local_u, C);
+  const int32_t l = local_u[gr.first / W];
+  if (l == last) return;  // stored: done by bwd_phase_a_packed_kernel
+  const GroupEntry* table = tables.w + u * n;
+  const int32_t* order = p1.w_order + u * C * W;
+  const float* dG = rows.dG + s * C * D;
+  const int64_t at = (s * K + gr.slot) * D;
+  slot_chain(table, n, local_u, W, K, gr.slot, gr.g, l, last, [&](int64_t h, int32_t) {
+    const GroupEntry e = table[h];
+    const bool current = seg_current(sg, dm, s, u, e.first / W, gr.slot);
+    const T* s0 = (current ? bank : sg.initial) + at;
+    GT* target = (current ? dbank : static_cast<GT*>(sg.dinitial)) + at;
+    for (int32_t k = e.lo; k < e.hi; ++k) {
+      const int32_t x = order[k];
+      const float dk = warp_dot<VEC>(dG + (x / W) * D, s0, D, lane);
+      if (lane == 0) io.dk_eff[u * C * W + x] = dk;
+    }
+    for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
+      float acc[VEC];
+      load_cols<VEC>(target + d, acc);
+      group_add<VEC>(order, e.lo, e.hi, p1.k_eff + u * C * W, dG + d, W, D, acc);
+      store_cols<VEC>(target + d, acc);
+    }
+  });
+}
+
+// The read side with packed sequences: each read group (one slot, one segment) adds sum q_w dy to the row's
+// gradient if current, else to the initial bank's, and takes dq_w on the row as at its segment's start; a slot's
+// groups in segment order, by one warp.
+template <int VEC, typename T, typename GT>
+__global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
+    bwd_read_side_packed_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const T* __restrict__ bank,
+                                GT* __restrict__ dbank, int64_t c, GroupTables tables, SegView<T> sg) {
+  chain_start();
+  Group gr;
+  if (!warp_group(dm, c, tables.r, dm.R, &gr)) return;
+  const int64_t C = dm.C, R = dm.R, D = dm.D, K = dm.K, s = gr.s, u = gr.u, n = C * R;
+  const int lane = gr.lane;
+  const int32_t* local_u = sg.local + u * C;
+  const int32_t last = warp_unit_last(local_u, C);
+  const GroupEntry* table = tables.r + u * n;
+  const int32_t* order = p1.r_order + u * C * R;
+  const float* dy = io.dy + u * C * D;
+  const float* q_w = p1.q_w + u * C * R;
+  const int64_t at = (s * K + gr.slot) * D;
+  slot_chain(table, n, local_u, R, K, gr.slot, gr.g, local_u[gr.first / R], last + 1, [&](int64_t h, int32_t) {
+    const GroupEntry e = table[h];
+    const bool current = seg_current(sg, dm, s, u, e.first / R, gr.slot);
+    const T* row = (current ? bank : sg.initial) + at;
+    GT* target = (current ? dbank : static_cast<GT*>(sg.dinitial)) + at;
+    for (int32_t k = e.lo; k < e.hi; ++k) {
+      const int32_t r = order[k];
+      const float dq = warp_dot<VEC>(dy + (r / R) * D, row, D, lane);
+      if (lane == 0) io.dq_w[u * C * R + r] = dq;
+    }
+    for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
+      float acc[VEC];
+      load_cols<VEC>(target + d, acc);
+      group_add<VEC>(order, e.lo, e.hi, q_w, dy + d, R, D, acc);
+      store_cols<VEC>(target + d, acc);
+    }
+  });
+}
+
 // Allow `bytes` of dynamic shared memory (idempotent; kernels with static shared memory too must not rely on
 // the default 48 KB).
 template <typename Kernel>
@@ -1164,7 +1447,7 @@ inline int build_group_table(bool pdl, const StepDims& dm, const int32_t* order,
 
 template <int VEC, typename T>
 int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, T* bank, float* workspace,
-                 cudaStream_t stream) {
+                 cudaStream_t stream, const StepSegments* segments) {
   const int64_t n = dm.streams() * dm.C * dm.D;
   const bool save = io.delta != nullptr;
   const ChunkRows rows{save ? io.G : workspace, workspace + n, save ? io.delta : workspace + 2 * n, save};
@@ -1178,22 +1461,39 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
   const dim3 group_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
   const RowBlock rb = row_block(dm.D, VEC);
-  if (!rc) rc = smem_attribute(fwd_gather_kernel<VEC, T>, rb.smem);
   const dim3 gather_grid(dm.streams(), dm.C, 2);
-  for (int64_t c = 0; c < dm.NC && !rc; ++c) {
-    rc = launch(pdl, fwd_gather_kernel<VEC, T>, gather_grid, rb.threads, rb.smem, stream, dm, p1,
-                static_cast<const T*>(bank), c, rows);
-    if (!rc) rc = launch(pdl, fwd_solve, slice_grid, dim3(solve_threads(dm.C, true)), smem, stream, dm, p1, io, c, rows);
-    if (!rc)
-      rc = launch(pdl, fwd_write_kernel<VEC, T>, group_grid, dim3(kGroupWarps * 32), 0, stream, dm, p1, io, bank, c,
-                  rows, tables);
+  // The chunk steps: gather, solve, write (with packed sequences the gathers pick each row's bank, and the write
+  // kernel stores the last segment's groups and stamps their rows).
+  const auto steps = [&](auto gather, auto write, auto seg) {
+    if (!rc) rc = smem_attribute(gather, rb.smem);
+    for (int64_t c = 0; c < dm.NC && !rc; ++c) {
+      rc = launch(pdl, gather, gather_grid, rb.threads, rb.smem, stream, dm, p1, static_cast<const T*>(bank), c,
+                  rows, seg);
+      if (!rc)
+        rc = launch(pdl, fwd_solve, slice_grid, dim3(solve_threads(dm.C, true)), smem, stream, dm, p1, io, c, rows);
+      if (!rc) rc = write(c);
+    }
+  };
+  if (!segments) {
+    steps(fwd_gather_kernel<VEC, T, false, NoSegments>, [&](int64_t c) {
+      return launch(pdl, fwd_write_kernel<VEC, T>, group_grid, dim3(kGroupWarps * 32), 0, stream, dm, p1, io, bank,
+                    c, rows, tables);
+    }, NoSegments{});
+    return rc;
   }
+  const SegView<T> sv{segments->local, segments->seg0, static_cast<const T*>(segments->initial), segments->stamp,
+                      segments->stamp_snapshot, nullptr};
+  if (!rc) rc = static_cast<int>(cudaMemsetAsync(sv.stamp, 0, dm.streams() * dm.K * sizeof(int32_t), stream));
+  steps(fwd_gather_kernel<VEC, T, true, SegView<T>>, [&](int64_t c) {
+    return launch(pdl, fwd_write_packed_kernel<VEC, T>, group_grid, dim3(kGroupWarps * 32), 0, stream, dm, p1, io,
+                  bank, c, rows, tables, sv);
+  }, sv);
   return rc;
 }
 
 template <int VEC, typename T, typename GT>
 int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, T* bank, GT* dbank,
-                  float* workspace, cudaStream_t stream) {
+                  float* workspace, cudaStream_t stream, const StepSegments* segments) {
   const int64_t n = dm.streams() * dm.C * dm.D;
   const BackRows rows{workspace, workspace + n};
   GroupEntry* w_table = group_tables_at(dm, workspace);
@@ -1214,21 +1514,40 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   // Gradient rows read 16 bytes per thread: 8 bfloat16 or 4 float32 columns.
   constexpr int kGVec = sizeof(GT) == 2 ? VEC : (VEC >= 4 ? 4 : 1);
   const RowBlock rb = row_block(dm.D, kGVec);
-  if (!rc) rc = smem_attribute(bwd_gwr_kernel<kGVec, GT>, rb.smem);
+  const auto gwr = segments ? bwd_gwr_kernel<kGVec, GT, true> : bwd_gwr_kernel<kGVec, GT, false>;
+  if (!rc) rc = smem_attribute(gwr, rb.smem);
   if (!rc) {
     rc = launch(pdl, bwd_dy, dim3(dm.units(), (dm.D + kSlice - 1) / kSlice), dim3(solve_threads(dm.C, false)), dy_smem,
                 stream, dm, p1, io);
   }
+  const dim3 group_block(kGroupWarps * 32);
+  SegView<T> sv{};
+  if (segments) {
+    sv = SegView<T>{segments->local, segments->seg0, static_cast<const T*>(segments->initial), segments->stamp,
+                    segments->stamp_snapshot, segments->dinitial};
+  }
   for (int64_t c = dm.NC - 1; c >= 0 && !rc; --c) {
-    rc = launch(pdl, bwd_gwr_kernel<kGVec, GT>, row_grid, rb.threads, rb.smem, stream, dm, p1,
-                static_cast<const GT*>(dbank), c, rows);
+    rc = launch(pdl, gwr, row_grid, rb.threads, rb.smem, stream, dm, p1, static_cast<const GT*>(dbank), c, rows,
+                sv.local);
     if (!rc)
       rc = launch(pdl, bwd_solve, slice_grid, dim3(solve_threads(dm.C, true)), solve_smem_bytes, stream, dm, p1, io, c, rows);
+    if (segments) {  // Phase A (the stored groups, then the earlier segments' groups) and the read side
+      if (!rc)
+        rc = launch(pdl, bwd_phase_a_packed_kernel<VEC, T, GT>, write_grid, group_block, 0, stream, dm, p1, io, bank,
+                    dbank, c, rows, tables, sv);
+      if (!rc)
+        rc = launch(pdl, bwd_phase_a_earlier_kernel<VEC, T, GT>, write_grid, group_block, 0, stream, dm, p1, io,
+                    static_cast<const T*>(bank), dbank, c, rows, tables, sv);
+      if (!rc)
+        rc = launch(pdl, bwd_read_side_packed_kernel<VEC, T, GT>, read_grid, group_block, 0, stream, dm, p1, io,
+                    static_cast<const T*>(bank), dbank, c, tables, sv);
+      continue;
+    }
     if (!rc)
-      rc = launch(pdl, bwd_phase_a_kernel<VEC, T, GT>, write_grid, dim3(kGroupWarps * 32), 0, stream, dm, p1, io, bank,
-                  dbank, c, rows, tables);
+      rc = launch(pdl, bwd_phase_a_kernel<VEC, T, GT>, write_grid, group_block, 0, stream, dm, p1, io, bank, dbank, c,
+                  rows, tables);
     if (!rc)
-      rc = launch(pdl, bwd_read_side_kernel<VEC, T, GT>, read_grid, dim3(kGroupWarps * 32), 0, stream, dm, p1, io,
+      rc = launch(pdl, bwd_read_side_kernel<VEC, T, GT>, read_grid, group_block, 0, stream, dm, p1, io,
                   static_cast<const T*>(bank), dbank, c, tables);
   }
   if (!rc) {
@@ -1247,21 +1566,19 @@ inline int vec_of(int64_t D) { return D % 8 == 0 ? 8 : D % 4 == 0 ? 4 : 1; }
 template <typename BankT>
 int forward_cuda(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, BankT* bank_in, float* workspace,
                  CUstream_st* stream, const StepSegments* segments) {
-  if (segments) return static_cast<int>(cudaErrorInvalidValue);  // not yet
   using T = typename Device<BankT>::type;
   T* bank = reinterpret_cast<T*>(bank_in);
   if (dm.streams() == 0 || dm.NC == 0 || dm.C == 0 || dm.D == 0) return 0;
   switch (vec_of(dm.D)) {
-    case 8: return forward_loop<8>(dm, p1, io, bank, workspace, stream);
-    case 4: return forward_loop<4>(dm, p1, io, bank, workspace, stream);
-    default: return forward_loop<1>(dm, p1, io, bank, workspace, stream);
+    case 8: return forward_loop<8>(dm, p1, io, bank, workspace, stream, segments);
+    case 4: return forward_loop<4>(dm, p1, io, bank, workspace, stream, segments);
+    default: return forward_loop<1>(dm, p1, io, bank, workspace, stream, segments);
   }
 }
 
 template <typename BankT, typename GradT>
 int backward_cuda(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, BankT* bank_in, GradT* dbank_in,
                   float* workspace, CUstream_st* stream, const StepSegments* segments) {
-  if (segments) return static_cast<int>(cudaErrorInvalidValue);  // not yet
   using T = typename Device<BankT>::type;
   using GT = typename Device<GradT>::type;
   T* bank = reinterpret_cast<T*>(bank_in);
@@ -1274,9 +1591,9 @@ int backward_cuda(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   }
   if (dm.streams() == 0 || dm.NC == 0 || dm.C == 0 || dm.D == 0 || rc) return rc;
   switch (vec_of(dm.D)) {
-    case 8: return backward_loop<8>(dm, p1, io, bank, dbank, workspace, stream);
-    case 4: return backward_loop<4>(dm, p1, io, bank, dbank, workspace, stream);
-    default: return backward_loop<1>(dm, p1, io, bank, dbank, workspace, stream);
+    case 8: return backward_loop<8>(dm, p1, io, bank, dbank, workspace, stream, segments);
+    case 4: return backward_loop<4>(dm, p1, io, bank, dbank, workspace, stream, segments);
+    default: return backward_loop<1>(dm, p1, io, bank, dbank, workspace, stream, segments);
   }
 }
 
