@@ -8,6 +8,8 @@ namespace nb = nanobind;
 extern "C" XLA_FFI_Error* SdmSolveCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmForwardCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmBackwardCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* SdmForwardPackedCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* SdmBackwardPackedCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmPhase1Cuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmPhase1BwdCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmDecodeStepCuda(XLA_FFI_CallFrame* call_frame);
@@ -21,6 +23,8 @@ NB_MODULE(_sdm_cuda, m) {
         d["sdm_solve"] = nb::capsule(reinterpret_cast<void*>(&SdmSolveCuda));
         d["sdm_forward"] = nb::capsule(reinterpret_cast<void*>(&SdmForwardCuda));
         d["sdm_backward"] = nb::capsule(reinterpret_cast<void*>(&SdmBackwardCuda));
+        d["sdm_forward_packed"] = nb::capsule(reinterpret_cast<void*>(&SdmForwardPackedCuda));
+        d["sdm_backward_packed"] = nb::capsule(reinterpret_cast<void*>(&SdmBackwardPackedCuda));
         d["sdm_phase1"] = nb::capsule(reinterpret_cast<void*>(&SdmPhase1Cuda));
         d["sdm_phase1_bwd"] = nb::capsule(reinterpret_cast<void*>(&SdmPhase1BwdCuda));
         d["sdm_decode_step"] = nb::capsule(reinterpret_cast<void*>(&SdmDecodeStepCuda));

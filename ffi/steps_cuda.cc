@@ -1,5 +1,6 @@
-// XLA FFI handlers `sdm_forward` and `sdm_backward` (platform CUDA): the same checks and buffers as the CPU
-// handlers (ffi/steps_common.h), then the chunk loops of kernels/steps_cuda.cu on XLA's stream. No allocation
+// XLA FFI handlers `sdm_forward` and `sdm_backward`, and their packed-sequence variants `sdm_forward_packed` and
+// `sdm_backward_packed` (platform CUDA): the same checks and buffers as the CPU handlers (ffi/steps_common.h),
+// then the chunk loops of kernels/steps_cuda.cu on XLA's stream. No allocation
 // (the workspace is a result buffer), no host synchronisation, launches from the shapes only: the handlers can
 // be captured in CUDA graphs (kCmdBufferCompatible).
 #include <cuda_runtime_api.h>
@@ -20,30 +21,62 @@ int AliasCopy(const void* in, void* out, size_t bytes, cudaStream_t stream) {
   return static_cast<int>(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, stream));
 }
 
-ffi::Error ForwardCuda(cudaStream_t stream, SDM_FORWARD_PARAMS) {
-  sdm_ffi::ForwardCall call;
-  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareForward(SDM_FORWARD_NAMES, &call));
+// Runs a checked call; `segments`: null, or the packed sequences' buffers.
+ffi::Error RunForward(cudaStream_t stream, const sdm_ffi::ForwardCall& call, const sdm::StepSegments* segments,
+                      const char* name) {
   int rc = AliasCopy(call.bank_in, call.bank, call.bank_bytes, stream);
   if (!rc) {
     rc = call.type == ffi::DataType::F32
-             ? sdm::forward_cuda(call.dm, call.p1, call.io, static_cast<float*>(call.bank), call.workspace, stream)
+             ? sdm::forward_cuda(call.dm, call.p1, call.io, static_cast<float*>(call.bank), call.workspace, stream,
+                                 segments)
              : sdm::forward_cuda(call.dm, call.p1, call.io, static_cast<sdm::bf16*>(call.bank), call.workspace,
-                                 stream);
+                                 stream, segments);
   }
-  return sdm_ffi::CudaStatus("sdm_forward", rc);
+  return sdm_ffi::CudaStatus(name, rc);
+}
+
+ffi::Error RunBackward(cudaStream_t stream, const sdm_ffi::BackwardCall& call, const sdm::StepSegments* segments,
+                       int rc, const char* name) {
+  if (!rc) rc = AliasCopy(call.bank_in, call.bank, call.bank_bytes, stream);
+  if (!rc) rc = AliasCopy(call.dbank_in, call.dbank, call.dbank_bytes, stream);
+  if (!rc) {
+    rc = sdm_ffi::WithBankTypes(call, [&](auto* bank, auto* dbank) {
+      return sdm::backward_cuda(call.dm, call.p1, call.io, bank, dbank, call.workspace, stream, segments);
+    });
+  }
+  return sdm_ffi::CudaStatus(name, rc);
+}
+
+ffi::Error ForwardCuda(cudaStream_t stream, SDM_FORWARD_PARAMS) {
+  sdm_ffi::ForwardCall call;
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareForward(SDM_FORWARD_NAMES, &call));
+  return RunForward(stream, call, nullptr, "sdm_forward");
 }
 
 ffi::Error BackwardCuda(cudaStream_t stream, SDM_BACKWARD_PARAMS) {
   sdm_ffi::BackwardCall call;
   SDM_RETURN_IF_ERROR(sdm_ffi::PrepareBackward(SDM_BACKWARD_NAMES, &call));
-  int rc = AliasCopy(call.bank_in, call.bank, call.bank_bytes, stream);
-  if (!rc) rc = AliasCopy(call.dbank_in, call.dbank, call.dbank_bytes, stream);
-  if (!rc) {
-    rc = sdm_ffi::WithBankTypes(call, [&](auto* bank, auto* dbank) {
-      return sdm::backward_cuda(call.dm, call.p1, call.io, bank, dbank, call.workspace, stream);
-    });
-  }
-  return sdm_ffi::CudaStatus("sdm_backward", rc);
+  return RunBackward(stream, call, nullptr, 0, "sdm_backward");
+}
+
+ffi::Error ForwardPackedCuda(cudaStream_t stream, SDM_FORWARD_PARAMS, SDM_FORWARD_SEGMENT_PARAMS) {
+  sdm_ffi::ForwardCall call;
+  sdm::StepSegments segments;
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareForward(SDM_FORWARD_NAMES, &call));
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareForwardSegments(call, bank, SDM_FORWARD_SEGMENT_NAMES, &segments));
+  return RunForward(stream, call, &segments, "sdm_forward_packed");
+}
+
+ffi::Error BackwardPackedCuda(cudaStream_t stream, SDM_BACKWARD_PARAMS, SDM_BACKWARD_SEGMENT_PARAMS) {
+  sdm_ffi::BackwardCall call;
+  sdm::StepSegments segments;
+  sdm_ffi::SegmentCopies copies;
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareBackward(SDM_BACKWARD_NAMES, &call));
+  SDM_RETURN_IF_ERROR(
+      sdm_ffi::PrepareBackwardSegments(call, bank, SDM_BACKWARD_SEGMENT_NAMES, &segments, &copies));
+  int rc = 0;
+  for (int i = 0; i < 2 && !rc; ++i) rc = AliasCopy(copies.in[i], copies.out[i], copies.bytes[i], stream);
+  return RunBackward(stream, call, &segments, rc, "sdm_backward_packed");
 }
 
 }  // namespace
@@ -54,3 +87,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmForwardCuda, ForwardCuda,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmBackwardCuda, BackwardCuda,
                               ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().SDM_BACKWARD_BUFFERS,
                               {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    SdmForwardPackedCuda, ForwardPackedCuda,
+    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().SDM_FORWARD_BUFFERS.SDM_FORWARD_SEGMENT_BUFFERS,
+    {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    SdmBackwardPackedCuda, BackwardPackedCuda,
+    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().SDM_BACKWARD_BUFFERS.SDM_BACKWARD_SEGMENT_BUFFERS,
+    {xla::ffi::Traits::kCmdBufferCompatible});

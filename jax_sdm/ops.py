@@ -126,8 +126,7 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
         token (such a slot decays once; docs/MATH.md).
       segment_ids: `[B, T]` ints for packed sequences: a token whose id differs from the previous token's starts
         a new sequence from `bank`; a negative id marks padding (the token does nothing and reads zeros). The
-        final bank is the bank after each row's last non-padding token. Every `impl` on the CPU; on the GPU
-        `impl="xla"` and `"reference"` (the kernels, `"ffi"` and `"auto"`, raise NotImplementedError there).
+        final bank is the bank after each row's last non-padding token. Every `impl`, on the CPU and the GPU.
         The chunked forms (`"ffi"`, `"xla"`) need `K * (chunk_size + 1) < 2^31`.
       bank_grad_dtype: the dtype in which the kernels' backward (`impl="ffi"`) keeps the gradient of the bank
         between chunks: None (the default) for the bank's dtype, or `jnp.float32`. Inside each chunk step the
