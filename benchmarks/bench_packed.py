@@ -8,7 +8,7 @@ Unpacked: the same tokens as `rows * sequences` rows of `length` tokens, without
 initial bank per head (a shared `[H, K, D]` bank), float32. Forward: `jax.jit` of the op; forward+backward:
 `jax.jit(jax.grad)` of `sum(y * dy)` with respect to every float input. Median wall time of `--repeats` calls after
 a warm-up; the ratio is packed / unpacked (the issue's target: at most 1.2). An impl without packed sequences on
-this platform (the CUDA kernels today) is reported as "n/a".
+this platform is reported as "n/a".
 """
 import argparse
 
