@@ -11,13 +11,14 @@
 //
 // Packed sequences (Case::segs > 0, kernels/steps.h StepSegments) are wired as kernel_path.py wires them: per stream
 // a segment counter over the NC chunks' tokens (segments start at random tokens, a chunk's first token included;
-// padding inside the sequence starts none and carries the counter on; the last chunk's trailing pad tokens lie past
-// the sequence's end, counter 0, as layout.to_units pads), per unit seg0 and local = counter - seg0
-// (segments.chunk_segments); Phase 1 runs on the virtual slots s + K * local (slot count K * (C + 1)), the steps on
-// the real ids. The forward also compares the stamps and the stamp snapshot (bitwise; both start poisoned); the
-// backward runs on the CPU forward's working bank and stamps, with the final bank's cotangent split into the
-// working bank's share (rows stamped with the stream's last segment) and the initial bank's (dinitial), and also
-// compares dinitial and the restored stamps (all zero). Neither pass may change the initial bank.
+// padding inside the sequence starts none and carries the counter on; in half the streams the last chunk's trailing
+// pad tokens lie past the sequence's end instead, counter 0, as layout.to_units pads), per unit seg0 and local =
+// counter - seg0 (segments.chunk_segments); Phase 1 runs on the virtual slots s + K * local (slot count
+// K * (C + 1)), the steps on the real ids. The forward also compares the stamps and the stamp snapshot (bitwise;
+// both start poisoned); the backward runs on the CPU forward's working bank and stamps, with the final bank's
+// cotangent split into the working bank's share (rows stamped with the stream's last segment) and the initial
+// bank's (dinitial), and also compares dinitial and the restored stamps (all zero). Neither pass may change the
+// initial bank.
 //
 // A first argument `cpu-both` (run.sh plain steps cpu-both [...]) runs the CPU loops in place of the CUDA ones
 // too: a check of this harness (every case must pass), not of the CUDA code.
@@ -146,7 +147,8 @@ int compare_ints(const char* name, const std::vector<int32_t>& got, const std::v
   for (size_t i = 0; i < ref.size(); ++i)
     if (got[i] != ref[i] && bad++ == 0) first = i;
   if (verbose) std::printf("    %-13s n=%-7zu cells that differ: %zu\n", name, ref.size(), bad);
-  if (bad) std::printf("  FAIL %s: %zu cells differ; first at %zu: %d vs %d\n", name, bad, first, got[first], ref[first]);
+  if (bad)
+    std::printf("  FAIL %s: %zu cells differ; first at %zu: %d vs %d\n", name, bad, first, got[first], ref[first]);
   return bad != 0;
 }
 
@@ -156,17 +158,21 @@ int compare_ints(const char* name, const std::vector<int32_t>& got, const std::v
 struct Packing {
   std::vector<int32_t> local, seg0, last;
   int starts = 0, chunk_starts = 0, max_local = 0;  // segment starts, those on a chunk's first token; max of local
+  int past_end = 0;  // streams whose last chunk's pad tokens lie past the sequence's end
 };
 
 Packing make_packing(const Case& c, const StepDims& dm, uint32_t seed) {
   std::mt19937 rng(seed ^ 0x5e9u);  // its own generator: the other inputs are drawn as without packing
   std::uniform_real_distribution<double> ud;
   const int64_t C = dm.C, T = dm.NC * C, pad = std::min<int64_t>(c.pad, C);
-  const int64_t end = T - pad;  // the last chunk's pad tokens lie past the sequence's end
   Packing pk{std::vector<int32_t>(size_t(dm.units() * C)), std::vector<int32_t>(size_t(dm.units())),
              std::vector<int32_t>(size_t(dm.streams()))};
   std::vector<int32_t> seg(static_cast<size_t>(T));  // one stream's counter per token
   for (int64_t st = 0; st < dm.streams(); ++st) {
+    // The last chunk's pad tokens: past the sequence's end (counter 0, local negative) in half the streams, padding
+    // tokens inside the sequence in the others.
+    const int64_t end = rng() % 2 ? T - pad : T;
+    pk.past_end += end < T;
     int32_t counter = 0;
     for (int64_t i = 0; i < T; ++i) {
       const int64_t t = i % C;
@@ -428,8 +434,8 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
               (long long)R, (long long)K, (long long)D, c.bf16_bank ? "bf16" : "f32", c.bf16_grad ? "bf16" : "f32",
               c.invalid, c.pad, longest, seed);
   if (packed)
-    std::printf(" packed: segs=%.2f starts=%d (%d on a chunk's first token) max_local=%d", c.segs, pk.starts,
-                pk.chunk_starts, pk.max_local);
+    std::printf(" packed: segs=%.2f starts=%d (%d on a chunk's first token) max_local=%d past_end=%d", c.segs,
+                pk.starts, pk.chunk_starts, pk.max_local, pk.past_end);
   std::printf("\n");
   std::fflush(stdout);
   return fails;
@@ -449,8 +455,8 @@ int main(int argc, char** argv) {
     --argc, ++argv;
     std::printf("cpu-both: the CPU loops on both sides (a check of this harness, not of the CUDA code)\n");
   }
-  // {V, NC, P, C, W, R, K, D, bf16 bank, bf16 grad, invalid, pad[, segs]}. D picks the column path (vec_of: D % 8 == 0 ->
-  // 8, D % 4 == 0 -> 4, else 1); small K against C * W gives long write groups (> 2 entries) and repeated reads.
+  // {V, NC, P, C, W, R, K, D, bf16 bank, bf16 grad, invalid, pad[, segs]}. D picks the column path (vec_of: D % 8 == 0
+  // -> 8, D % 4 == 0 -> 4, else 1); small K against C * W gives long write groups (> 2 entries) and repeated reads.
   const std::vector<Case> cases = {
       {1, 3, 2, 8, 3, 2, 6, 16, false, false, 0.1, 1},    // VEC 8, long groups
       {2, 2, 1, 5, 2, 3, 40, 12, false, false, 0.1, 0},   // VEC 4, C % 4 != 0, V > 1, mostly short groups
