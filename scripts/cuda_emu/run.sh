@@ -5,7 +5,9 @@
 # GPU run stays the final word.
 #
 #   bash scripts/cuda_emu/run.sh [plain|tsan|asan] [phase1|steps|decode|all] [CASE [SEED] | random SEED COUNT]
-#   bash scripts/cuda_emu/run.sh [plain|tsan|asan] steps shape V NC P C W R K D f32|bf16 f32|bf16 INVALID PAD [SEED]
+#   bash scripts/cuda_emu/run.sh [plain|tsan|asan] steps [cpu-both] [CASE [SEED] | random SEED COUNT]
+#   bash scripts/cuda_emu/run.sh [plain|tsan|asan] steps [cpu-both] shape V NC P C W R K D f32|bf16 f32|bf16 INVALID
+#        PAD [SEED [SEGS]]
 #
 # Checks: phase1 (the default, as before) runs kernels/phase1_cuda.cu against kernels/phase1_cpu.cc
 # (phase1_check.cc); steps runs the chunk steps of kernels/steps_cuda.cu (forward_cuda, backward_cuda) against
@@ -16,13 +18,16 @@
 # (misaligned vector loads included). CASE is an index into the fixed cases of the check (all by default; one case
 # prints the max errors of each output; the steps check takes a comma-separated list too); `random` draws COUNT
 # random shapes; `shape` runs one problem of the steps (sizes as in kernels/steps.h, the bank's and the gradient
-# bank's dtypes, the fraction of out-of-range ids, the trailing tokens of each chunk with no valid id).
+# bank's dtypes, the fraction of out-of-range ids, the trailing tokens of each chunk with no valid id, and for packed
+# sequences the mean segment starts per chunk). The steps check also runs packed sequences (kernels/steps.h
+# StepSegments): the fixed cases from 15 on, a third of the random ones, `shape` with SEGS > 0; `steps cpu-both ...`
+# runs the CPU loops on both sides, a check of the harness itself.
 #
 # On 2 busy cores the steps check takes 30-50 s in plain mode, 3.5-6 minutes under tsan, about 2 minutes under
-# asan (Phase 1's: about 2 minutes in plain mode); it prints, per case, ok or FAIL with the outputs that differ, and at the end the
-# largest abs and relative errors per output over the cases. CUDA_EMU_OPT sets plain mode's optimisation (-O1 by
-# default; -O0 compiles faster for a few tiny cases: tests/test_cuda_emu.py). CUDA_EMU_BLOCKS=reverse|shuffle runs
-# the blocks of every launch in reverse or shuffled order (forward by default): a result that changes with the
+# asan (Phase 1's: about 2 minutes in plain mode); it prints, per case, ok or FAIL with the outputs that differ, and at
+# the end the largest abs and relative errors per output over the cases. CUDA_EMU_OPT sets plain mode's optimisation
+# (-O1 by default; -O0 compiles faster for a few tiny cases: tests/test_cuda_emu.py). CUDA_EMU_BLOCKS=reverse|shuffle
+# runs the blocks of every launch in reverse or shuffled order (forward by default): a result that changes with the
 # order shows a dependence between blocks that a GPU, running them in any order and at once, would not honour.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)

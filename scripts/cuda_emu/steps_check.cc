@@ -8,13 +8,29 @@
 // fused multiply-add in the forward write), and a looser one where a bfloat16 rounding of a slightly different
 // float32 can move a value by one bfloat16 step. NaN cells (outputs start as NaN) must match: a cell one side
 // writes and the other does not fails. The restored bank must equal the initial bank bitwise.
+//
+// Packed sequences (Case::segs > 0, kernels/steps.h StepSegments) are wired as kernel_path.py wires them: per stream
+// a segment counter over the NC chunks' tokens (segments start at random tokens, a chunk's first token included;
+// padding inside the sequence starts none and carries the counter on; in half the streams the last chunk's trailing
+// pad tokens lie past the sequence's end instead, counter 0, as layout.to_units pads), per unit seg0 and local =
+// counter - seg0 (segments.chunk_segments); Phase 1 runs on the virtual slots s + K * local (slot count
+// K * (C + 1)), the steps on the real ids. The forward also compares the stamps and the stamp snapshot (bitwise;
+// both start poisoned); the backward runs on the CPU forward's working bank and stamps, with the final bank's
+// cotangent split into the working bank's share (rows stamped with the stream's last segment) and the initial
+// bank's (dinitial), and also compares dinitial and the restored stamps (all zero). Neither pass may change the
+// initial bank.
+//
+// A first argument `cpu-both` (run.sh plain steps cpu-both [...]) runs the CPU loops in place of the CUDA ones
+// too: a check of this harness (every case must pass), not of the CUDA code.
 #include "steps_emu.inc"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 
 #include "kernels/phase1.h"
 #include "kernels/solve.h"
@@ -30,7 +46,11 @@ struct Case {
   bool bf16_bank, bf16_grad;
   double invalid;  // fraction of out-of-range ids
   int pad;         // trailing tokens of each unit with all ids -1
+  double segs = 0;  // packed sequences: 0 none, else the mean segment starts per chunk past its first token
 };
+
+bool cpu_both = false;  // run the CPU loops on the "CUDA" side too (a check of the harness)
+constexpr int32_t kPoison = -12345;  // stamps and stamp snapshot cells before a pass writes them
 
 // Largest errors over the cases, per output name.
 struct Worst {
@@ -121,6 +141,71 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
 
+// Integer outputs (stamps) must match exactly.
+int compare_ints(const char* name, const std::vector<int32_t>& got, const std::vector<int32_t>& ref, bool verbose) {
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < ref.size(); ++i)
+    if (got[i] != ref[i] && bad++ == 0) first = i;
+  if (verbose) std::printf("    %-13s n=%-7zu cells that differ: %zu\n", name, ref.size(), bad);
+  if (bad)
+    std::printf("  FAIL %s: %zu cells differ; first at %zu: %d vs %d\n", name, bad, first, got[first], ref[first]);
+  return bad != 0;
+}
+
+// Packed sequences of a case (steps.h StepSegments, as segments.chunk_segments gives them): per unit the segment
+// running at the chunk's start (seg0) and each token's segment counted from it (local [C]); per stream the
+// sequence's last segment (that of its last token).
+struct Packing {
+  std::vector<int32_t> local, seg0, last;
+  int starts = 0, chunk_starts = 0, max_local = 0;  // segment starts, those on a chunk's first token; max of local
+  int past_end = 0;  // streams whose last chunk's pad tokens lie past the sequence's end
+};
+
+Packing make_packing(const Case& c, const StepDims& dm, uint32_t seed) {
+  std::mt19937 rng(seed ^ 0x5e9u);  // its own generator: the other inputs are drawn as without packing
+  std::uniform_real_distribution<double> ud;
+  const int64_t C = dm.C, T = dm.NC * C, pad = std::min<int64_t>(c.pad, C);
+  Packing pk{std::vector<int32_t>(size_t(dm.units() * C)), std::vector<int32_t>(size_t(dm.units())),
+             std::vector<int32_t>(size_t(dm.streams()))};
+  std::vector<int32_t> seg(static_cast<size_t>(T));  // one stream's counter per token
+  for (int64_t st = 0; st < dm.streams(); ++st) {
+    // The last chunk's pad tokens: past the sequence's end (counter 0, local negative) in half the streams, padding
+    // tokens inside the sequence in the others.
+    const int64_t end = rng() % 2 ? T - pad : T;
+    pk.past_end += end < T;
+    int32_t counter = 0;
+    for (int64_t i = 0; i < T; ++i) {
+      const int64_t t = i % C;
+      const double p_start = t == 0 ? 0.5 : c.segs / double(C);
+      if (t < C - pad && ud(rng) < p_start) {  // padding starts no segment
+        ++counter, ++pk.starts;
+        pk.chunk_starts += t == 0;
+      }
+      seg[size_t(i)] = i < end ? counter : 0;
+    }
+    pk.last[size_t(st)] = end > 0 ? seg[size_t(end - 1)] : 0;
+    for (int64_t ch = 0; ch < dm.NC; ++ch) {
+      const int64_t u = dm.unit(st, ch);
+      const int32_t seg0 = ch > 0 ? seg[size_t(ch * C - 1)] : 0;
+      pk.seg0[size_t(u)] = seg0;
+      for (int64_t t = 0; t < C; ++t) {
+        pk.local[size_t(u * C + t)] = seg[size_t(ch * C + t)] - seg0;
+        pk.max_local = std::max(pk.max_local, pk.local[size_t(u * C + t)]);
+      }
+    }
+  }
+  return pk;
+}
+
+// Phase 1's slot ids with packed sequences (segments.virtual_slots): s + K * local, out-of-range ids -1.
+std::vector<int32_t> virtual_ids(const std::vector<int32_t>& idx, const std::vector<int32_t>& local, int64_t lanes,
+                                 int64_t K) {
+  std::vector<int32_t> out(idx.size());
+  for (size_t i = 0; i < idx.size(); ++i)
+    out[i] = idx[i] >= 0 && idx[i] < K ? int32_t(idx[i] + K * local[i / size_t(lanes)]) : -1;
+  return out;
+}
+
 struct Phase1Out {
   std::vector<float> log_k, rex, cpe, k_eff, w, log_q, q_w, A, QK, minv;
   std::vector<int32_t> w_order, w_group, r_order, r_group, repeats;
@@ -130,12 +215,16 @@ struct ForwardOut {
   std::vector<float> y, delta, G;
   std::vector<float> bank;  // as float32 (bf16 banks widened) for the comparisons
   std::vector<float> snapshot;
+  std::vector<int32_t> stamp, stamp_snapshot;  // packed sequences only
+  bool initial_kept = true;                    // packed: the initial bank unchanged
 };
 
 struct BackwardOut {
   std::vector<float> dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv;
   std::vector<float> dbank;
   bool restored = false;  // the bank came back as the initial bank, bitwise
+  std::vector<float> dinitial;  // packed sequences only
+  bool stamps_zero = true, initial_kept = true;
 };
 
 template <typename BankT, typename GradT>
@@ -173,17 +262,28 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
   std::vector<GradT> dbank0(bank0.size());  // the cotangent of the final bank
   for (auto& b : dbank0) b = from_float<GradT>(nd(rng));
 
+  const bool packed = c.segs > 0;
+  const Packing pk = packed ? make_packing(c, dm, seed) : Packing{};
+  const int64_t p1_slots = packed ? K * (C + 1) : K;  // segments.virtual_slot_count
+  if (p1_slots >= (int64_t(1) << 31)) {
+    std::printf("FAIL K * (C + 1) = %lld does not fit the int32 slot ids\n", (long long)p1_slots);
+    return 1;
+  }
+  const std::vector<int32_t> p1_k_idx = packed ? virtual_ids(k_idx, pk.local, W, K) : k_idx;
+  const std::vector<int32_t> p1_q_idx = packed ? virtual_ids(q_idx, pk.local, R, K) : q_idx;
+
   Phase1Out p;
   const size_t nw = k_idx.size(), nr = q_idx.size(), ncc = size_t(N * C * C);
   p.log_k.resize(nw), p.rex.resize(nw), p.cpe.resize(nw), p.k_eff.resize(nw), p.w.resize(nw);
   p.log_q.resize(nr), p.q_w.resize(nr), p.A.resize(ncc), p.QK.resize(ncc), p.minv.resize(ncc);
   p.w_order.resize(nw), p.w_group.resize(size_t(N * (C * W + 1))), p.r_order.resize(nr);
   p.r_group.resize(size_t(N * (C * R + 1))), p.repeats.resize(size_t(N));
-  phase1_cpu({k_idx.data(), k_val.data(), x.data(), q_idx.data(), q_val.data(), p.log_k.data(), p.rex.data(),
+  phase1_cpu({p1_k_idx.data(), k_val.data(), x.data(), p1_q_idx.data(), q_val.data(), p.log_k.data(), p.rex.data(),
               p.cpe.data(), p.k_eff.data(), p.w.data(), p.log_q.data(), p.q_w.data(), p.A.data(), p.QK.data(),
               p.w_order.data(), p.w_group.data(), p.r_order.data(), p.r_group.data(), p.repeats.data()},
-             Phase1Dims{N, C, W, R, K});
+             Phase1Dims{N, C, W, R, p1_slots});
   solve_cpu(p.A.data(), beta.data(), N, C, p.minv.data());
+  // The steps get the real slot ids and Phase 1's groups of the (virtual) slots.
   const StepPhase1 p1{k_idx.data(), q_idx.data(), p.k_eff.data(), p.w.data(), p.cpe.data(), p.q_w.data(),
                       p.A.data(), p.QK.data(), p.w_order.data(), p.w_group.data(), p.r_order.data(),
                       p.r_group.data(), p.minv.data()};
@@ -196,30 +296,52 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
     }
 
   const int64_t ws_floats = step_workspace_floats(dm);
-  const size_t ncd = size_t(N * C * D), nsnap = size_t(N * C * W * D);
-  // One forward; save: with residuals. cuda: the emulated CUDA kernels, else the CPU ones.
+  const size_t ncd = size_t(N * C * D), nsnap = size_t(N * C * W * D), nstamp = size_t(dm.streams() * K);
+  // The packed sequences' arguments of one pass (null without packed sequences).
+  auto segments_of = [&](StepSegments& sg, const std::vector<BankT>& initial, std::vector<int32_t>& stamp,
+                         std::vector<int32_t>& stamp_snapshot, void* dinitial) -> const StepSegments* {
+    sg = {pk.local.data(), pk.seg0.data(), initial.data(), stamp.data(),
+          stamp_snapshot.empty() ? nullptr : stamp_snapshot.data(), dinitial};
+    return packed ? &sg : nullptr;
+  };
+  // One forward; save: with residuals. cuda: the emulated CUDA kernels (the CPU ones under cpu-both), else the
+  // CPU ones.
   std::vector<BankT> final_cpu, snap_cpu;
   auto forward = [&](bool cuda, bool save, int* rc) {
-    std::vector<BankT> bank = bank0;
+    std::vector<BankT> bank = bank0, initial = bank0;
     std::vector<BankT> snap(save ? nsnap : 0, from_float<BankT>(kNaN));
     ForwardOut o{std::vector<float>(ncd, kNaN), std::vector<float>(save ? ncd : 0, kNaN),
                  std::vector<float>(save ? ncd : 0, kNaN), {}, {}};
+    o.stamp.assign(packed ? nstamp : 0, kPoison);
+    o.stamp_snapshot.assign(packed && save ? nw : 0, kPoison);
+    StepSegments sg;
+    const StepSegments* segments = segments_of(sg, initial, o.stamp, o.stamp_snapshot, nullptr);
     const ForwardIO io{v.data(), beta.data(), o.y.data(), save ? o.delta.data() : nullptr,
                        save ? o.G.data() : nullptr, save ? snap.data() : nullptr};
-    if (cuda) {
+    if (cuda && !cpu_both) {
       std::vector<float> ws(size_t(ws_floats), kNaN);
-      *rc = forward_cuda<BankT>(dm, p1, io, bank.data(), ws.data(), nullptr);
+      *rc = forward_cuda<BankT>(dm, p1, io, bank.data(), ws.data(), nullptr, segments);
     } else {
-      forward_cpu<BankT>(dm, p1, io, bank.data());
-      if (save) final_cpu = bank, snap_cpu = snap;
+      forward_cpu<BankT>(dm, p1, io, bank.data(), segments);
     }
+    if (!cuda && save) final_cpu = bank, snap_cpu = snap;
     o.bank = as_float(bank);
     o.snapshot = as_float(snap);
+    o.initial_kept = same_bits(initial, bank0);
     return o;
   };
+  // One backward on the CPU forward's working bank, stamps and residuals (res).
   auto backward = [&](bool cuda, const ForwardOut& res, int* rc) {
-    std::vector<BankT> bank = final_cpu;
-    std::vector<GradT> dbank = dbank0;
+    std::vector<BankT> bank = final_cpu, initial = bank0;
+    std::vector<GradT> dbank = dbank0, dinitial(packed ? dbank0.size() : 0, from_float<GradT>(0.f));
+    std::vector<int32_t> stamp = res.stamp, stamp_snapshot = res.stamp_snapshot;
+    // kernel_path.py: the final bank's rows of the stream's last segment are the working bank's, the others the
+    // initial bank's; the cotangent goes to the one the row came from.
+    for (size_t row = 0; row < stamp.size(); ++row)
+      if (stamp[row] != pk.last[row / size_t(K)])
+        for (size_t d = 0; d < size_t(D); ++d) std::swap(dbank[row * D + d], dinitial[row * D + d]);
+    StepSegments sg;
+    const StepSegments* segments = segments_of(sg, initial, stamp, stamp_snapshot, dinitial.data());
     const size_t cw = nw, cr = nr;
     BackwardOut o{std::vector<float>(cw, kNaN),  std::vector<float>(cw, kNaN),        std::vector<float>(cw, kNaN),
                   std::vector<float>(cr, kNaN),  std::vector<float>(ncc, kNaN),       std::vector<float>(ncc, kNaN),
@@ -227,65 +349,94 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
     const BackwardIO io{v.data(), beta.data(), dy.data(), res.delta.data(), res.G.data(), snap_cpu.data(),
                         o.dk_eff.data(), o.dw.data(), o.dcpe.data(), o.dq_w.data(), o.dA.data(), o.dQK.data(),
                         o.dbeta.data(), o.dv.data()};
-    if (cuda) {
+    if (cuda && !cpu_both) {
       std::vector<float> ws(size_t(ws_floats), kNaN);
-      *rc = backward_cuda<BankT, GradT>(dm, p1, io, bank.data(), dbank.data(), ws.data(), nullptr);
+      *rc = backward_cuda<BankT, GradT>(dm, p1, io, bank.data(), dbank.data(), ws.data(), nullptr, segments);
     } else {
-      backward_cpu<BankT, GradT>(dm, p1, io, bank.data(), dbank.data());
+      backward_cpu<BankT, GradT>(dm, p1, io, bank.data(), dbank.data(), segments);
     }
     o.dbank = as_float(dbank);
     o.restored = same_bits(bank, bank0);
+    o.dinitial = as_float(dinitial);
+    o.stamps_zero = std::all_of(stamp.begin(), stamp.end(), [](int32_t s) { return s == 0; });
+    o.initial_kept = same_bits(initial, bank0);
     return o;
   };
 
   int fails = 0, rc = 0;
   const bool bf = sizeof(BankT) == 2;
-  const ForwardOut fc = forward(false, true, &rc);
-  if (verbose) std::printf("  forward (residuals saved)\n");
-  auto check_rc = [&](const char* what) {
-    if (rc) std::printf("  FAIL %s returned %d\n", what, rc);
+  // A pass that returned an error fails once; its outputs are not compared.
+  auto ran = [&](const char* what) {
+    if (rc) std::printf("  FAIL %s returned %d; its outputs not compared\n", what, rc);
     fails += rc != 0;
-    rc = 0;
+    return std::exchange(rc, 0) == 0;
   };
+  auto expect = [&](bool ok, const char* what, const char* failure) {
+    if (ok) return;
+    std::printf("  FAIL %s %s\n", what, failure);
+    ++fails;
+  };
+  auto kept_initial = [&](const char* what, bool kept) { expect(kept, what, "changed the initial bank"); };
+  auto restored = [&](const char* what, const BackwardOut& o) {
+    expect(o.restored, what, "did not restore the bank to the initial bank (bitwise)");
+    expect(o.stamps_zero, what, "did not restore the stamps to zero");
+    kept_initial(what, o.initial_kept);
+  };
+  const ForwardOut fc = forward(false, true, &rc);
+  kept_initial("forward_cpu", fc.initial_kept);
+  if (verbose) std::printf("  forward (residuals saved)\n");
   const ForwardOut fg = forward(true, true, &rc);
-  check_rc("forward_cuda (residuals saved)");
-  fails += compare("y", fg.y, fc.y, bf, verbose);
-  fails += compare("delta", fg.delta, fc.delta, bf, verbose);
-  fails += compare("G", fg.G, fc.G, bf, verbose);
-  fails += compare("snapshot", fg.snapshot, fc.snapshot, bf, verbose);
-  fails += compare("bank", fg.bank, fc.bank, bf, verbose);
+  const bool fg_ran = ran("forward_cuda (residuals saved)");
+  if (fg_ran) {
+    fails += compare("y", fg.y, fc.y, bf, verbose);
+    fails += compare("delta", fg.delta, fc.delta, bf, verbose);
+    fails += compare("G", fg.G, fc.G, bf, verbose);
+    fails += compare("snapshot", fg.snapshot, fc.snapshot, bf, verbose);
+    fails += compare("bank", fg.bank, fc.bank, bf, verbose);
+    fails += compare_ints("stamp", fg.stamp, fc.stamp, verbose && packed);
+    fails += compare_ints("stamp_snapshot", fg.stamp_snapshot, fc.stamp_snapshot, verbose && packed);
+    kept_initial("forward_cuda", fg.initial_kept);
+  }
   if (verbose) std::printf("  forward (no residuals)\n");
   const ForwardOut fn = forward(true, false, &rc);
-  check_rc("forward_cuda (no residuals)");
-  fails += compare("y (nograd)", fn.y, fc.y, bf, verbose);
-  fails += compare("bank (nograd)", fn.bank, fc.bank, bf, verbose);
-  if (!same_bits(fn.y, fg.y) || !same_bits(fn.bank, fg.bank)) {
-    std::printf("  FAIL the CUDA forward without residuals differs from the one with them\n");
-    ++fails;
+  if (ran("forward_cuda (no residuals)")) {
+    fails += compare("y (nograd)", fn.y, fc.y, bf, verbose);
+    fails += compare("bank (nograd)", fn.bank, fc.bank, bf, verbose);
+    fails += compare_ints("stamp (nograd)", fn.stamp, fc.stamp, verbose && packed);
+    kept_initial("forward_cuda (no residuals)", fn.initial_kept);
+    if (fg_ran && (!same_bits(fn.y, fg.y) || !same_bits(fn.bank, fg.bank) || !same_bits(fn.stamp, fg.stamp))) {
+      std::printf("  FAIL the CUDA forward without residuals differs from the one with them\n");
+      ++fails;
+    }
   }
   if (verbose) std::printf("  backward (on the CPU forward's residuals)\n");
   const BackwardOut bc = backward(false, fc, &rc), bg = backward(true, fc, &rc);
-  check_rc("backward_cuda");
-  // The backward reads the CPU forward's bank and residuals: a bfloat16 step can come from the gradient bank only.
-  const bool gbf = sizeof(GradT) == 2;
-  fails += compare("dk_eff", bg.dk_eff, bc.dk_eff, gbf, verbose);
-  fails += compare("dw", bg.dw, bc.dw, gbf, verbose);
-  fails += compare("dcpe", bg.dcpe, bc.dcpe, gbf, verbose);
-  fails += compare("dq_w", bg.dq_w, bc.dq_w, gbf, verbose);
-  fails += compare("dA", bg.dA, bc.dA, gbf, verbose);
-  fails += compare("dQK", bg.dQK, bc.dQK, false, verbose);
-  fails += compare("dbeta", bg.dbeta, bc.dbeta, gbf, verbose);
-  fails += compare("dv", bg.dv, bc.dv, gbf, verbose);
-  fails += compare("dbank", bg.dbank, bc.dbank, gbf, verbose);
-  if (!bc.restored || !bg.restored) {
-    std::printf("  FAIL restored bank != initial bank (cpu %d, cuda %d)\n", bc.restored, bg.restored);
-    ++fails;
+  restored("backward_cpu", bc);
+  if (ran("backward_cuda")) {
+    // The backward reads the CPU forward's bank and residuals: a bfloat16 step can come from the gradient bank
+    // only.
+    const bool gbf = sizeof(GradT) == 2;
+    fails += compare("dk_eff", bg.dk_eff, bc.dk_eff, gbf, verbose);
+    fails += compare("dw", bg.dw, bc.dw, gbf, verbose);
+    fails += compare("dcpe", bg.dcpe, bc.dcpe, gbf, verbose);
+    fails += compare("dq_w", bg.dq_w, bc.dq_w, gbf, verbose);
+    fails += compare("dA", bg.dA, bc.dA, gbf, verbose);
+    fails += compare("dQK", bg.dQK, bc.dQK, false, verbose);
+    fails += compare("dbeta", bg.dbeta, bc.dbeta, gbf, verbose);
+    fails += compare("dv", bg.dv, bc.dv, gbf, verbose);
+    fails += compare("dbank", bg.dbank, bc.dbank, gbf, verbose);
+    if (packed) fails += compare("dinitial", bg.dinitial, bc.dinitial, gbf, verbose);
+    restored("backward_cuda", bg);
   }
   std::printf("%s V%lld NC%lld P%lld C%lld W%lld R%lld K%lld D%lld bank=%s grad=%s invalid=%.2f pad=%d "
-              "longest_group=%d seed=%u\n",
+              "longest_group=%d seed=%u",
               fails ? "FAIL" : "ok  ", (long long)c.V, (long long)c.NC, (long long)c.P, (long long)C, (long long)W,
               (long long)R, (long long)K, (long long)D, c.bf16_bank ? "bf16" : "f32", c.bf16_grad ? "bf16" : "f32",
               c.invalid, c.pad, longest, seed);
+  if (packed)
+    std::printf(" packed: segs=%.2f starts=%d (%d on a chunk's first token) max_local=%d past_end=%d", c.segs,
+                pk.starts, pk.chunk_starts, pk.max_local, pk.past_end);
+  std::printf("\n");
   std::fflush(stdout);
   return fails;
 }
@@ -299,8 +450,13 @@ int run_case(const Case& c, uint32_t seed, bool verbose) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // {V, NC, P, C, W, R, K, D, bf16 bank, bf16 grad, invalid, pad}. D picks the column path (vec_of: D % 8 == 0 ->
-  // 8, D % 4 == 0 -> 4, else 1); small K against C * W gives long write groups (> 2 entries) and repeated reads.
+  if (argc > 1 && std::string(argv[1]) == "cpu-both") {
+    cpu_both = true;
+    --argc, ++argv;
+    std::printf("cpu-both: the CPU loops on both sides (a check of this harness, not of the CUDA code)\n");
+  }
+  // {V, NC, P, C, W, R, K, D, bf16 bank, bf16 grad, invalid, pad[, segs]}. D picks the column path (vec_of: D % 8 == 0
+  // -> 8, D % 4 == 0 -> 4, else 1); small K against C * W gives long write groups (> 2 entries) and repeated reads.
   const std::vector<Case> cases = {
       {1, 3, 2, 8, 3, 2, 6, 16, false, false, 0.1, 1},    // VEC 8, long groups
       {2, 2, 1, 5, 2, 3, 40, 12, false, false, 0.1, 0},   // VEC 4, C % 4 != 0, V > 1, mostly short groups
@@ -317,19 +473,33 @@ int main(int argc, char** argv) {
       {1, 3, 3, 8, 1, 1, 1, 20, false, false, 0.0, 0},    // K = 1: every entry on one slot
       {1, 2, 2, 6, 2, 2, 4, 33, false, false, 0.5, 2},    // half the ids out of range
       {1, 1, 1, 516, 1, 1, 300, 8, false, false, 0.05, 0},  // more 4 x 4 tiles than solve threads (1032 > 1024)
+      // Packed sequences (segs: mean segment starts per chunk past its first token; a chunk's first token starts
+      // one half of the time). Small K for long groups within a segment.
+      {1, 3, 2, 8, 3, 2, 6, 16, false, false, 0.1, 1, 2.0},   // 15: VEC 8, long groups, padding
+      {2, 3, 2, 8, 3, 2, 6, 16, true, false, 0.1, 1, 2.0},    // bf16 bank, f32 gradient bank, V > 1
+      {1, 3, 2, 8, 3, 2, 6, 16, true, true, 0.1, 1, 2.0},     // bf16 bank and gradient bank
+      {1, 4, 2, 16, 4, 4, 3, 7, false, false, 0.2, 2, 4.0},   // VEC 1, many segments, K = 3
+      {2, 2, 1, 5, 2, 3, 7, 12, true, true, 0.1, 0, 1.0},     // bf16, VEC 4
+      {1, 3, 2, 6, 2, 2, 4, 33, false, false, 0.5, 2, 1.0},   // half the ids out of range
+      {1, 2, 2, 6, 2, 2, 5, 8, false, false, 0.1, 0, 6.0},    // every token starts a segment (local up to C)
+      {1, 2, 1, 40, 1, 1, 100, 24, false, false, 0.05, 3, 3.0},  // C > 32, singletons
+      {1, 3, 3, 8, 1, 1, 1, 20, false, false, 0.0, 0, 1.0},   // K = 1
+      {1, 2, 1, 5, 3, 3, 3, 264, true, true, 0.1, 0, 1.5},    // several segments per lane (VEC 8), bf16
+      {1, 3, 2, 12, 3, 3, 4, 16, true, false, 0.1, 4, 0.5},   // few segments: long groups across chunks
   };
-  if (argc > 1 && std::string(argv[1]) == "shape") {  // shape V NC P C W R K D BANK GRAD INVALID PAD [SEED]
+  if (argc > 1 && std::string(argv[1]) == "shape") {  // shape V NC P C W R K D BANK GRAD INVALID PAD [SEED [SEGS]]
     if (argc < 14) {
-      std::fprintf(stderr, "shape V NC P C W R K D f32|bf16 f32|bf16 INVALID PAD [SEED]\n");
+      std::fprintf(stderr, "shape V NC P C W R K D f32|bf16 f32|bf16 INVALID PAD [SEED [SEGS]]\n");
       return 2;
     }
     auto i = [&](int k) { return int64_t(std::atoll(argv[k])); };
-    const Case c{i(2), i(3), i(4), i(5), i(6), i(7), i(8), i(9), std::string(argv[10]) == "bf16",
-                 std::string(argv[11]) == "bf16", std::atof(argv[12]), int(i(13))};
+    const Case c{i(2),  i(3),  i(4),  i(5), i(6), i(7), i(8), i(9), std::string(argv[10]) == "bf16",
+                 std::string(argv[11]) == "bf16", std::atof(argv[12]), int(i(13)), argc > 15 ? std::atof(argv[15]) : 0};
     return run_case(c, argc > 14 ? uint32_t(i(14)) : 1u, true) != 0;
   }
   if (argc > 1 && std::string(argv[1]) == "random") {
-    std::mt19937 r(argc > 2 ? std::atoi(argv[2]) : 1);
+    const uint32_t seed = argc > 2 ? std::atoi(argv[2]) : 1;
+    std::mt19937 r(seed), r_packed(seed ^ 0x5e9u);  // packed or not on its own: the shapes are drawn as before
     const int count = argc > 3 ? std::atoi(argv[3]) : 10;
     const int64_t Ds[] = {1, 3, 4, 7, 8, 12, 16, 20, 33, 40, 64};
     int fails = 0;
@@ -339,6 +509,7 @@ int main(int argc, char** argv) {
              r() % 2 == 0, (r() % 3) * 0.1, 0};
       c.bf16_grad = c.bf16_grad && c.bf16_bank;
       c.pad = int(r() % 3 == 0 ? r() % c.C : 0);
+      if (r_packed() % 3 == 0) c.segs = 0.5 * (1 + r_packed() % 6);  // a third packed, 0.5 to 3 starts per chunk
       fails += run_case(c, r(), false) ? 1 : 0;
     }
     std::printf("%d failing cases\n", fails);
