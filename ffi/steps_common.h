@@ -285,6 +285,19 @@ inline ffi::Error PrepareBackwardSegments(const BackwardCall& call, const ffi::A
   return ffi::Error::Success();
 }
 
+// The packed-sequence handlers' checks: the plain call's, then the segment buffers'.
+inline ffi::Error PrepareForwardPacked(SDM_FORWARD_PARAMS, SDM_FORWARD_SEGMENT_PARAMS, ForwardCall* call,
+                                       sdm::StepSegments* segments) {
+  SDM_RETURN_IF_ERROR(PrepareForward(SDM_FORWARD_NAMES, call));
+  return PrepareForwardSegments(*call, bank, SDM_FORWARD_SEGMENT_NAMES, segments);
+}
+
+inline ffi::Error PrepareBackwardPacked(SDM_BACKWARD_PARAMS, SDM_BACKWARD_SEGMENT_PARAMS, BackwardCall* call,
+                                        sdm::StepSegments* segments, SegmentCopies* copies) {
+  SDM_RETURN_IF_ERROR(PrepareBackward(SDM_BACKWARD_NAMES, call));
+  return PrepareBackwardSegments(*call, bank, SDM_BACKWARD_SEGMENT_NAMES, segments, copies);
+}
+
 }  // namespace sdm_ffi
 
 // The buffers of the two handlers, in order (docs/DESIGN.md), shared by the CPU and CUDA bindings.

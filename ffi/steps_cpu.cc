@@ -56,8 +56,8 @@ ffi::Error BackwardCpu(SDM_BACKWARD_PARAMS) {
 ffi::Error ForwardPackedCpu(SDM_FORWARD_PARAMS, SDM_FORWARD_SEGMENT_PARAMS) {
   sdm_ffi::ForwardCall call;
   sdm::StepSegments segments;
-  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareForward(SDM_FORWARD_NAMES, &call));
-  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareForwardSegments(call, bank, SDM_FORWARD_SEGMENT_NAMES, &segments));
+  SDM_RETURN_IF_ERROR(
+      sdm_ffi::PrepareForwardPacked(SDM_FORWARD_NAMES, SDM_FORWARD_SEGMENT_NAMES, &call, &segments));
   return RunForward(call, &segments);
 }
 
@@ -65,9 +65,8 @@ ffi::Error BackwardPackedCpu(SDM_BACKWARD_PARAMS, SDM_BACKWARD_SEGMENT_PARAMS) {
   sdm_ffi::BackwardCall call;
   sdm::StepSegments segments;
   sdm_ffi::SegmentCopies copies;
-  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareBackward(SDM_BACKWARD_NAMES, &call));
-  SDM_RETURN_IF_ERROR(
-      sdm_ffi::PrepareBackwardSegments(call, bank, SDM_BACKWARD_SEGMENT_NAMES, &segments, &copies));
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareBackwardPacked(SDM_BACKWARD_NAMES, SDM_BACKWARD_SEGMENT_NAMES, &call,
+                                                     &segments, &copies));
   for (int i = 0; i < 2; ++i) AliasCopy(copies.in[i], copies.out[i], copies.bytes[i]);
   return RunBackward(call, &segments);
 }

@@ -62,8 +62,8 @@ ffi::Error BackwardCuda(cudaStream_t stream, SDM_BACKWARD_PARAMS) {
 ffi::Error ForwardPackedCuda(cudaStream_t stream, SDM_FORWARD_PARAMS, SDM_FORWARD_SEGMENT_PARAMS) {
   sdm_ffi::ForwardCall call;
   sdm::StepSegments segments;
-  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareForward(SDM_FORWARD_NAMES, &call));
-  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareForwardSegments(call, bank, SDM_FORWARD_SEGMENT_NAMES, &segments));
+  SDM_RETURN_IF_ERROR(
+      sdm_ffi::PrepareForwardPacked(SDM_FORWARD_NAMES, SDM_FORWARD_SEGMENT_NAMES, &call, &segments));
   return RunForward(stream, call, &segments, "sdm_forward_packed");
 }
 
@@ -71,9 +71,8 @@ ffi::Error BackwardPackedCuda(cudaStream_t stream, SDM_BACKWARD_PARAMS, SDM_BACK
   sdm_ffi::BackwardCall call;
   sdm::StepSegments segments;
   sdm_ffi::SegmentCopies copies;
-  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareBackward(SDM_BACKWARD_NAMES, &call));
-  SDM_RETURN_IF_ERROR(
-      sdm_ffi::PrepareBackwardSegments(call, bank, SDM_BACKWARD_SEGMENT_NAMES, &segments, &copies));
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareBackwardPacked(SDM_BACKWARD_NAMES, SDM_BACKWARD_SEGMENT_NAMES, &call,
+                                                     &segments, &copies));
   int rc = 0;
   for (int i = 0; i < 2 && !rc; ++i) rc = AliasCopy(copies.in[i], copies.out[i], copies.bytes[i], stream);
   return RunBackward(stream, call, &segments, rc, "sdm_backward_packed");

@@ -998,6 +998,25 @@ __global__ void __launch_bounds__(kDotsThreads) bwd_dots_kernel(StepDims dm, Ste
   }
 }
 
+// Phase A's dots of a long group, each one warp_dot: dcpe = <dS1, S0> at the group's first entry e0, and per entry e
+// dw = <delta_e, dS1>, dk_eff = <dG_e, S0> (entry e's outputs at base + e).
+template <int VEC, typename T, typename GT>
+__device__ __forceinline__ void phase_a_dots(const GT* drow, const T* s0, const float* delta, const float* dG,
+                                             const int32_t* order, int32_t lo, int32_t hi, int64_t W, int64_t D,
+                                             int lane, const BackwardIO& io, int64_t base, int64_t e0) {
+  const float dcpe = warp_dot<VEC>(drow, s0, D, lane);
+  if (lane == 0) io.dcpe[e0] = dcpe;
+  for (int32_t k = lo; k < hi; ++k) {
+    const int32_t e = order[k];
+    const float dw = warp_dot<VEC>(delta + (e / W) * D, drow, D, lane);
+    const float dk = warp_dot<VEC>(dG + (e / W) * D, s0, D, lane);
+    if (lane == 0) {
+      io.dw[base + e] = dw;
+      io.dk_eff[base + e] = dk;
+    }
+  }
+}
+
 template <int VEC, typename T, typename GT>
 __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
     bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T* __restrict__ bank, GT* __restrict__ dbank,
@@ -1067,17 +1086,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
     }
     return;
   }
-  const float dcpe = warp_dot<VEC>(drow, s0, D, lane);
-  if (lane == 0) io.dcpe[e0] = dcpe;
-  for (int32_t k = lo; k < hi; ++k) {
-    const int32_t e = order[k];
-    const float dw = warp_dot<VEC>(delta + (e / W) * D, drow, D, lane);
-    const float dk = warp_dot<VEC>(dG + (e / W) * D, s0, D, lane);
-    if (lane == 0) {
-      io.dw[u * C * W + e] = dw;
-      io.dk_eff[u * C * W + e] = dk;
-    }
-  }
+  phase_a_dots<VEC>(drow, s0, delta, dG, order, lo, hi, W, D, lane, io, u * C * W, e0);
   for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
     float acc[VEC];
     load_cols<VEC>(drow + d, acc);
@@ -1199,6 +1208,26 @@ __device__ __forceinline__ void slot_chain(const GroupEntry* table, int64_t n, c
   }
 }
 
+// The gradient of a group's gathers (a read group, or a write group of an earlier segment in Phase A): for each
+// entry x (sorted order), out[x] = <vecs_x, row> (warp_dot), and target += sum coef[x] vecs_x, where vecs_x is the
+// row of D floats of x's token ((x / lanes) * D): dy and q_w for reads, dG and k_eff for writes.
+template <int VEC, typename T, typename GT>
+__device__ __forceinline__ void gathers_gradient(const GroupEntry& e, const int32_t* order, const float* vecs,
+                                                 const float* coef, int64_t lanes, int64_t D, int lane, const T* row,
+                                                 GT* target, float* out) {
+  for (int32_t k = e.lo; k < e.hi; ++k) {
+    const int32_t x = order[k];
+    const float dot = warp_dot<VEC>(vecs + (x / lanes) * D, row, D, lane);
+    if (lane == 0) out[x] = dot;
+  }
+  for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
+    float acc[VEC];
+    load_cols<VEC>(target + d, acc);
+    group_add<VEC>(order, e.lo, e.hi, coef, vecs + d, lanes, D, acc);
+    store_cols<VEC>(target + d, acc);
+  }
+}
+
 // Forward write with packed sequences: the groups of the chunk's last segment only. The row starts from the row
 // as at its segment's start (the working row if current, else the initial bank's); the snapshot keeps the working
 // row as it was and the stamp snapshot its stamp; the row is then stamped seg0 + last.
@@ -1264,17 +1293,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
   const float cpe = p1.cpe[e0];
   const float* delta = io.delta + u * C * D;
   const float* dG = rows.dG + s * C * D;
-  const float dcpe = warp_dot<VEC>(drow, s0, D, lane);
-  if (lane == 0) io.dcpe[e0] = dcpe;
-  for (int32_t k = gr.lo; k < gr.hi; ++k) {
-    const int32_t e = order[k];
-    const float dw = warp_dot<VEC>(delta + (e / W) * D, drow, D, lane);
-    const float dk = warp_dot<VEC>(dG + (e / W) * D, s0, D, lane);
-    if (lane == 0) {
-      io.dw[u * C * W + e] = dw;
-      io.dk_eff[u * C * W + e] = dk;
-    }
-  }
+  phase_a_dots<VEC>(drow, s0, delta, dG, order, gr.lo, gr.hi, W, D, lane, io, u * C * W, e0);
   for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
     float acc[VEC];
     load_cols<VEC>(drow + d, acc);
@@ -1295,80 +1314,35 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
   if (lane == 0) sg.stamp[s * K + gr.slot] = stamp;
 }
 
-// Phase A with packed sequences, the groups of the chunk's earlier segments (not stored), after the stored ones:
-// on the restored rows and stamps, each adds only its gathers' gradient, sum k_eff dG, to the row's gradient if
-// current, else to the initial bank's; dk_eff on the row as at its segment's start.
-template <int VEC, typename T, typename GT>
+// With packed sequences, the groups that add only their gathers' gradient, after Phase A's stored groups (on the
+// restored rows and stamps): kRead false, Phase A's groups of the chunk's earlier segments (not stored): dk_eff
+// and sum k_eff dG; kRead true, the read side: dq_w and sum q_w dy. Each goes to the row's gradient if current,
+// else to the initial bank's, with the dots on the row as at its segment's start; a slot's groups in segment
+// order, by one warp (slot_chain).
+template <int VEC, typename T, typename GT, bool kRead>
 __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
-    bwd_phase_a_earlier_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const T* __restrict__ bank,
-                               GT* __restrict__ dbank, int64_t c, BackRows rows, GroupTables tables, SegView<T> sg) {
+    bwd_gathers_packed_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const T* __restrict__ bank,
+                              GT* __restrict__ dbank, int64_t c, BackRows rows, GroupTables tables, SegView<T> sg) {
   chain_start();
+  const int64_t lanes = kRead ? dm.R : dm.W;
   Group gr;
-  if (!warp_group(dm, c, tables.w, dm.W, &gr)) return;
-  const int64_t C = dm.C, W = dm.W, D = dm.D, K = dm.K, s = gr.s, u = gr.u, n = C * W;
-  const int lane = gr.lane;
+  if (!warp_group(dm, c, kRead ? tables.r : tables.w, lanes, &gr)) return;
+  const int64_t C = dm.C, D = dm.D, K = dm.K, s = gr.s, u = gr.u, n = C * lanes;
   const int32_t* local_u = sg.local + u * C;
   const int32_t last = warp_unit_last(local_u, C);
-  const int32_t l = local_u[gr.first / W];
-  if (l == last) return;  // stored: done by bwd_phase_a_packed_kernel
-  const GroupEntry* table = tables.w + u * n;
-  const int32_t* order = p1.w_order + u * C * W;
-  const float* dG = rows.dG + s * C * D;
+  const int32_t l = local_u[gr.first / lanes];
+  if (!kRead && l == last) return;  // a stored group: done by bwd_phase_a_packed_kernel
+  const GroupEntry* table = (kRead ? tables.r : tables.w) + u * n;
+  const int32_t* order = (kRead ? p1.r_order : p1.w_order) + u * n;
+  const float* vecs = kRead ? io.dy + u * C * D : rows.dG + s * C * D;
+  const float* coef = (kRead ? p1.q_w : p1.k_eff) + u * n;
+  float* out = (kRead ? io.dq_w : io.dk_eff) + u * n;
   const int64_t at = (s * K + gr.slot) * D;
-  slot_chain(table, n, local_u, W, K, gr.slot, gr.g, l, last, [&](int64_t h, int32_t) {
+  slot_chain(table, n, local_u, lanes, K, gr.slot, gr.g, l, kRead ? last + 1 : last, [&](int64_t h, int32_t) {
     const GroupEntry e = table[h];
-    const bool current = seg_current(sg, dm, s, u, e.first / W, gr.slot);
-    const T* s0 = (current ? bank : sg.initial) + at;
-    GT* target = (current ? dbank : static_cast<GT*>(sg.dinitial)) + at;
-    for (int32_t k = e.lo; k < e.hi; ++k) {
-      const int32_t x = order[k];
-      const float dk = warp_dot<VEC>(dG + (x / W) * D, s0, D, lane);
-      if (lane == 0) io.dk_eff[u * C * W + x] = dk;
-    }
-    for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
-      float acc[VEC];
-      load_cols<VEC>(target + d, acc);
-      group_add<VEC>(order, e.lo, e.hi, p1.k_eff + u * C * W, dG + d, W, D, acc);
-      store_cols<VEC>(target + d, acc);
-    }
-  });
-}
-
-// The read side with packed sequences: each read group (one slot, one segment) adds sum q_w dy to the row's
-// gradient if current, else to the initial bank's, and takes dq_w on the row as at its segment's start; a slot's
-// groups in segment order, by one warp.
-template <int VEC, typename T, typename GT>
-__global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
-    bwd_read_side_packed_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const T* __restrict__ bank,
-                                GT* __restrict__ dbank, int64_t c, GroupTables tables, SegView<T> sg) {
-  chain_start();
-  Group gr;
-  if (!warp_group(dm, c, tables.r, dm.R, &gr)) return;
-  const int64_t C = dm.C, R = dm.R, D = dm.D, K = dm.K, s = gr.s, u = gr.u, n = C * R;
-  const int lane = gr.lane;
-  const int32_t* local_u = sg.local + u * C;
-  const int32_t last = warp_unit_last(local_u, C);
-  const GroupEntry* table = tables.r + u * n;
-  const int32_t* order = p1.r_order + u * C * R;
-  const float* dy = io.dy + u * C * D;
-  const float* q_w = p1.q_w + u * C * R;
-  const int64_t at = (s * K + gr.slot) * D;
-  slot_chain(table, n, local_u, R, K, gr.slot, gr.g, local_u[gr.first / R], last + 1, [&](int64_t h, int32_t) {
-    const GroupEntry e = table[h];
-    const bool current = seg_current(sg, dm, s, u, e.first / R, gr.slot);
-    const T* row = (current ? bank : sg.initial) + at;
-    GT* target = (current ? dbank : static_cast<GT*>(sg.dinitial)) + at;
-    for (int32_t k = e.lo; k < e.hi; ++k) {
-      const int32_t r = order[k];
-      const float dq = warp_dot<VEC>(dy + (r / R) * D, row, D, lane);
-      if (lane == 0) io.dq_w[u * C * R + r] = dq;
-    }
-    for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
-      float acc[VEC];
-      load_cols<VEC>(target + d, acc);
-      group_add<VEC>(order, e.lo, e.hi, q_w, dy + d, R, D, acc);
-      store_cols<VEC>(target + d, acc);
-    }
+    const bool current = seg_current(sg, dm, s, u, e.first / lanes, gr.slot);
+    gathers_gradient<VEC>(e, order, vecs, coef, lanes, D, gr.lane, (current ? bank : sg.initial) + at,
+                          (current ? dbank : static_cast<GT*>(sg.dinitial)) + at, out);
   });
 }
 
@@ -1536,11 +1510,11 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
         rc = launch(pdl, bwd_phase_a_packed_kernel<VEC, T, GT>, write_grid, group_block, 0, stream, dm, p1, io, bank,
                     dbank, c, rows, tables, sv);
       if (!rc)
-        rc = launch(pdl, bwd_phase_a_earlier_kernel<VEC, T, GT>, write_grid, group_block, 0, stream, dm, p1, io,
-                    static_cast<const T*>(bank), dbank, c, rows, tables, sv);
+        rc = launch(pdl, bwd_gathers_packed_kernel<VEC, T, GT, false>, write_grid, group_block, 0, stream, dm, p1,
+                    io, static_cast<const T*>(bank), dbank, c, rows, tables, sv);
       if (!rc)
-        rc = launch(pdl, bwd_read_side_packed_kernel<VEC, T, GT>, read_grid, group_block, 0, stream, dm, p1, io,
-                    static_cast<const T*>(bank), dbank, c, tables, sv);
+        rc = launch(pdl, bwd_gathers_packed_kernel<VEC, T, GT, true>, read_grid, group_block, 0, stream, dm, p1, io,
+                    static_cast<const T*>(bank), dbank, c, rows, tables, sv);
       continue;
     }
     if (!rc)
