@@ -76,8 +76,14 @@ KERNEL_TARGETS = ("sdm_phase1", "sdm_solve", "sdm_forward", "sdm_backward", "sdm
 PACKED_TARGETS = ("sdm_forward_packed", "sdm_backward_packed")  # the steps with packed sequences
 
 
+def kernels_available(packed=False):
+    """Whether this backend has every kernel `impl="ffi"` needs (with `packed`, also the packed-sequence steps)."""
+    platform = jax.default_backend()
+    return all(lowering.is_registered(t, platform) for t in KERNEL_TARGETS + (PACKED_TARGETS if packed else ()))
+
+
 def _require_kernels(packed=False):
-    """Raise before any work if this backend lacks one of the kernels (no silent fallback)."""
+    """Raise before any work if this backend lacks one of the kernels (`impl="ffi"` never falls back)."""
     platform = jax.default_backend()
     missing = [t for t in KERNEL_TARGETS if not lowering.is_registered(t, platform)]
     if missing:
@@ -86,9 +92,9 @@ def _require_kernels(packed=False):
             "use impl='xla' (the chunked form in pure JAX) or impl='reference' (the token loop)")
     if packed and not all(lowering.is_registered(t, platform) for t in PACKED_TARGETS):
         raise NotImplementedError(
-            f"sdm_write_read: `segment_ids` (packed sequences) with impl='ffi' (also impl='auto') has no {platform} "
-            "kernels yet: the CPU kernels support it, and so do impl='xla' (the chunked form in pure JAX, on every "
-            "platform) and impl='reference' (the token loop)")
+            f"sdm_write_read: `segment_ids` (packed sequences) with impl='ffi' has no {platform} kernels yet: the "
+            "CPU kernels support it, and so do impl='xla' (the chunked form in pure JAX, on every platform; "
+            "impl='auto' picks it here) and impl='reference' (the token loop)")
 
 
 FORWARD_MODE_ERROR = (

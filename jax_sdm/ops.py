@@ -114,8 +114,10 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
         (no positive range is served exactly), and `check=True` reports it.
       q_idx, q_val: `[B, T, H, R]` read slot ids and weights.
       chunk_size: tokens per chunk of the chunked form (changes results only by rounding).
-      impl: "auto" | "ffi" | "xla" | "reference". "auto" and "ffi" run the FFI kernels (C++ on CPU, CUDA on
-        GPU), "xla" the chunked form in pure JAX, "reference" the token loop.
+      impl: "auto" | "ffi" | "xla" | "reference". "ffi" runs the FFI kernels (C++ on CPU, CUDA on GPU) and
+        raises NotImplementedError where this build has none; "xla" the chunked form in pure JAX; "reference" the
+        token loop. "auto" runs the kernels where this build has them for the platform, else "xla" (on a
+        TPU).
       check: also check the data at run time: slot ids outside `[0, K)`, non-finite inputs and gates `g > 0` are
         errors, reported through `jax.experimental.checkify`: wrap the (jitted) function in `checkify.checkify` to
         get them as an error value (`err.throw()` raises `checkify.JaxRuntimeError`, a `ValueError`); run eagerly
@@ -176,6 +178,8 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=6
     axes = sharding.varying_axes(bank, k_idx, k_val, v, beta, g, q_idx, q_val)
     bank, k_idx, k_val, v, beta, g, q_idx, q_val = (sharding.to_varying(a, axes)
                                                     for a in (bank, k_idx, k_val, v, beta, g, q_idx, q_val))
+    if impl == "auto":  # the kernels where this backend has them (for packed sequences too), else pure JAX
+        impl = "ffi" if kernel_path.kernels_available(packed=seg is not None) else "xla"
     if impl == "reference":
         y, final = sdm_reference(bank, k_idx, k_val, v, beta, g, q_idx, q_val, segment_ids=segment_ids)
         repeats = _count_repeats(k_idx, dims.K) if return_repeats else None

@@ -112,7 +112,10 @@ def sdm_step(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, impl="auto", check
     if impl in ("auto", "ffi"):
         platform = jax.default_backend()
         if not lowering.is_registered(TARGET, platform):
-            raise NotImplementedError(
-                f"sdm_step: impl={impl!r} has no {platform} kernel ({TARGET}) in this build; use impl='xla' "
-                "(pure JAX) or impl='reference' (the token loop)")
+            if impl == "auto":  # no kernel on this backend: pure JAX
+                impl = "xla"
+            else:
+                raise NotImplementedError(
+                    f"sdm_step: impl='ffi' has no {platform} kernel ({TARGET}) in this build; use impl='xla' "
+                    "(pure JAX; impl='auto' picks it here) or impl='reference' (the token loop)")
     return _inference_only(impl, dims, *args)

@@ -91,22 +91,17 @@ __global__ void decode_step_kernel(DecodeDims dm, DecodeToken<T> tok, T* __restr
   float y = 0.0f;
   for (int64_t m0 = 0; m0 < R; m0 += kInFlight) {
     float row[kInFlight];
+    bool ok[kInFlight];  // lane m0 + i exists and its slot is in range (an out-of-range id reads nothing)
 #pragma unroll
     for (int i = 0; i < kInFlight; ++i) {
       const int64_t m = m0 + i;
-      if (m >= R) break;
-      const int32_t r = q_idx[m];
-      if (r < 0 || r >= K) continue;
-      row[i] = read_lane[m] >= 0 ? cur[read_lane[m] * blockDim.x] : to_f(col[r * D]);
+      const int32_t r = m < R ? q_idx[m] : -1;
+      ok[i] = r >= 0 && r < K;
+      if (ok[i]) row[i] = read_lane[m] >= 0 ? cur[read_lane[m] * blockDim.x] : to_f(col[r * D]);
     }
 #pragma unroll
-    for (int i = 0; i < kInFlight; ++i) {
-      const int64_t m = m0 + i;
-      if (m >= R) break;
-      const int32_t r = q_idx[m];
-      if (r < 0 || r >= K) continue;
-      y += q_val[m] * row[i];
-    }
+    for (int i = 0; i < kInFlight; ++i)
+      if (ok[i]) y += q_val[m0 + i] * row[i];
   }
   tok.y[s * D + j] = from_f(y, tok.y);
 }

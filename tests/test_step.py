@@ -203,3 +203,18 @@ def test_bad_arguments():
         sdm_step(**dict(p, bank=p["bank"].astype(jnp.int32)))
     with pytest.raises(TypeError, match="sdm_step: `k_val` has dtype bfloat16, expected the bank's dtype float32"):
         sdm_step(**dict(p, k_val=p["k_val"].astype(jnp.bfloat16)))
+
+
+def test_auto_without_a_kernel_takes_pure_jax(monkeypatch):
+    """On a backend without the decode kernel (a TPU), impl="ffi" says so and impl="auto" runs the pure-JAX step:
+    the same numbers as impl="xla"."""
+    from jax_sdm import step as step_module
+
+    registered = step_module.lowering.is_registered
+    monkeypatch.setattr(step_module.lowering, "is_registered",
+                        lambda name, platform="cpu": name != step_module.TARGET and registered(name, platform))
+    p = token(sequence(fresh_seed(7), 1, **CASES["distinct"]), 0)
+    with pytest.raises(NotImplementedError, match=r"sdm_step: impl='ffi' has no .* kernel.*impl='xla'"):
+        sdm_step(**p, impl="ffi")
+    for a, b in zip(sdm_step(**p, impl="auto"), sdm_step(**p, impl="xla")):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
