@@ -1,7 +1,7 @@
 """A small workload that runs every CUDA kernel of jax_sdm once, for compute-sanitizer (`gpu_check.sh sanitize`):
 the op's forward and backward (float32 and bfloat16 banks, both gradient-bank dtypes, per-token and per-write
-gates, repeated and out-of-range slot ids), Phase 1's workspace path (a unit too large for shared memory), and the
-decode step (`--cases` picks some). Exits non-zero if a result is not finite."""
+gates, repeated and out-of-range slot ids, packed sequences), Phase 1's workspace path (a unit too large for shared
+memory), and the decode step (`--cases` picks some). Exits non-zero if a result is not finite."""
 import argparse
 import functools
 import sys
@@ -14,7 +14,7 @@ from jax_sdm import sdm_step, sdm_write_read
 from jax_sdm.testing import FLOAT_ARGS, cotangents, random_problem
 
 
-def op_case(seed, dtype, bank_grad_dtype=None, chunk=16, **shape):
+def op_case(seed, dtype, bank_grad_dtype=None, chunk=16, segment_ids=None, **shape):
     """Outputs and gradients of one `jax.jit` of the forward and its VJP, with every array (slot ids and cotangents
     too) an argument of the jitted function. Arrays a jitted function closes over become constants that XLA embeds
     in its executable; initcheck never sees those written, and reports every read of them (or of their copies)."""
@@ -22,6 +22,8 @@ def op_case(seed, dtype, bank_grad_dtype=None, chunk=16, **shape):
     dy, dbank = (jnp.asarray(c, args["bank"].dtype) for c in cotangents(seed, args))
     floats = {k: args[k] for k in FLOAT_ARGS}
     ints = {k: v for k, v in args.items() if k not in FLOAT_ARGS}
+    if segment_ids is not None:
+        ints["segment_ids"] = jnp.asarray(segment_ids, jnp.int32)
 
     @jax.jit
     def run(floats, ints, dy, dbank):
@@ -48,12 +50,14 @@ CASES = [
     lambda: op_case(3, np.float32, chunk=128, B=1, H=1, T=128, K=4096, D=8, W=64, R=64),  # Phase 1 workspace
     step_case,
     lambda: op_case(0, np.float32, T=48, K=64, D=24, W=3, R=2, distinct=False, repeats=True),  # case 0, whole chunks
+    lambda: op_case(5, jnp.bfloat16, B=2, T=40, K=16, D=64, W=4, R=4, distinct=False, repeats=True,  # packed
+                    segment_ids=np.array([[0] * 5 + [1] * 11 + [2] * 16 + [-1] * 8, [4] * 16 + [2] * 3 + [9] * 21])),
 ]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--cases", default="0,1,2,3,4,5", help="comma list of CASES indices")
+    parser.add_argument("--cases", default="0,1,2,3,4,5,6", help="comma list of CASES indices")
     cases = [int(i) for i in parser.parse_args().cases.split(",")]
     results = [r for i in cases for r in CASES[i]()]
     bad = [i for i, r in enumerate(results) if not np.all(np.isfinite(np.asarray(r, np.float32)))]
