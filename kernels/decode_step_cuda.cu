@@ -30,8 +30,9 @@ __device__ __forceinline__ __nv_bfloat16 from_f(float x, __nv_bfloat16*) { retur
 int64_t shared_bytes(const DecodeDims& dm, int threads) { return 4 * (dm.W * threads + 3 * (dm.W + dm.R)); }
 
 // Bank rows a thread loads before using the first (one per lane): the step is a short chain of dependent loads,
-// and a loop that waits for each row in turn costs one memory latency per lane.
-constexpr int kInFlight = 8;
+// and a loop that waits for each row in turn costs one memory latency per lane. 16 covers the written rows, then
+// the read rows, of W, R <= 16 in one round each.
+constexpr int kInFlight = 16;
 
 template <typename T>
 __global__ void decode_step_kernel(DecodeDims dm, DecodeToken<T> tok, T* __restrict__ bank, int64_t tiles) {
