@@ -50,6 +50,9 @@ constexpr int kRowBlocksPerSM = 2;   // their register budget: 2 blocks of 512 t
 constexpr int kGroupWarps = 8;      // warps (= groups) per block of the group kernels
 constexpr int kGroupBlocksPerSM = 2;  // register budget of the group kernels: 2 blocks per SM (128 registers)
 constexpr int kInlineEntries = 2;   // Phase A handles groups of up to this many entries in one pass over the row
+constexpr int kOwnerWarps = 8;      // warps per block of the unpacked group kernels (one block per stream and token)
+constexpr int kOwnerBlocksPerSM = 2;  // their register budget: 2 blocks of 256 threads per SM (128 registers)
+constexpr int64_t kOwnerStageFloats = 8192;  // a block stages its token's vectors in shared memory up to this size
 
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -157,38 +160,39 @@ struct Cols {
 // Segments (VEC columns each, 32 * VEC apart) a lane of a group kernel loads before using the first: as many as
 // fit the kernel's budget of loaded bytes per lane (its registers: `__launch_bounds__`), given the bytes loaded
 // per segment; 1 to 4.
-constexpr int kWriteLaneBytes = 192;    // the forward write kernel
-constexpr int kTwoRowLaneBytes = 256;   // Phase A and the read side
+constexpr int kWriteLaneBytes = 64;    // the forward write kernel
+constexpr int kTwoRowLaneBytes = 128;  // Phase A and the read side
 __host__ __device__ constexpr int segs_for(int budget, int seg_bytes) {
   return budget / seg_bytes < 1 ? 1 : budget / seg_bytes > 4 ? 4 : budget / seg_bytes;
 }
 
 // A lane of a one-warp-per-row kernel walks two rows `a` and `b` (D columns each, dtypes A and B) in batches of S
-// segments of VEC columns (32 * VEC apart) and calls body(d, a_cols, b_cols, pre_cols) per segment in increasing
-// column order d (the order of the lane's partial sums). With each segment it loads the same columns of NPRE float32
-// rows `pre` (the group's first entry's vectors: most groups have one entry), all of a batch before the first
-// segment is used, so a warp waits for one round of loads per batch instead of one more per segment.
+// segments of VEC columns (32 * VEC apart), all of a batch loaded before the first is used, and calls
+// body(d, a_cols, b_cols, pre_cols) per segment in increasing column order d (the order of the lane's partial sums),
+// with the same columns of NPRE float32 rows `pre` (the token's vectors, in shared memory when staged) read then:
+// they hold no registers while the rows are in flight.
 template <int VEC, int NPRE, typename A, typename B, typename Body>
 __device__ __forceinline__ void walk_two_rows(const A* a, const B* b, const float* const (&pre)[NPRE], int64_t D,
                                               int lane, Body body) {
-  constexpr int S = segs_for(kTwoRowLaneBytes, VEC * static_cast<int>(sizeof(A) + sizeof(B) + NPRE * sizeof(float)));
+  constexpr int S = segs_for(kTwoRowLaneBytes, VEC * static_cast<int>(sizeof(A) + sizeof(B)));
   constexpr int64_t kStep = 32 * VEC;
   for (int64_t d0 = static_cast<int64_t>(lane) * VEC; d0 < D; d0 += S * kStep) {
     Cols<VEC, A> x[S];
     Cols<VEC, B> y[S];
-    float p[S][NPRE][VEC];
 #pragma unroll
     for (int k = 0; k < S; ++k) {
       if (d0 + k * kStep >= D) break;
       x[k].load(a + d0 + k * kStep);
       y[k].load(b + d0 + k * kStep);
-#pragma unroll
-      for (int i = 0; i < NPRE; ++i) load_cols_ro<VEC>(pre[i] + d0 + k * kStep, p[k][i]);
     }
 #pragma unroll
     for (int k = 0; k < S; ++k) {
-      if (d0 + k * kStep >= D) break;
-      body(d0 + k * kStep, x[k], y[k], p[k]);
+      const int64_t d = d0 + k * kStep;
+      if (d >= D) break;
+      float p[NPRE][VEC];
+#pragma unroll
+      for (int i = 0; i < NPRE; ++i) load_cols<VEC>(pre[i] + d, p[i]);
+      body(d, x[k], y[k], p);
     }
   }
 }
@@ -681,10 +685,12 @@ struct alignas(16) GroupEntry {
   int32_t slot, lo, hi, first;
 };
 
-// table[u * n + g] for every unit u and group g < n = C * lanes of a map of DESIGN.md (w_* with k_idx, or r_*
-// with q_idx; `lanes` its W or R).
+// The call's table of a map of DESIGN.md (w_* with k_idx, or r_* with q_idx; `lanes` its W or R) for every unit u,
+// n = C * lanes entries per unit: by group, table[u * n + g] = {slot, lo, hi, first} for every group g < n (the
+// packed kernels); or by first entry (the unpacked kernels), table[u * n + first] = {slot, lo, hi, g} at the first
+// sorted entry of every group with a slot in range, the rest left as they are (filled with -1 before).
 __global__ void group_table_kernel(StepDims dm, const int32_t* __restrict__ order, const int32_t* __restrict__ group,
-                                   const int32_t* __restrict__ idx, int64_t lanes, int64_t units,
+                                   const int32_t* __restrict__ idx, int64_t lanes, int64_t units, bool by_first,
                                    GroupEntry* __restrict__ table) {
   chain_start();
   const int64_t n = dm.C * lanes, total = units * n;
@@ -700,7 +706,11 @@ __global__ void group_table_kernel(StepDims dm, const int32_t* __restrict__ orde
         e.first = first;
       }
     }
-    table[k] = e;
+    if (!by_first) {
+      table[k] = e;
+    } else if (e.slot >= 0) {
+      table[u * n + e.first] = GroupEntry{e.slot, e.lo, e.hi, static_cast<int32_t>(g)};
+    }
   }
 }
 
@@ -735,6 +745,48 @@ struct GroupTables {
   const GroupEntry* r;
 };
 
+// The unpacked group kernels take each slot group at its first sorted entry: one block per (stream s, token t of
+// unit u) stages the token's float32 vectors `vecs` (row t of each: delta; delta and dG; dy) in shared memory
+// `staged` once (when NV * D <= kOwnerStageFloats, else they are read from global memory), and its warps take the
+// token's entries in turn, each running body(group, vectors) for the group it heads, if any (the table by first
+// entry). Most groups have one entry: their vectors are then the block's, read from shared memory instead of once
+// per group from L2, and the registers that held them keep more bank rows in flight.
+// Floats per staged vector: D rounded up to whole quads (16-byte aligned rows; a partial quad's zeros stay inside).
+__host__ __device__ constexpr int64_t owner_stride(int64_t D) { return (D + 3) / 4 * 4; }
+
+template <int NV, typename Body>
+__device__ __forceinline__ void for_owned_groups(const StepDims& dm, int64_t s, int64_t u, const GroupEntry* table,
+                                                 int64_t lanes, const float* const (&vecs)[NV], float* staged,
+                                                 Body body) {
+  const int64_t D = dm.D, t = blockIdx.y, stride = owner_stride(D);
+  const bool stage = NV * stride <= kOwnerStageFloats;
+  const float* pre[NV];
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    pre[i] = vecs[i] + t * D;
+    if (!stage) continue;
+    for (int64_t d = 4 * static_cast<int64_t>(threadIdx.x); d < D; d += 4 * static_cast<int64_t>(blockDim.x))
+      copy_quad_async(staged + i * stride + d, pre[i] + d, static_cast<int>(D - d < 4 ? D - d : 4), D % 4 == 0);
+    pre[i] = staged + i * stride;
+  }
+  if (stage) staged_wait();
+  Group gr;
+  gr.s = s;
+  gr.u = u;
+  gr.lane = threadIdx.x % 32;
+  const GroupEntry* mine = table + (u * dm.C + t) * lanes;
+  for (int64_t w = threadIdx.x / 32; w < lanes; w += kOwnerWarps) {
+    const int4 e = __ldg(reinterpret_cast<const int4*>(mine + w));
+    if (e.x < 0) continue;
+    gr.slot = e.x;
+    gr.lo = e.y;
+    gr.hi = e.z;
+    gr.g = e.w;
+    gr.first = static_cast<int32_t>(t * lanes + w);
+    body(gr, pre);
+  }
+}
+
 // acc += sum over the sorted entries e = order[from..hi) of coef[e] * vecs[e / W][0, VEC) (vecs: rows of D floats,
 // offset to the columns of acc). With acc = scale * row first, the written row of the forward (cpe S0 + sum w
 // delta; it adds the first entry itself, whose vector it loads with the row, and passes from = lo + 1) and Phase A's
@@ -752,48 +804,48 @@ __device__ __forceinline__ void group_add(const int32_t* order, int32_t from, in
 }
 
 template <int VEC, typename T>
-__global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
+__global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, T* __restrict__ bank, int64_t c, ChunkRows rows,
                      GroupTables tables) {
   chain_start();
-  Group gr;
-  if (!warp_group(dm, c, tables.w, dm.W, &gr)) return;
-  const int64_t C = dm.C, W = dm.W, D = dm.D, s = gr.s, u = gr.u, g = gr.g;
-  const int lane = gr.lane;
-  const int32_t lo = gr.lo, hi = gr.hi;
-  const int32_t* order = p1.w_order + u * C * W;
-  T* row = bank + (s * dm.K + gr.slot) * D;
-  T* snap = io.snapshot ? static_cast<T*>(io.snapshot) + (u * C * W + g) * D : nullptr;
-  const float* w = p1.w + u * C * W;
-  const float cpe = p1.cpe[u * C * W + gr.first];
+  extern __shared__ __align__(16) float staged[];
+  const int64_t C = dm.C, W = dm.W, D = dm.D, s = blockIdx.x, u = unit_of(dm, s, c);
   const float* delta = rows.delta + rows.at(dm, u, s);
-  const float w0 = w[gr.first];
-  const float* delta0 = delta + (gr.first / W) * D;
-  // The row and the first entry's delta in batches of S segments per lane, all loaded before the first is used;
-  // the row becomes cpe * S0 + sum over the group's entries (sorted order) of w[e] * delta[t_e].
-  constexpr int S = segs_for(kWriteLaneBytes, VEC * static_cast<int>(sizeof(T) + sizeof(float)));
-  constexpr int64_t kStep = 32 * VEC;
-  for (int64_t d0 = static_cast<int64_t>(lane) * VEC; d0 < D; d0 += S * kStep) {
-    Cols<VEC, T> x[S];
-    float dl[S][VEC];
+  const float* const vecs[1] = {delta};
+  for_owned_groups(dm, s, u, tables.w, W, vecs, staged, [&](const Group& gr, const float* const (&pre)[1]) {
+    const int lane = gr.lane;
+    const int32_t* order = p1.w_order + u * C * W;
+    T* row = bank + (s * dm.K + gr.slot) * D;
+    T* snap = io.snapshot ? static_cast<T*>(io.snapshot) + (u * C * W + gr.g) * D : nullptr;
+    const float* w = p1.w + u * C * W;
+    const float cpe = p1.cpe[u * C * W + gr.first];
+    const float w0 = w[gr.first];
+    // The row in batches of S segments per lane, all loaded before the first is used; the row becomes
+    // cpe * S0 + sum over the group's entries (sorted order) of w[e] * delta[t_e], the first entry's delta the
+    // block's token's.
+    constexpr int S = segs_for(kWriteLaneBytes, VEC * static_cast<int>(sizeof(T)));
+    constexpr int64_t kStep = 32 * VEC;
+    for (int64_t d0 = static_cast<int64_t>(lane) * VEC; d0 < D; d0 += S * kStep) {
+      Cols<VEC, T> x[S];
 #pragma unroll
-    for (int k = 0; k < S; ++k) {
-      if (d0 + k * kStep >= D) break;
-      x[k].load(row + d0 + k * kStep);
-      load_cols_ro<VEC>(delta0 + d0 + k * kStep, dl[k]);
+      for (int k = 0; k < S; ++k) {
+        if (d0 + k * kStep >= D) break;
+        x[k].load(row + d0 + k * kStep);
+      }
+#pragma unroll
+      for (int k = 0; k < S; ++k) {
+        const int64_t d = d0 + k * kStep;
+        if (d >= D) break;
+        if (snap) x[k].store(snap + d);
+        float dl[VEC], acc[VEC];
+        load_cols<VEC>(pre[0] + d, dl);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[i] = __fmaf_rn(w0, dl[i], cpe * x[k][i]);
+        group_add<VEC>(order, gr.lo + 1, gr.hi, w, delta + d, W, D, acc);
+        store_cols<VEC>(row + d, acc);
+      }
     }
-#pragma unroll
-    for (int k = 0; k < S; ++k) {
-      const int64_t d = d0 + k * kStep;
-      if (d >= D) break;
-      if (snap) x[k].store(snap + d);
-      float acc[VEC];
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[i] = __fmaf_rn(w0, dl[k][i], cpe * x[k][i]);
-      group_add<VEC>(order, lo + 1, hi, w, delta + d, W, D, acc);
-      store_cols<VEC>(row + d, acc);
-    }
-  }
+  });
 }
 
 // Backward scratch ([streams, C, D] float32 each). du (the adjoint of u = beta (v - G)) lives in dv's buffer,
@@ -1018,33 +1070,45 @@ __device__ __forceinline__ void phase_a_dots(const GT* drow, const T* s0, const 
 }
 
 template <int VEC, typename T, typename GT>
-__global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
+__global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T* __restrict__ bank, GT* __restrict__ dbank,
                        int64_t c, BackRows rows, GroupTables tables) {
   chain_start();
-  Group gr;
-  if (!warp_group(dm, c, tables.w, dm.W, &gr)) return;
-  const int64_t C = dm.C, W = dm.W, D = dm.D, K = dm.K, s = gr.s, u = gr.u, g = gr.g;
-  const int lane = gr.lane;
-  const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
-  const int32_t* order = p1.w_order + u * C * W;
-  GT* drow = dbank + (s * K + slot) * D;
-  const T* s0 = static_cast<const T*>(io.snapshot) + (u * C * W + g) * D;
-  const int64_t e0 = u * C * W + gr.first;
-  const float cpe = p1.cpe[e0];
+  extern __shared__ __align__(16) float staged[];
+  const int64_t C = dm.C, W = dm.W, D = dm.D, K = dm.K, s = blockIdx.x, u = unit_of(dm, s, c);
   const float* delta = io.delta + u * C * D;
   const float* dG = rows.dG + s * C * D;
-  const float* k_eff = p1.k_eff + u * C * W;
-  T* row = bank + (s * K + slot) * D;
-  if (hi - lo <= kInlineEntries) {
-    // One pass over the row, in batches of S segments per lane loaded before the first is used: the dots (as
-    // per-lane partial sums over the lane's columns in increasing order, reduced in the fixed xor tree afterwards:
-    // warp_dot's order), the gradient row and the restore.
+  const float* const vecs[2] = {delta, dG};
+  for_owned_groups(dm, s, u, tables.w, W, vecs, staged, [&](const Group& gr, const float* const (&pre)[2]) {
+    const int lane = gr.lane;
+    const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
+    const int32_t* order = p1.w_order + u * C * W;
+    GT* drow = dbank + (s * K + slot) * D;
+    const T* s0 = static_cast<const T*>(io.snapshot) + (u * C * W + gr.g) * D;
+    const int64_t e0 = u * C * W + gr.first;
+    const float cpe = p1.cpe[e0];
+    const float* k_eff = p1.k_eff + u * C * W;
+    T* row = bank + (s * K + slot) * D;
+    if (hi - lo > kInlineEntries) {
+      phase_a_dots<VEC>(drow, s0, delta, dG, order, lo, hi, W, D, lane, io, u * C * W, e0);
+      for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
+        float acc[VEC];
+        load_cols<VEC>(drow + d, acc);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[i] *= cpe;
+        group_add<VEC>(order, lo, hi, k_eff, dG + d, W, D, acc);
+        store_cols<VEC>(drow + d, acc);
+        copy_cols<VEC>(s0 + d, row + d);
+      }
+      return;
+    }
+    // One pass over the row, in batches of segments per lane loaded before the first is used: the dots (as per-lane
+    // partial sums over the lane's columns in increasing order, reduced in the fixed xor tree afterwards:
+    // warp_dot's order), the gradient row and the restore. The first entry's delta and dG are the block's token's.
     const int32_t n = hi - lo;
     float p_cpe = 0.f, p_w[kInlineEntries] = {}, p_k[kInlineEntries] = {};
-    const float* const first[2] = {delta + (gr.first / W) * D, dG + (gr.first / W) * D};
-    walk_two_rows<VEC>(drow, s0, first, D, lane, [&](int64_t d, const Cols<VEC, GT>& ds, const Cols<VEC, T>& sv,
-                                                   const float (&pre)[2][VEC]) {
+    walk_two_rows<VEC>(drow, s0, pre, D, lane, [&](int64_t d, const Cols<VEC, GT>& ds, const Cols<VEC, T>& sv,
+                                                 const float (&first)[2][VEC]) {
       float acc[VEC];
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
@@ -1058,7 +1122,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
         float dl[VEC], dg[VEC];
         if (j == 0) {
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) dl[i] = pre[0][i], dg[i] = pre[1][i];
+          for (int i = 0; i < VEC; ++i) dl[i] = first[0][i], dg[i] = first[1][i];
         } else {
           load_cols_ro<VEC>(delta + (e / W) * D + d, dl);
           load_cols_ro<VEC>(dG + (e / W) * D + d, dg);
@@ -1084,43 +1148,52 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
         io.dk_eff[u * C * W + order[lo + j]] = dk;
       }
     }
-    return;
-  }
-  phase_a_dots<VEC>(drow, s0, delta, dG, order, lo, hi, W, D, lane, io, u * C * W, e0);
-  for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
-    float acc[VEC];
-    load_cols<VEC>(drow + d, acc);
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) acc[i] *= cpe;
-    group_add<VEC>(order, lo, hi, k_eff, dG + d, W, D, acc);
-    store_cols<VEC>(drow + d, acc);
-    copy_cols<VEC>(s0 + d, row + d);
-  }
+  });
 }
 
 template <int VEC, typename T, typename GT>
-__global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
+__global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     bwd_read_side_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const T* __restrict__ bank,
                          GT* __restrict__ dbank, int64_t c, GroupTables tables) {
   chain_start();
-  Group gr;
-  if (!warp_group(dm, c, tables.r, dm.R, &gr)) return;
-  const int64_t C = dm.C, R = dm.R, D = dm.D, K = dm.K, s = gr.s, u = gr.u;
-  const int lane = gr.lane;
-  const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
-  const int32_t* order = p1.r_order + u * C * R;
-  GT* drow = dbank + (s * K + slot) * D;
-  const T* row = bank + (s * K + slot) * D;
+  extern __shared__ __align__(16) float staged[];
+  const int64_t C = dm.C, R = dm.R, D = dm.D, K = dm.K, s = blockIdx.x, u = unit_of(dm, s, c);
   const float* dy = io.dy + u * C * D;
-  const float* q_w = p1.q_w + u * C * R;
-  if (hi - lo <= kInlineEntries) {
-    // One pass over the row in batches of S segments per lane (row and gradient row loaded before the first is
-    // used): dq_w as per-lane partials (warp_dot's order) and the gradient row += q_w dy.
+  const float* const vecs[1] = {dy};
+  for_owned_groups(dm, s, u, tables.r, R, vecs, staged, [&](const Group& gr, const float* const (&pre)[1]) {
+    const int lane = gr.lane;
+    const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
+    const int32_t* order = p1.r_order + u * C * R;
+    GT* drow = dbank + (s * K + slot) * D;
+    const T* row = bank + (s * K + slot) * D;
+    const float* q_w = p1.q_w + u * C * R;
+    if (hi - lo > kInlineEntries) {
+      for (int32_t k = lo; k < hi; ++k) {
+        const int32_t r = order[k];
+        const float dq = warp_dot<VEC>(dy + (r / R) * D, row, D, lane);
+        if (lane == 0) io.dq_w[u * C * R + r] = dq;
+      }
+      for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
+        float acc[VEC];
+        load_cols<VEC>(drow + d, acc);
+        for (int32_t k = lo; k < hi; ++k) {
+          const int32_t r = order[k];
+          float x[VEC];
+          load_cols<VEC>(dy + (r / R) * D + d, x);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) acc[i] += q_w[r] * x[i];
+        }
+        store_cols<VEC>(drow + d, acc);
+      }
+      return;
+    }
+    // One pass over the row in batches of segments per lane (row and gradient row loaded before the first is
+    // used): dq_w as per-lane partials (warp_dot's order) and the gradient row += q_w dy, the first entry's dy the
+    // block's token's.
     const int32_t n = hi - lo;
     float p_q[kInlineEntries] = {};
-    const float* const first[1] = {dy + (gr.first / R) * D};
-    walk_two_rows<VEC>(row, drow, first, D, lane, [&](int64_t d, const Cols<VEC, T>& x, const Cols<VEC, GT>& ds,
-                                                    const float (&pre)[1][VEC]) {
+    walk_two_rows<VEC>(row, drow, pre, D, lane, [&](int64_t d, const Cols<VEC, T>& x, const Cols<VEC, GT>& ds,
+                                                  const float (&first)[1][VEC]) {
       float acc[VEC];
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[i] = ds[i];
@@ -1131,7 +1204,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
         float z[VEC];
         if (j == 0) {
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) z[i] = pre[0][i];
+          for (int i = 0; i < VEC; ++i) z[i] = first[0][i];
         } else {
           load_cols_ro<VEC>(dy + (r / R) * D + d, z);
         }
@@ -1149,25 +1222,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
       const float dq = warp_sum(p_q[j]);
       if (lane == 0) io.dq_w[u * C * R + order[lo + j]] = dq;
     }
-    return;
-  }
-  for (int32_t k = lo; k < hi; ++k) {
-    const int32_t r = order[k];
-    const float dq = warp_dot<VEC>(dy + (r / R) * D, row, D, lane);
-    if (lane == 0) io.dq_w[u * C * R + r] = dq;
-  }
-  for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
-    float acc[VEC];
-    load_cols<VEC>(drow + d, acc);
-    for (int32_t k = lo; k < hi; ++k) {
-      const int32_t r = order[k];
-      float x[VEC];
-      load_cols<VEC>(dy + (r / R) * D + d, x);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[i] += q_w[r] * x[i];
-    }
-    store_cols<VEC>(drow + d, acc);
-  }
+  });
 }
 
 // ---- Packed sequences: the group kernels (docs/DESIGN.md "Packed sequences"). Phase 1 ran on virtual slots
@@ -1411,12 +1466,29 @@ inline GroupEntry* group_tables_at(const StepDims& dm, float* workspace) {
 }
 
 inline int build_group_table(bool pdl, const StepDims& dm, const int32_t* order, const int32_t* group,
-                             const int32_t* idx, int64_t lanes, GroupEntry* table, cudaStream_t stream) {
+                             const int32_t* idx, int64_t lanes, bool by_first, GroupEntry* table,
+                             cudaStream_t stream) {
   const int64_t total = dm.units() * dm.C * lanes;
   if (total == 0) return 0;
+  if (by_first) {  // every entry that heads no group reads slot -1
+    const int rc = static_cast<int>(cudaMemsetAsync(table, 0xff, total * sizeof(GroupEntry), stream));
+    if (rc) return rc;
+  }
   const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 4096));
   return launch(pdl, group_table_kernel, dim3(blocks), dim3(256), 0, stream, dm, order, group, idx, lanes,
-                dm.units(), table);
+                dm.units(), by_first, table);
+}
+
+// Launch shape of the unpacked group kernels (for_owned_groups): one block of kOwnerWarps warps per (stream, token),
+// and the shared memory that stages NV float32 vectors of the token (none when they do not fit).
+struct OwnerLaunch {
+  dim3 grid, block;
+  size_t smem;
+};
+inline OwnerLaunch owner_launch(const StepDims& dm, int nv) {
+  const int64_t floats = nv * owner_stride(dm.D);
+  return OwnerLaunch{dim3(dm.streams(), dm.C), dim3(kOwnerWarps * 32),
+                     floats <= kOwnerStageFloats ? floats * sizeof(float) : 0};
 }
 
 template <int VEC, typename T>
@@ -1430,7 +1502,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   const bool pdl = use_pdl();
   const auto fwd_solve = solve_staged(dm.C) ? fwd_solve_kernel<true> : fwd_solve_kernel<false>;
   const size_t smem = solve_smem(dm.C, 2, 2, 2);
-  int rc = build_group_table(pdl, dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, w_table, stream);
+  int rc = build_group_table(pdl, dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, segments == nullptr, w_table, stream);
   if (!rc) rc = smem_attribute(fwd_solve, smem);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
   const dim3 group_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
@@ -1449,9 +1521,10 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
     }
   };
   if (!segments) {
+    const OwnerLaunch ol = owner_launch(dm, 1);
     steps(fwd_gather_kernel<VEC, T, false, NoSegments>, [&](int64_t c) {
-      return launch(pdl, fwd_write_kernel<VEC, T>, group_grid, dim3(kGroupWarps * 32), 0, stream, dm, p1, io, bank,
-                    c, rows, tables);
+      return launch(pdl, fwd_write_kernel<VEC, T>, ol.grid, ol.block, ol.smem, stream, dm, p1, io, bank, c, rows,
+                    tables);
     }, NoSegments{});
     return rc;
   }
@@ -1477,8 +1550,9 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const auto bwd_dy = staged ? bwd_dy_kernel<true> : bwd_dy_kernel<false>;
   const auto bwd_solve = staged ? bwd_solve_kernel<true> : bwd_solve_kernel<false>;
   const size_t dy_smem = solve_smem(dm.C, 2, 0, 2), solve_smem_bytes = solve_smem(dm.C, 1, 1, 1);
-  int rc = build_group_table(pdl, dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, w_table, stream);
-  if (!rc) rc = build_group_table(pdl, dm, p1.r_order, p1.r_group, p1.q_idx, dm.R, r_table, stream);
+  const bool by_first = segments == nullptr;
+  int rc = build_group_table(pdl, dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, by_first, w_table, stream);
+  if (!rc) rc = build_group_table(pdl, dm, p1.r_order, p1.r_group, p1.q_idx, dm.R, by_first, r_table, stream);
   if (!rc) rc = smem_attribute(bwd_dy, dy_smem);
   if (!rc) rc = smem_attribute(bwd_solve, solve_smem_bytes);
   const dim3 row_grid(dm.streams(), dm.C);
@@ -1495,6 +1569,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
                 stream, dm, p1, io);
   }
   const dim3 group_block(kGroupWarps * 32);
+  const OwnerLaunch phase_a = owner_launch(dm, 2), read_side = owner_launch(dm, 1);
   SegView<T> sv{};
   if (segments) {
     sv = SegView<T>{segments->local, segments->seg0, static_cast<const T*>(segments->initial), segments->stamp,
@@ -1518,11 +1593,11 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
       continue;
     }
     if (!rc)
-      rc = launch(pdl, bwd_phase_a_kernel<VEC, T, GT>, write_grid, group_block, 0, stream, dm, p1, io, bank, dbank, c,
-                  rows, tables);
+      rc = launch(pdl, bwd_phase_a_kernel<VEC, T, GT>, phase_a.grid, phase_a.block, phase_a.smem, stream, dm, p1, io,
+                  bank, dbank, c, rows, tables);
     if (!rc)
-      rc = launch(pdl, bwd_read_side_kernel<VEC, T, GT>, read_grid, group_block, 0, stream, dm, p1, io,
-                  static_cast<const T*>(bank), dbank, c, tables);
+      rc = launch(pdl, bwd_read_side_kernel<VEC, T, GT>, read_side.grid, read_side.block, read_side.smem, stream, dm,
+                  p1, io, static_cast<const T*>(bank), dbank, c, tables);
   }
   if (!rc) {
     rc = launch(pdl, bwd_dots_kernel, dim3(dm.units(), (dm.C + kDotsTile - 1) / kDotsTile), dim3(kDotsThreads), 0,
