@@ -42,8 +42,8 @@ def device_events(trace):
     kind "copy" for memcpy/memset and "kernel" otherwise; and the names of all processes in the trace.
 
     A process counts as the device's when its name says GPU. Inside it, when some threads are named "Stream ..."
-    (the CUDA streams), only their events count: other lines of the device's process (such as a line of XLA ops
-    spanning their kernels) repeat the same time."""
+    (the CUDA streams, as XLA's CUPTI tracer names them), only their events count: the device's other lines are
+    not device work (CUPTI's overhead) or repeat the streams' time (lines of XLA ops spanning their kernels)."""
     meta = [e for e in trace["traceEvents"] if e.get("ph") == "M"]
     names = {e["pid"]: e["args"]["name"] for e in meta if e.get("name") == "process_name"}
     gpu = {pid for pid, name in names.items() if is_device(name)}
