@@ -1,13 +1,21 @@
 """Time `sdm_write_read` forward and forward+backward for each implementation; print a Markdown table.
 
-    python benchmarks/bench.py [--impls reference,xla,ffi] [--shape cpu-small|cpu-large|small|mid|flagship] [--repeats N]
+    python benchmarks/bench.py [--impls reference,xla,ffi] [--shape cpu-small|cpu-large|small|mid|flagship]
+                               [--repeats N] [--pipeline N] [--chunk C] [--detail] [--loss y+bank|y]
 
 * forward: `jax.jit` of the op, returning `(y, final_bank)`.
 * forward+backward: `jax.jit(jax.grad(loss))` with `loss = sum(y * dy) + sum(final_bank * dbank)` (fixed random
   cotangents `dy`, `dbank`), differentiated with respect to every float input (bank, k_val, v, beta, g, q_val).
   `--loss y` drops the final bank's term, as when a model's loss reads only the readings.
-* Each function is called once to warm up (tracing and compilation), then timed over `--repeats` calls with
-  `jax.block_until_ready`; the table shows the median. tokens/s is `B*T*H / time`.
+* Each function is warmed up (tracing and compilation, then calls for at least half a second), then timed two ways:
+  - pipelined (the main columns): `--pipeline` calls enqueued back to back without waiting in between (earlier
+    results dropped at once), one wait at the end; time per call = the run's time / calls, median over `--repeats`
+    runs. When the device is the bottleneck this is the device time per call, what CUDA events around a loop of
+    calls measure (how the reference package's numbers were taken).
+  - synchronous (the "(sync)" columns): each call followed by `jax.block_until_ready`; the median over `--repeats`
+    calls. This adds the host's dispatch and the wait for the result to every call: what a loop that needs each
+    result before the next call pays.
+  tokens/s is `B*T*H / time` (pipelined). On the CPU, pipelined calls may run side by side on several cores.
 * An implementation that raises `NotImplementedError` (not built in this install) is reported as "n/a", one that
   runs out of memory as "OOM" (the token loop's gradient keeps a bank per token). Any other error is printed to
   stderr, shown as "error" in the table, and makes the exit status 1.
@@ -87,17 +95,22 @@ def make_functions(impl, chunk, dy, dbank):
 
 
 WARMUP_SECONDS = 0.5
+PIPELINE_CALLS = 10
 
 
-def median_seconds(fn, args, repeats):
-    """Warm up (at least 3 calls and WARMUP_SECONDS: an idle GPU starts at a low clock and needs a moment of
-    work to reach its boost clock; a single warm-up call left the medians of the mid shape 13% apart between two
-    processes), then the median wall time of `repeats` calls (seconds)."""
+def warm_up(fn, args):
+    """At least 3 calls and WARMUP_SECONDS: compilation, and an idle GPU starts at a low clock and needs a moment
+    of work to reach its boost clock (a single warm-up call left the medians of the mid shape 13% apart between
+    two processes)."""
     start = time.perf_counter()
     for i in itertools.count():
         jax.block_until_ready(fn(*args))
         if i >= 2 and time.perf_counter() - start >= WARMUP_SECONDS:
             break
+
+
+def sync_seconds(fn, args, repeats):
+    """The median wall time of `repeats` calls, each waited for (seconds)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -106,28 +119,47 @@ def median_seconds(fn, args, repeats):
     return statistics.median(times)
 
 
-def measure(label, fn, args, repeats):
-    """Seconds, or NA / ERROR."""
+def pipelined_seconds(fn, args, repeats, calls):
+    """The median over `repeats` runs of a run's wall time / `calls`, a run enqueueing `calls` calls back to back
+    and waiting once, for the last (seconds). The earlier calls' results are dropped as soon as they are returned
+    (their buffers go back to the allocator once the call has run), so memory does not grow with `calls`."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls - 1):
+            fn(*args)
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
+def measure(label, fn, args, repeats, calls, after_sync=None):
+    """(pipelined seconds, synchronous seconds), each NA / OOM / ERROR where the function could not run.
+    `after_sync()` is called between the two measurements (the peak memory of synchronous calls)."""
     try:
-        return median_seconds(fn, args, repeats)
+        warm_up(fn, args)
+        sync = sync_seconds(fn, args, repeats)
+        if after_sync is not None:
+            after_sync()
+        return pipelined_seconds(fn, args, repeats, calls), sync
     except NotImplementedError as err:
         print(f"[{label}] not available: {err}", file=sys.stderr)
-        return NA
+        return NA, NA
     except Exception as err:  # noqa: BLE001  (report, keep benchmarking the other rows)
         if "RESOURCE_EXHAUSTED" in str(err):  # e.g. the token loop's gradient at the large shapes
             print(f"[{label}] out of memory: {str(err).splitlines()[0]}", file=sys.stderr)
-            return OOM
+            return OOM, OOM
         print(f"[{label}] failed:", file=sys.stderr)
         traceback.print_exc()
-        return ERROR
+        return ERROR, ERROR
 
 
-def detail_row(impl, name, shape, args, dy, dbank, repeats):
+def detail_row(impl, name, shape, args, dy, dbank, repeats, calls):
     """The GPU table's row: no-grad forward, training forward (the VJP's forward, saving residuals), backward
     (applying the VJP), their sum, forward + backward as one jitted grad, peak device memory of the one-jit grad
-    (timed first in the process: the inputs, the cotangents in the bank's dtype, and what the step held besides),
-    the forward's bank bandwidth
-    and the ratios to the reference package's best (ANCHORS)."""
+    (timed first in the process, read after its synchronous calls: the inputs, the cotangents in the bank's dtype,
+    and what one step held besides), the forward's bank bandwidth and the ratios to the reference package's best
+    (ANCHORS), all from the pipelined times; then the synchronous times."""
     chunk = shape["chunk"]
     floats = [args[i] for i in FLOAT_ARGS]
     rest = {i: a for i, a in enumerate(args) if i not in FLOAT_ARGS}
@@ -145,28 +177,34 @@ def detail_row(impl, name, shape, args, dy, dbank, repeats):
     bwd = jax.jit(lambda vjp_fn: vjp_fn(cts))
     # The one-jit grad first: the peak after it is a training step's (inputs, cotangents, residuals, gradients).
     _, grad = make_functions(impl, chunk, dy, dbank)
-    t_grad = measure(f"{impl} {name} grad", grad, args, repeats)
-    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
-    t_nograd = measure(f"{impl} {name} no-grad fwd", nograd, floats, repeats)
-    t_train = measure(f"{impl} {name} training fwd", train_fwd, floats, repeats)
+    peak = []
+    t_grad = measure(f"{impl} {name} grad", grad, args, repeats, calls,
+                     after_sync=lambda: peak.append((jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")))
+    peak = peak[0] if peak else None
+    t_nograd = measure(f"{impl} {name} no-grad fwd", nograd, floats, repeats, calls)
+    t_train = measure(f"{impl} {name} training fwd", train_fwd, floats, repeats, calls)
     _, vjp_fn = train_fwd(*floats)
-    t_bwd = measure(f"{impl} {name} bwd", bwd, (vjp_fn,), repeats)
+    t_bwd = measure(f"{impl} {name} bwd", bwd, (vjp_fn,), repeats, calls)
     del vjp_fn
     elem = 2 if shape["dtype"] == "bfloat16" else 4
     bank_bytes = shape["B"] * shape["H"] * shape["T"] * (3 * shape["W"] + shape["R"]) * shape["D"] * elem
     anchor = ANCHORS.get(name, {})
-    total = t_train + t_bwd if not isinstance(t_train, str) and not isinstance(t_bwd, str) else ERROR
+    # fwd+bwd: the two jitted calls' sum, in each way of timing
+    total = [t if isinstance(t, str) else b if isinstance(b, str) else t + b for t, b in zip(t_train, t_bwd)]
+    nograd_s, grad_s, total_s = t_nograd[0], t_grad[0], total[0]
     peak_gib = None if peak is None else peak / 2**30
-    return [impl, name, str(chunk), fmt_ms(t_nograd), fmt_ms(t_train), fmt_ms(t_bwd), fmt_ms(total), fmt_ms(t_grad),
-            "-" if peak is None else f"{peak_gib:.2f}",
-            t_nograd if isinstance(t_nograd, str) else f"{bank_bytes / t_nograd / 1e12:.2f}",
-            fmt_ratio(t_nograd, anchor.get("nograd_fwd")), fmt_ratio(t_grad, anchor.get("fwd_bwd")),
-            fmt_ratio(total, anchor.get("fwd_bwd")),
-            "-" if peak is None or "peak_gib" not in anchor else f"{peak_gib / anchor['peak_gib']:.2f}x"]
+    return [impl, name, str(chunk), fmt_ms(nograd_s), fmt_ms(t_train[0]), fmt_ms(t_bwd[0]), fmt_ms(total_s),
+            fmt_ms(grad_s), "-" if peak is None else f"{peak_gib:.2f}",
+            nograd_s if isinstance(nograd_s, str) else f"{bank_bytes / nograd_s / 1e12:.2f}",
+            fmt_ratio(nograd_s, anchor.get("nograd_fwd")), fmt_ratio(grad_s, anchor.get("fwd_bwd")),
+            fmt_ratio(total_s, anchor.get("fwd_bwd")),
+            "-" if peak is None or "peak_gib" not in anchor else f"{peak_gib / anchor['peak_gib']:.2f}x",
+            fmt_ms(t_nograd[1]), fmt_ms(t_train[1]), fmt_ms(t_bwd[1]), fmt_ms(total[1]), fmt_ms(t_grad[1])]
 
 
 DETAIL_HEADER = ["impl", "shape", "chunk", "no-grad fwd ms", "fwd ms", "bwd ms", "fwd+bwd ms", "grad ms", "grad peak GiB",
-                 "fwd bank TB/s", "no-grad / ref", "grad / ref", "fwd+bwd / ref", "peak / ref"]
+                 "fwd bank TB/s", "no-grad / ref", "grad / ref", "fwd+bwd / ref", "peak / ref",
+                 "no-grad fwd ms (sync)", "fwd ms (sync)", "bwd ms (sync)", "fwd+bwd ms (sync)", "grad ms (sync)"]
 
 
 def print_table(header, rows):
@@ -218,7 +256,11 @@ def main(argv=None):
     parser.add_argument("--shape", default=None,
                         help=f"comma-separated shapes from {', '.join(SHAPES)} "
                              "(default: cpu-small on CPU, small elsewhere)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (default 5)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="pipelined runs, and synchronous calls, per measurement; the tables show medians "
+                             "(default 5)")
+    parser.add_argument("--pipeline", type=int, default=PIPELINE_CALLS,
+                        help=f"calls per pipelined run, enqueued back to back (default {PIPELINE_CALLS})")
     parser.add_argument("--chunk", type=int, default=None, help="override the shape's chunk size")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--detail", action="store_true",
@@ -242,11 +284,16 @@ def main(argv=None):
             parser.error(f"unknown impl {impl!r}; choose from {', '.join(jax_sdm.ops.IMPLS)}")
     if opts.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if opts.pipeline < 1:
+        parser.error("--pipeline must be at least 1")
 
     device = jax.devices()[0]
     print(f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}, commit {git_commit()}, "
           f"jax {jax.__version__}, backend {backend}, device {device.device_kind}, "
-          f"median of {opts.repeats} runs after one warm-up call, loss {opts.loss}{_load()}", flush=True)
+          f"loss {opts.loss}{_load()}", flush=True)
+    print(f"ms: per call in runs of {opts.pipeline} calls enqueued back to back, one wait per run (device time per "
+          f"call when the device is the bottleneck), median of {opts.repeats} runs; ms (sync): each call waited "
+          f"for, median of {opts.repeats} calls; both after at least {WARMUP_SECONDS} s of warm-up calls")
     print()
 
     rows = []
@@ -262,23 +309,25 @@ def main(argv=None):
         anchor = ANCHORS.get(name)
         for impl in impls:
             if opts.detail:
-                rows.append(detail_row(impl, name, shape, args, dy, dbank, opts.repeats))
+                rows.append(detail_row(impl, name, shape, args, dy, dbank, opts.repeats, opts.pipeline))
                 failed |= ERROR in rows[-1]
                 continue
             fwd, fwd_bwd = make_functions(impl, shape["chunk"], dy, dbank)
-            t_fwd = measure(f"{impl} {name} fwd", fwd, args, opts.repeats)
-            t_bwd = measure(f"{impl} {name} fwd+bwd", fwd_bwd, args, opts.repeats)
+            (t_fwd, t_fwd_sync) = measure(f"{impl} {name} fwd", fwd, args, opts.repeats, opts.pipeline)
+            (t_bwd, t_bwd_sync) = measure(f"{impl} {name} fwd+bwd", fwd_bwd, args, opts.repeats, opts.pipeline)
             failed |= ERROR in (t_fwd, t_bwd)
             rows.append([
                 impl, name, fmt_ms(t_fwd), fmt_ms(t_bwd), fmt_rate(tokens, t_fwd), fmt_rate(tokens, t_bwd),
                 fmt_ratio(t_fwd, anchor and anchor["nograd_fwd"]),
                 fmt_ratio(t_bwd, anchor and anchor["fwd_bwd"]),
+                fmt_ms(t_fwd_sync), fmt_ms(t_bwd_sync),
             ])
-            print(f"  {impl} {name}: fwd {fmt_ms(t_fwd)}, fwd+bwd {fmt_ms(t_bwd)} (ms)", file=sys.stderr, flush=True)
+            print(f"  {impl} {name}: fwd {fmt_ms(t_fwd)}, fwd+bwd {fmt_ms(t_bwd)} (ms; sync {fmt_ms(t_fwd_sync)}, "
+                  f"{fmt_ms(t_bwd_sync)})", file=sys.stderr, flush=True)
         del args, dy, dbank
 
     header = ["impl", "shape", "fwd ms", "fwd+bwd ms", "fwd tokens/s", "fwd+bwd tokens/s",
-              "fwd / anchor", "fwd+bwd / anchor"]
+              "fwd / anchor", "fwd+bwd / anchor", "fwd ms (sync)", "fwd+bwd ms (sync)"]
     print_table(DETAIL_HEADER if opts.detail else header, rows)
     for name in shapes:
         s = SHAPES[name]

@@ -1,7 +1,8 @@
 """Time `sdm_step` (one decode token for every stream, the bank donated) against the number of slots `K`.
 
     python benchmarks/bench_decode.py [--impls ffi,xla] [--dtypes bfloat16,float32] [--min-log-k 12]
-                                      [--max-log-k 20] [--steps 200] [--repeats 5] [--B 4 --H 4 --D 128 --W 16 --R 16]
+                                      [--max-log-k 20] [--steps 200] [--repeats 5] [--in-jit] [--device-time]
+                                      [--B 4 --H 4 --D 128 --W 16 --R 16]
 
 * The step is `jax.jit(sdm_step, donate_argnums=0)`; a run calls it `--steps` times in a Python loop, feeding the
   returned bank back in and cycling through 16 different tokens, then waits for the result. The table shows the
@@ -11,6 +12,10 @@
   normal, `beta = sigmoid(randn)`, `g = -0.5 * softplus(randn)`; the bank is `0.1 * randn`.
 * `--impls noop` times a jitted, donated call with the same arguments and results that computes nothing (`y = v`,
   the bank passed through): the floor that dispatching a step costs.
+* `--device-time` runs the loop once more under `jax.profiler` and adds, per step, the device's time in kernels and
+  its busy time (kernels, copies and memsets), overlapping activities counted once and idle gaps not counted, and
+  the number of kernels: what the step costs the GPU when the host's dispatch is not the bottleneck. On the CPU
+  backend the trace has no device (the steps run on host threads), and these columns say n/a.
 * The default `--max-log-k` is 20 on a GPU and 16 on the CPU (a float32 bank of `B*H*K*D` values takes 8 GiB at
   K = 2^20 and the default shape). An implementation that raises `NotImplementedError` shows as "n/a".
 """
@@ -24,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from device_trace import activity_time, device_events, is_device, record
 from jax_sdm import sdm_step
 
 NA = "n/a"
@@ -49,7 +55,9 @@ def make_tokens(seed, n, B, H, K, D, W, R, dtype):
 
 
 def microseconds_per_step(impl, dtype, K, args):
-    """Median wall time per step over `args.repeats` runs of `args.steps` donated steps, or NA."""
+    """Median wall time per step over `args.repeats` runs of `args.steps` donated steps, or NA; with
+    `args.device_time` also the device's (kernel us, busy us, kernels) per step in one more run, traced (None when
+    the trace has no device), and the trace's process names."""
     shape = (args.B, args.H, K, args.D)
     bank = jax.jit(lambda key: (0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype))(
         jax.random.PRNGKey(K))
@@ -90,14 +98,25 @@ def microseconds_per_step(impl, dtype, K, args):
         bank = run(bank)  # warm-up: compile
     except NotImplementedError as err:
         print(f"[{impl} {jnp.dtype(dtype).name} K={K}] not available: {err}", file=sys.stderr)
-        return NA
+        return NA, None, []
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
         bank = run(bank)
         times.append((time.perf_counter() - start) / args.steps)
-    del bank
-    return statistics.median(times) * 1e6
+    device, processes = None, []
+    if args.device_time:
+        carry = [bank]
+        del bank  # donated by the traced run: the only reference is the carry's
+
+        def traced():
+            carry[0] = run(carry[0])
+
+        events, processes = device_events(record(traced))
+        if any(is_device(p) for p in processes):
+            kernel_us, busy_us, kernels = activity_time(events)
+            device = (kernel_us / args.steps, busy_us / args.steps, kernels / args.steps)
+    return statistics.median(times) * 1e6, device, processes
 
 
 def main():
@@ -114,6 +133,9 @@ def main():
     parser.add_argument("--in-jit", action="store_true",
                         help="run the steps inside one jitted call (a fori_loop): the time per step without "
                              "Python's dispatch, as in a generation loop compiled whole")
+    parser.add_argument("--device-time", action="store_true",
+                        help="also trace one run with jax.profiler and report the device's kernel time, busy time "
+                             "and kernels per step (GPU only; n/a on the CPU backend)")
     for name, default in (("B", 4), ("H", 4), ("D", 128), ("W", 16), ("R", 16)):
         parser.add_argument(f"--{name}", type=int, default=default)
     args = parser.parse_args()
@@ -124,16 +146,34 @@ def main():
     how = "inside one jitted loop" if args.in_jit else "per jitted, donated call"
     print(f"`sdm_step`, wall time per step {how} (us), median of {args.repeats} runs of {args.steps} "
           f"steps; B {args.B}, H {args.H}, D {args.D}, W {args.W}, R {args.R}; device: {jax.devices()[0].device_kind}"
-          f", jax {jax.__version__}\n")
-    print("| K | " + " | ".join(f"{impl} {dtype.name}" for impl, dtype in columns) + " |")
-    print("|---|" + "---|" * len(columns))
+          f", jax {jax.__version__}")
+    if args.device_time:
+        print(f"wall: host wall time per step {how}. device (one more run of {args.steps} steps under jax.profiler, "
+              "per step): kernel = time the device ran kernels, busy = time it ran any activity (kernels, copies, "
+              "memsets), overlaps counted once and idle gaps not counted; kernels = kernel launches")
+        suffixes = ["wall us/call" if not args.in_jit else "wall us/step", "device kernel us/step",
+                    "device busy us/step", "kernels/step"]
+    else:
+        suffixes = [""]
+    print()
+    print("| K | " + " | ".join(f"{impl} {dtype.name}" + (f" {suffix}" if suffix else "")
+                                for impl, dtype in columns for suffix in suffixes) + " |")
+    print("|---|" + "---:|" * (len(columns) * len(suffixes)))
+    no_device = set()  # the trace's processes, where one had no device
     for log_k in range(args.min_log_k, args.max_log_k + 1):
         K = 1 << log_k
         cells = []
         for impl, dtype in columns:
-            t = microseconds_per_step(impl, dtype, K, args)
+            t, device, processes = microseconds_per_step(impl, dtype, K, args)
             cells.append(t if isinstance(t, str) else f"{t:.1f}")
+            if args.device_time:
+                if device is None and not isinstance(t, str):
+                    no_device.update(processes)
+                cells += [NA] * 3 if device is None else [f"{device[0]:.1f}", f"{device[1]:.1f}", f"{device[2]:.2f}"]
         print(f"| 2^{log_k} | " + " | ".join(cells) + " |", flush=True)
+    if no_device:
+        print(f"\ndevice columns n/a: the {jax.default_backend()} backend's trace has no device process, only "
+              f"{', '.join(sorted(no_device))} (the steps run on host threads): there is no device time to report")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
 # metadata, so the commit the logs name is taken from SDM_COMMIT when set.
-# Environment: PYTEST_ARGS (extra pytest arguments, e.g. "-k golden"), BENCH_ARGS (extra bench.py arguments),
-# GPU_TEST_FILES (replaces the GPU test list), BENCH_SHAPES, BENCH_CHUNKS, PROFILE_SHAPES, PROFILE_CHUNKS,
+# Environment: PYTEST_ARGS (extra pytest arguments, e.g. "-k golden"), BENCH_ARGS (extra bench.py arguments, e.g.
+# "--pipeline 20"), GPU_TEST_FILES (replaces the GPU test list), BENCH_SHAPES, BENCH_CHUNKS, BENCH_REPEATS,
+# BENCH_DECODE (0 skips bench_decode.py), BENCH_DECODE_ARGS (bench_decode.py's arguments, default "--impls ffi";
+# e.g. "--impls ffi,noop --device-time" adds the device's kernel time per step), PROFILE_SHAPES, PROFILE_CHUNKS,
 # PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections), PROFILE_MODES,
 # SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT, SANITIZE_PRINT_LIMIT.
 set -uo pipefail
@@ -69,8 +71,10 @@ if has bench; then
       summary "bench $shape rc=$?: $(grep "^| ffi" "$OUT/bench.log" | tail -1)"
     done
   done
-  # The decode step: wall time per donated step against K (BENCH_DECODE=0 skips it).
-  [ "${BENCH_DECODE:-1}" = 0 ] || timeout 300 python3 "$REPO/benchmarks/bench_decode.py" --impls ffi > "$OUT/bench_decode.log" 2>&1
+  # The decode step: wall time per donated step against K (BENCH_DECODE=0 skips it; --device-time in
+  # BENCH_DECODE_ARGS adds the device's time per step from a jax.profiler trace).
+  [ "${BENCH_DECODE:-1}" = 0 ] || timeout 300 python3 "$REPO/benchmarks/bench_decode.py" ${BENCH_DECODE_ARGS:---impls ffi} \
+    > "$OUT/bench_decode.log" 2>&1
   summary "bench_decode rc=$?"
   grep "^|" "$OUT/bench_decode.log" | tee -a "$OUT/summary.txt"
 fi

@@ -10,37 +10,15 @@ sit between, and the time each kind of activity takes in all.
 """
 import argparse
 import collections
-import glob
-import gzip
-import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
-from bench import SHAPES, make_functions, make_inputs  # noqa: E402
-
-
-def device_events(trace):
-    """The trace's complete events ("X") on the device's streams, as (start us, end us, name, kind) sorted by
-    start. A process counts as the device's when its name says GPU (XLA's profiler names them /device:GPU:n)."""
-    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu = {pid for pid, name in names.items() if "GPU" in name or "gpu" in name}
-    events = []
-    for e in trace["traceEvents"]:
-        if e.get("ph") != "X" or e.get("pid") not in gpu:
-            continue
-        name = e.get("name", "")
-        low = name.lower()
-        kind = "copy" if "memcpy" in low or "memset" in low else "kernel"
-        events.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), name, kind))
-    events.sort()
-    return events, sorted(names.values())
+from bench import SHAPES, make_functions, make_inputs, warm_up  # noqa: E402
+from device_trace import device_events, is_device, record  # noqa: E402
 
 
 def split_calls(events, calls):
@@ -110,32 +88,23 @@ def main():
     args, dy, dbank = make_inputs(shape, 0)
     forward, step = make_functions("ffi", shape["chunk"], dy, dbank)
     fn = forward if a.mode == "nograd" else step
-    deadline = time.perf_counter() + 0.5  # warm up: compile, and raise an idle GPU's clock
-    while True:
-        jax.block_until_ready(fn(*args))
-        if time.perf_counter() > deadline:
-            break
-    trace_dir = a.trace_dir or tempfile.mkdtemp(prefix="sdm_trace_")
-    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    warm_up(fn, args)
     walls = []
-    for _ in range(a.calls):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        walls.append((time.perf_counter() - t0) * 1e6)
-        time.sleep(0.002)  # a clear gap between calls on the device
-    jax.profiler.stop_trace()
-    files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
-    if not files:
-        sys.exit(f"no Perfetto trace under {trace_dir}")
-    with gzip.open(max(files, key=os.path.getmtime)) as f:
-        trace = json.load(f)
-    events, processes = device_events(trace)
+
+    def traced():
+        for _ in range(a.calls):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            walls.append((time.perf_counter() - t0) * 1e6)
+            time.sleep(0.002)  # a clear gap between calls on the device
+
+    events, processes = device_events(record(traced, a.trace_dir, perfetto=True))
     print(f"{a.shape} chunk {shape['chunk']} {a.mode} on {jax.devices()[0].device_kind}: wall per call (host) "
           f"median {statistics.median(walls):.1f} us over {a.calls} calls")
     if not events:
         print("no device activity in the trace; processes:", processes)
         return
-    print("device activity from:", ", ".join(p for p in processes if "GPU" in p or "gpu" in p))
+    print("device activity from:", ", ".join(p for p in processes if is_device(p)))
     calls = split_calls(events, a.calls)
     spans = [summarize(c) for c in calls]
     spans.sort(key=lambda s: s[0])

@@ -1,17 +1,25 @@
-"""scripts/timeline.py's trace reading (the GPU timeline tool): on a synthetic Perfetto trace with two calls, it
-keeps only the device's activities, splits the calls at the widest gap, and counts kernel, copy and idle time with
-overlapping activities counted once."""
+"""The trace reading of the GPU timeline tool (scripts/timeline.py) and of bench_decode.py's device time
+(benchmarks/device_trace.py), on synthetic Perfetto traces: only the device's stream activities count, calls split
+at the widest gap, kernel, copy, busy and idle time with overlapping activities counted once."""
 import importlib.util
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _timeline():
-    spec = importlib.util.spec_from_file_location("timeline", ROOT / "scripts" / "timeline.py")
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _timeline():
+    return _load("timeline", "scripts/timeline.py")
+
+
+def _device_trace():
+    return _load("device_trace", "benchmarks/device_trace.py")
 
 
 def _trace(offset):
@@ -46,3 +54,56 @@ def test_device_events_calls_and_summary():
     assert "kernels      25.0 us" in first and "copies/memsets     10.0 us" in first
     assert "idle      5.0 us in 2 gaps" in first
     assert "sdm::gather" in text and "MemcpyD2D -> sdm::gather" in text
+
+
+def _decode_trace(steps):
+    """`steps` decode steps 100 us apart. The device's process has two CUDA streams and a line of XLA ops that spans
+    each step's kernels; per step: a 4 us kernel on one stream, and on the other a copy [2, 6] and a kernel [3, 5]
+    that overlap the first kernel. Host events and an instant event on the device must be ignored."""
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 10, "args": {"name": "Stream #13(Compute)"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 11, "args": {"name": "Stream #14(Compute,Memcpy)"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 12, "args": {"name": "XLA Ops"}},
+            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 20, "args": {"name": "python"}}]
+    events = []
+    for i in range(steps):
+        base = 100.0 * i
+        events += [
+            {"ph": "X", "pid": 1, "tid": 10, "name": "void sdm::decode_step(int)", "ts": base, "dur": 4.0},
+            {"ph": "X", "pid": 1, "tid": 11, "name": "MemcpyD2D", "ts": base + 2.0, "dur": 4.0},
+            {"ph": "X", "pid": 1, "tid": 11, "name": "void sdm::side(int)", "ts": base + 3.0, "dur": 2.0},
+            {"ph": "X", "pid": 1, "tid": 12, "name": "custom-call.1", "ts": base - 1.0, "dur": 10.0},
+            {"ph": "i", "pid": 1, "tid": 10, "name": "marker", "ts": base + 50.0},
+            {"ph": "X", "pid": 2, "tid": 20, "name": "PjitFunction(step)", "ts": base, "dur": 60.0},
+        ]
+    return {"traceEvents": meta + events}
+
+
+def test_activity_time_per_step():
+    dt = _device_trace()
+    steps = 3
+    events, processes = dt.device_events(_decode_trace(steps))
+    assert processes == ["/device:GPU:0", "/host:CPU"]
+    # the two streams' events only: not the XLA ops line, the instant event or the host's
+    assert len(events) == 3 * steps and {name for *_, name, _ in events} == {
+        "void sdm::decode_step(int)", "MemcpyD2D", "void sdm::side(int)"}
+    kernel_us, busy_us, kernels = dt.activity_time(events)
+    # per step: kernels [0, 4] and [3, 5] cover 5 us (a plain sum would give 6); with the copy [2, 6] the device is
+    # busy 6 us; the 94 us between steps are idle, not device time (the span would be 206 us)
+    assert (kernel_us / steps, busy_us / steps, kernels / steps) == (5.0, 6.0, 2.0)
+
+
+def test_union_length_and_no_device():
+    dt = _device_trace()
+    # unsorted, nested and overlapping: [0, 12] covered, [20, 21] apart
+    assert dt.union_length([(5.0, 12.0), (0.0, 10.0), (2.0, 3.0), (20.0, 21.0)]) == 13.0
+    assert dt.union_length([]) == 0.0
+    assert dt.activity_time([]) == (0.0, 0.0, 0)
+    # the CPU backend's trace: host threads only, no device events (bench_decode.py then reports n/a)
+    host_only = {"traceEvents": [
+        {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 7, "tid": 1, "name": "tf_XLAEigen", "ts": 0.0, "dur": 30.0}]}
+    events, processes = dt.device_events(host_only)
+    assert events == [] and processes == ["/host:CPU"]
+    assert not any(dt.is_device(p) for p in processes)
