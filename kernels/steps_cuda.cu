@@ -745,22 +745,22 @@ struct GroupTables {
   const GroupEntry* r;
 };
 
-// The unpacked group kernels take each slot group at its first sorted entry: one block per (stream s, token t of
-// unit u) stages the token's float32 vectors `vecs` (row t of each: delta; delta and dG; dy) in shared memory
-// `staged` once (when NV * D <= kOwnerStageFloats, else they are read from global memory), and its warps take the
-// token's entries in turn, each running body(group, vectors) for the group it heads, if any (the table by first
-// entry). Most groups have one entry: their vectors are then the block's, read from shared memory instead of once
-// per group from L2, and the registers that held them keep more bank rows in flight.
+// The unpacked group kernels take each slot group at its first sorted entry (the table by first entry): one block
+// per (stream s, token t of unit u), whose warps take the token's entries in turn, each the group it heads, if any.
+// Most groups have one entry, so the float32 vectors a group reads (delta; delta and dG; dy) are the token's: the
+// block stages them in shared memory once (stage_token) instead of each warp reading them from L2, and the
+// registers that held them keep more bank rows in flight.
+
 // Floats per staged vector: D rounded up to whole quads (16-byte aligned rows; a partial quad's zeros stay inside).
 __host__ __device__ constexpr int64_t owner_stride(int64_t D) { return (D + 3) / 4 * 4; }
 
-template <int NV, typename Body>
-__device__ __forceinline__ void for_owned_groups(const StepDims& dm, int64_t s, int64_t u, const GroupEntry* table,
-                                                 int64_t lanes, const float* const (&vecs)[NV], float* staged,
-                                                 Body body) {
-  const int64_t D = dm.D, t = blockIdx.y, stride = owner_stride(D);
+// Row t = blockIdx.y of each of the NV vectors `vecs` into shared memory `staged` when NV * D <= kOwnerStageFloats
+// (else pre points at them in global memory); pre[i] is where row t of vecs[i] is read. Ends with a block barrier.
+template <int NV>
+__device__ __forceinline__ void stage_token(int64_t D, const float* const (&vecs)[NV], float* staged,
+                                            const float* (&pre)[NV]) {
+  const int64_t t = blockIdx.y, stride = owner_stride(D);
   const bool stage = NV * stride <= kOwnerStageFloats;
-  const float* pre[NV];
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     pre[i] = vecs[i] + t * D;
@@ -770,21 +770,60 @@ __device__ __forceinline__ void for_owned_groups(const StepDims& dm, int64_t s, 
     pre[i] = staged + i * stride;
   }
   if (stage) staged_wait();
+}
+
+// The groups one warp takes: the entries w = base + warp + k * kOwnerWarps (k < 32) of the block's token, lane k
+// holding entry k's table row, loaded up front in one round (not one dependent load per group); next() hands out
+// the groups these entries head, in increasing w, through shuffles. Warp-uniform.
+struct OwnedGroups {
+  const GroupEntry* mine;  // the token's table rows
+  int64_t lanes, t;
+  int64_t base = 0;
+  int4 e;
+  unsigned todo;
   Group gr;
-  gr.s = s;
-  gr.u = u;
-  gr.lane = threadIdx.x % 32;
-  const GroupEntry* mine = table + (u * dm.C + t) * lanes;
-  for (int64_t w = threadIdx.x / 32; w < lanes; w += kOwnerWarps) {
-    const int4 e = __ldg(reinterpret_cast<const int4*>(mine + w));
-    if (e.x < 0) continue;
-    gr.slot = e.x;
-    gr.lo = e.y;
-    gr.hi = e.z;
-    gr.g = e.w;
-    gr.first = static_cast<int32_t>(t * lanes + w);
-    body(gr, pre);
+  __device__ __forceinline__ OwnedGroups(const StepDims& dm, int64_t s, int64_t u, const GroupEntry* table,
+                                         int64_t lanes_)
+      : mine(table + (u * dm.C + blockIdx.y) * lanes_), lanes(lanes_), t(blockIdx.y) {
+    gr.s = s;
+    gr.u = u;
+    gr.lane = threadIdx.x % 32;
+    load_round();
   }
+  __device__ __forceinline__ int64_t entry(int k) const {
+    return base + static_cast<int64_t>(threadIdx.x / 32) + static_cast<int64_t>(k) * kOwnerWarps;
+  }
+  __device__ __forceinline__ void load_round() {
+    const int64_t w = entry(gr.lane);
+    e = w < lanes ? __ldg(reinterpret_cast<const int4*>(mine + w)) : make_int4(-1, -1, -1, -1);
+    todo = __ballot_sync(0xffffffffu, e.x >= 0);
+  }
+  __device__ __forceinline__ bool next() {
+    while (todo == 0) {
+      base += 32 * kOwnerWarps;
+      if (base >= lanes) return false;
+      load_round();
+    }
+    const int k = __ffs(todo) - 1;
+    todo &= todo - 1;
+    gr.slot = __shfl_sync(0xffffffffu, e.x, k);
+    gr.lo = __shfl_sync(0xffffffffu, e.y, k);
+    gr.hi = __shfl_sync(0xffffffffu, e.z, k);
+    gr.g = __shfl_sync(0xffffffffu, e.w, k);
+    gr.first = static_cast<int32_t>(t * lanes + entry(k));
+    return true;
+  }
+};
+
+// body(group, vectors) for every group the warp takes, the token's vectors staged first.
+template <int NV, typename Body>
+__device__ __forceinline__ void for_owned_groups(const StepDims& dm, int64_t s, int64_t u, const GroupEntry* table,
+                                                 int64_t lanes, const float* const (&vecs)[NV], float* staged,
+                                                 Body body) {
+  OwnedGroups owned(dm, s, u, table, lanes);
+  const float* pre[NV];
+  stage_token(dm.D, vecs, staged, pre);
+  while (owned.next()) body(owned.gr, pre);
 }
 
 // acc += sum over the sorted entries e = order[from..hi) of coef[e] * vecs[e / W][0, VEC) (vecs: rows of D floats,
@@ -803,49 +842,83 @@ __device__ __forceinline__ void group_add(const int32_t* order, int32_t from, in
   }
 }
 
+// The forward write of one group, the columns of one batch of S segments per lane from d0 (x: the row's
+// segments, loaded): snapshot, then row = cpe * S0 + sum over the group's entries (sorted order) of w[e] * delta[t_e],
+// the first entry's delta the block's token's (pre).
+template <int VEC, int S, typename T>
+__device__ __forceinline__ void write_batch(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, T* bank,
+                                            const float* delta, const float* pre, const Group& gr, int64_t d0,
+                                            const Cols<VEC, T> (&x)[S]) {
+  const int64_t C = dm.C, W = dm.W, D = dm.D, u = gr.u;
+  constexpr int64_t kStep = 32 * VEC;
+  T* row = bank + (gr.s * dm.K + gr.slot) * D;
+  T* snap = io.snapshot ? static_cast<T*>(io.snapshot) + (u * C * W + gr.g) * D : nullptr;
+  const float* w = p1.w + u * C * W;
+  const float cpe = p1.cpe[u * C * W + gr.first], w0 = w[gr.first];
+#pragma unroll
+  for (int k = 0; k < S; ++k) {
+    const int64_t d = d0 + k * kStep;
+    if (d >= D) break;
+    if (snap) x[k].store(snap + d);
+    float dl[VEC], acc[VEC];
+    load_cols<VEC>(pre + d, dl);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] = __fmaf_rn(w0, dl[i], cpe * x[k][i]);
+    group_add<VEC>(p1.w_order + u * C * W, gr.lo + 1, gr.hi, w, delta + d, W, D, acc);
+    store_cols<VEC>(row + d, acc);
+  }
+}
+
+// S segments of VEC columns (32 * VEC apart) of a row from column d0 on, as far as D.
+template <int VEC, int S, typename T>
+__device__ __forceinline__ void load_batch(const T* row, int64_t d0, int64_t D, Cols<VEC, T> (&x)[S]) {
+#pragma unroll
+  for (int k = 0; k < S; ++k) {
+    if (d0 + k * 32 * VEC >= D) break;
+    x[k].load(row + d0 + k * 32 * VEC);
+  }
+}
+
 template <int VEC, typename T>
 __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, T* __restrict__ bank, int64_t c, ChunkRows rows,
                      GroupTables tables) {
   chain_start();
   extern __shared__ __align__(16) float staged[];
-  const int64_t C = dm.C, W = dm.W, D = dm.D, s = blockIdx.x, u = unit_of(dm, s, c);
+  const int64_t D = dm.D, s = blockIdx.x, u = unit_of(dm, s, c);
   const float* delta = rows.delta + rows.at(dm, u, s);
   const float* const vecs[1] = {delta};
-  for_owned_groups(dm, s, u, tables.w, W, vecs, staged, [&](const Group& gr, const float* const (&pre)[1]) {
-    const int lane = gr.lane;
-    const int32_t* order = p1.w_order + u * C * W;
-    T* row = bank + (s * dm.K + gr.slot) * D;
-    T* snap = io.snapshot ? static_cast<T*>(io.snapshot) + (u * C * W + gr.g) * D : nullptr;
-    const float* w = p1.w + u * C * W;
-    const float cpe = p1.cpe[u * C * W + gr.first];
-    const float w0 = w[gr.first];
-    // The row in batches of S segments per lane, all loaded before the first is used; the row becomes
-    // cpe * S0 + sum over the group's entries (sorted order) of w[e] * delta[t_e], the first entry's delta the
-    // block's token's.
-    constexpr int S = segs_for(kWriteLaneBytes, VEC * static_cast<int>(sizeof(T)));
-    constexpr int64_t kStep = 32 * VEC;
-    for (int64_t d0 = static_cast<int64_t>(lane) * VEC; d0 < D; d0 += S * kStep) {
-      Cols<VEC, T> x[S];
-#pragma unroll
-      for (int k = 0; k < S; ++k) {
-        if (d0 + k * kStep >= D) break;
-        x[k].load(row + d0 + k * kStep);
-      }
-#pragma unroll
-      for (int k = 0; k < S; ++k) {
-        const int64_t d = d0 + k * kStep;
-        if (d >= D) break;
-        if (snap) x[k].store(snap + d);
-        float dl[VEC], acc[VEC];
-        load_cols<VEC>(pre[0] + d, dl);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) acc[i] = __fmaf_rn(w0, dl[i], cpe * x[k][i]);
-        group_add<VEC>(order, gr.lo + 1, gr.hi, w, delta + d, W, D, acc);
-        store_cols<VEC>(row + d, acc);
+  OwnedGroups owned(dm, s, u, tables.w, dm.W);
+  const float* pre[1];
+  stage_token(D, vecs, staged, pre);
+  constexpr int S = segs_for(kWriteLaneBytes, VEC * static_cast<int>(sizeof(T)));
+  const int64_t d0 = static_cast<int64_t>(owned.gr.lane) * VEC;
+  if (D > S * 32 * VEC) {  // rows of several batches: one group at a time
+    while (owned.next()) {
+      const T* row = bank + (s * dm.K + owned.gr.slot) * D;
+      for (int64_t d = d0; d < D; d += S * 32 * VEC) {
+        Cols<VEC, T> x[S];
+        load_batch(row, d, D, x);
+        write_batch<VEC>(dm, p1, io, bank, delta, pre[0], owned.gr, d, x);
       }
     }
-  });
+    return;
+  }
+  // Rows of one batch: the next group's row is loaded before this one's is written (two rows in flight per warp).
+  if (!owned.next()) return;
+  Group cur = owned.gr;
+  Cols<VEC, T> x[S];
+  load_batch(bank + (s * dm.K + cur.slot) * D, d0, D, x);
+  for (;;) {
+    const bool more = owned.next();
+    Cols<VEC, T> y[S];
+    if (more) load_batch(bank + (s * dm.K + owned.gr.slot) * D, d0, D, y);
+    write_batch<VEC>(dm, p1, io, bank, delta, pre[0], cur, d0, x);
+    if (!more) break;
+    cur = owned.gr;
+#pragma unroll
+    for (int k = 0; k < S; ++k) x[k] = y[k];
+  }
 }
 
 // Backward scratch ([streams, C, D] float32 each). du (the adjoint of u = beta (v - G)) lives in dv's buffer,

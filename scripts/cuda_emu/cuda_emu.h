@@ -69,6 +69,7 @@ struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct alignas(16) int4 { int x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline int4 make_int4(int x, int y, int z, int w) { return int4{x, y, z, w}; }
 template <typename T> inline T __ldg(const T* p) { return *p; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 
