@@ -6,8 +6,9 @@
 Packed: `rows` rows of `sequences * length` tokens, each row holding `sequences` sequences (`segment_ids`).
 Unpacked: the same tokens as `rows * sequences` rows of `length` tokens, without `segment_ids`. Both from the same
 initial bank per head (a shared `[H, K, D]` bank), float32. Forward: `jax.jit` of the op; forward+backward:
-`jax.jit(jax.grad)` of `sum(y * dy)` with respect to every float input. Median wall time of `--repeats` calls after
-a warm-up; the ratio is packed / unpacked (the issue's target: at most 1.2). An impl without packed sequences on
+`jax.jit(jax.grad)` of `sum(y * dy)` with respect to every float input. Timed as `bench.py` times: after a warm-up,
+the wall time per call in runs of calls enqueued back to back (device time when the device is the bottleneck),
+median of `--repeats` runs; the ratio is packed / unpacked (the target: at most 1.2). An impl without packed sequences on
 this platform is reported as "n/a".
 """
 import argparse
@@ -19,7 +20,7 @@ import numpy as np
 from jax_sdm import sdm_write_read
 from jax_sdm.testing import random_problem
 
-from bench import median_seconds  # benchmarks/bench.py, next to this script
+from bench import PIPELINE_CALLS, pipelined_seconds, warm_up  # benchmarks/bench.py, next to this script
 
 FLOATS = ("bank", "k_val", "v", "beta", "g", "q_val")
 
@@ -36,13 +37,19 @@ def functions(impl, chunk):
     return jax.jit(forward), jax.jit(jax.grad(loss))
 
 
-def main():
+def seconds(fn, args, repeats):
+    """bench.py's main number: warmed up, then per call in runs of PIPELINE_CALLS calls back to back (median)."""
+    warm_up(fn, args)
+    return pipelined_seconds(fn, args, repeats, PIPELINE_CALLS)
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--impls", default="ffi,xla,reference")
     for name, default in (("rows", 2), ("sequences", 8), ("length", 64), ("H", 2), ("K", 4096), ("D", 64),
                           ("W", 16), ("R", 16), ("chunk", 64), ("repeats", 5)):
         parser.add_argument(f"--{name}", type=int, default=default)
-    a = parser.parse_args()
+    a = parser.parse_args(argv)
     n, L = a.sequences, a.length
     p = random_problem(0, B=a.rows, T=n * L, H=a.H, K=a.K, D=a.D, W=a.W, R=a.R, shared_bank=True)
     dy = jnp.asarray(np.random.default_rng(1).standard_normal(p["v"].shape), jnp.float32)
@@ -52,7 +59,8 @@ def main():
     unpacked = {k: (v if k == "bank" else unpack(v)) for k, v in packed.items()}
 
     print(f"Packed ({a.rows} rows x {n} sequences of {L} tokens) against unpacked ({a.rows * n} rows of {L}); "
-          f"H {a.H}, K {a.K}, D {a.D}, W {a.W}, R {a.R}, chunk {a.chunk}, float32; median of {a.repeats}, ms; "
+          f"H {a.H}, K {a.K}, D {a.D}, W {a.W}, R {a.R}, chunk {a.chunk}, float32; ms per call in runs of "
+          f"{PIPELINE_CALLS} calls back to back, median of {a.repeats} runs; "
           f"device: {jax.devices()[0].device_kind}\n")
     print("| impl | fwd packed | fwd unpacked | ratio | fwd+bwd packed | fwd+bwd unpacked | ratio |")
     print("|---|---|---|---|---|---|---|")
@@ -63,8 +71,7 @@ def main():
                 floats = {k: problem[k] for k in FLOATS}
                 ints = dict(rest, **{k: v for k, v in problem.items() if k not in FLOATS})
                 fwd, grad = functions(impl, a.chunk)
-                cells.append((median_seconds(fwd, (floats, ints), a.repeats),
-                              median_seconds(grad, (floats, ints, dy_), a.repeats)))
+                cells.append((seconds(fwd, (floats, ints), a.repeats), seconds(grad, (floats, ints, dy_), a.repeats)))
         except NotImplementedError:
             print(f"| {impl} | n/a | | | n/a | | |", flush=True)
             continue
