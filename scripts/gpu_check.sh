@@ -2,7 +2,7 @@
 # The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
 #
 #   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,memory,profile,
-#                                          timeline,sanitize (default: build,tests,determinism,bench)
+#                                          timeline,sanitize,rowbw (default: build,tests,determinism,bench)
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
 # metadata, so the commit the logs name is taken from SDM_COMMIT when set.
@@ -139,6 +139,14 @@ if has timeline; then
       summary "timeline $shape $mode${TIMELINE_TAG:-} rc=$?: $(grep -E "^span" "$OUT/$name.txt" | head -1)"
     done
   done
+fi
+if has rowbw; then
+  # The ceiling of the row kernels: random-row read, write and read-modify-write bandwidth of this GPU at the
+  # steps' access pattern (benchmarks/row_bandwidth.cu, standalone).
+  nvcc -O3 -std=c++17 -arch=sm_90 "$REPO/benchmarks/row_bandwidth.cu" -o /tmp/row_bandwidth > "$OUT/row_bandwidth.txt" 2>&1 \
+    && timeout 200 /tmp/row_bandwidth >> "$OUT/row_bandwidth.txt" 2>&1
+  summary "rowbw rc=$?"
+  grep -E "^copy|^\| (read|write|rmw)" "$OUT/row_bandwidth.txt" | sort -t'|' -k8 -n -r | head -12 | tee -a "$OUT/summary.txt"
 fi
 if has memory; then
   # XLA's buffer assignment for the no-grad forward and the one-jit forward + backward at each anchor shape.
