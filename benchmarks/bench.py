@@ -172,15 +172,16 @@ def detail_row(impl, name, shape, args, dy, dbank, repeats, calls):
 
     nograd = jax.jit(op)
     train_fwd = jax.jit(lambda *fl: jax.vjp(op, *fl))
-    y, final = jax.eval_shape(nograd, *floats)
-    cts = (dy.astype(y.dtype), jnp.zeros(final.shape, final.dtype) if dbank is None else dbank.astype(final.dtype))
-    bwd = jax.jit(lambda vjp_fn: vjp_fn(cts))
-    # The one-jit grad first: the peak after it is a training step's (inputs, cotangents, residuals, gradients).
+    # The one-jit grad first: the peak after it is a training step's (inputs, cotangents, residuals, gradients),
+    # so nothing else may be on the device yet (the separate backward's cotangents are made after it).
     _, grad = make_functions(impl, chunk, dy, dbank)
     peak = []
     t_grad = measure(f"{impl} {name} grad", grad, args, repeats, calls,
                      after_sync=lambda: peak.append((jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")))
     peak = peak[0] if peak else None
+    y, final = jax.eval_shape(nograd, *floats)
+    cts = (dy.astype(y.dtype), jnp.zeros(final.shape, final.dtype) if dbank is None else dbank.astype(final.dtype))
+    bwd = jax.jit(lambda vjp_fn: vjp_fn(cts))
     t_nograd = measure(f"{impl} {name} no-grad fwd", nograd, floats, repeats, calls)
     t_train = measure(f"{impl} {name} training fwd", train_fwd, floats, repeats, calls)
     _, vjp_fn = train_fwd(*floats)
