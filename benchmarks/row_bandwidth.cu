@@ -48,40 +48,37 @@ __global__ void rows_kernel(uint4* bank, uint4* bank2, const int32_t* rows, int6
   for (int64_t base = warp * kInFlight; base < n_rows; base += warps * kInFlight) {
     for (int s0 = 0; s0 < segs; s0 += 4) {  // at most 4 segments of each row at once
       uint4 x[kInFlight][4], y[kInFlight][4];
+      // body(j, k, at) for segment k of the warp's row j at vector index `at`, rows and segments that exist only
+      const auto each = [&](auto body) {
 #pragma unroll
-      for (int j = 0; j < kInFlight; ++j) {
-        if (base + j >= n_rows) break;
-        const int64_t r = rows[base + j];
+        for (int j = 0; j < kInFlight; ++j) {
+          if (base + j >= n_rows) break;
+          const int64_t r = rows[base + j];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          if (s0 + k >= segs) break;
-          const int64_t at = r * row_vecs + (s0 + k) * 32 + lane;
-          if (kMode != kWrite) x[j][k] = bank[at];
-          if (kMode == kRmw2) y[j][k] = bank2[at];
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kInFlight; ++j) {
-        if (base + j >= n_rows) break;
-        const int64_t r = rows[base + j];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          if (s0 + k >= segs) break;
-          const int64_t at = r * row_vecs + (s0 + k) * 32 + lane;
-          if (kMode == kRead) {
-            acc += __uint_as_float(x[j][k].x ^ x[j][k].w);
-          } else if (kMode == kWrite) {
-            bank[at] = make_uint4(lane, j, k, 7);
-          } else {
-            x[j][k].x ^= 1u;
-            bank[at] = x[j][k];
-            if (kMode == kRmw2) {
-              y[j][k].y ^= 1u;
-              bank2[at] = y[j][k];
-            }
+          for (int k = 0; k < 4; ++k) {
+            if (s0 + k >= segs) break;
+            body(j, k, r * row_vecs + (s0 + k) * 32 + lane);
           }
         }
-      }
+      };
+      each([&](int j, int k, int64_t at) {  // all loads first
+        if (kMode != kWrite) x[j][k] = bank[at];
+        if (kMode == kRmw2) y[j][k] = bank2[at];
+      });
+      each([&](int j, int k, int64_t at) {
+        if (kMode == kRead) {
+          acc += __uint_as_float(x[j][k].x ^ x[j][k].w);
+        } else if (kMode == kWrite) {
+          bank[at] = make_uint4(lane, j, k, 7);
+        } else {
+          x[j][k].x ^= 1u;
+          bank[at] = x[j][k];
+          if (kMode == kRmw2) {
+            y[j][k].y ^= 1u;
+            bank2[at] = y[j][k];
+          }
+        }
+      });
     }
   }
   if (kMode == kRead && acc == 1.2345f) sink[0] = acc;  // keeps the loads
