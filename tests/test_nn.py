@@ -204,8 +204,20 @@ def test_one_token_with_a_state_is_the_inference_only_decode_step():
     step_loss = lambda m, x: jnp.sum(m(x, state=state)[0] ** 2)
     with pytest.raises(TypeError, match="sdm_step is inference only"):
         nnx.grad(step_loss)(model, x[:, :1])
-    grads = nnx.grad(step_loss)(model, x)
-    assert np.any(np.asarray(grads.value_proj.kernel[...]) != 0)
+    # A longer call with a state trains: with the initial bank as the state, its gradients are the stateless
+    # call's, except the learned initial bank's, which the given state replaces.
+    grads = nnx.state(nnx.grad(step_loss)(model, x), nnx.Param)
+    stateless = nnx.state(nnx.grad(lambda m, x: jnp.sum(m(x)[0] ** 2))(model, x), nnx.Param)
+    for (path, g), (_, want) in zip(jax.tree_util.tree_leaves_with_path(grads),
+                                    jax.tree_util.tree_leaves_with_path(stateless)):
+        if path[0] == jax.tree_util.DictKey("bank"):
+            assert not np.any(np.asarray(g)), path
+        else:
+            assert rel_err(g, want) < 1e-5, path
+    # With a random state every read meets a nonzero row, so the query side has a gradient whatever the ids.
+    random_state = jax.random.normal(jax.random.key(seed + 2), state.shape, jnp.float32)
+    grads = nnx.grad(lambda m, x: jnp.sum(m(x, state=random_state)[0] ** 2))(model, x)
+    assert np.any(np.asarray(grads.read_query.kernel[...]) != 0)
 
 
 def test_state_none_equals_init_state():
