@@ -34,11 +34,12 @@ inline ffi::Error StepDimsOf(const char* op, const ffi::AnyBuffer& bank, const S
   return ffi::Error::Success();
 }
 
-// The workspace holds step_workspace_floats(dm) floats (any shape: vmap adds a leading dim).
-inline ffi::Error CheckWorkspace(const char* op, const ffi::Buffer<ffi::F32>& ws, const sdm::StepDims& dm) {
-  if (static_cast<int64_t>(ws.element_count()) == sdm::step_workspace_floats(dm)) return ffi::Error::Success();
+// The workspace holds `floats` floats (kernels/steps.h forward_workspace_floats / backward_workspace_floats; any
+// shape: vmap adds a leading dim).
+inline ffi::Error CheckWorkspace(const char* op, const ffi::Buffer<ffi::F32>& ws, int64_t floats) {
+  if (static_cast<int64_t>(ws.element_count()) == floats) return ffi::Error::Success();
   return ffi::Error::InvalidArgument(std::string(op) + ": the workspace has " + std::to_string(ws.element_count()) +
-                                     " floats, expected " + std::to_string(sdm::step_workspace_floats(dm)));
+                                     " floats, expected " + std::to_string(floats));
 }
 
 // The Phase-1 arrays every step reads, checked against the sizes.
@@ -130,7 +131,7 @@ inline ffi::Error PrepareForward(SDM_FORWARD_PARAMS, ForwardCall* call) {
   SDM_RETURN_IF_ERROR(StepDimsOf(op, bank, k_idx, q_idx, &dm));
   SDM_RETURN_IF_ERROR(CheckPhase1(op, dm, v, beta, k_eff, w, cpe, q_w, QK, w_order, w_group, minv));
   SDM_RETURN_IF_ERROR(CheckForwardResults(op, dm, bank, *bank_out, *y, *delta, *G, *snapshot, &save));
-  SDM_RETURN_IF_ERROR(CheckWorkspace(op, *workspace, dm));
+  SDM_RETURN_IF_ERROR(CheckWorkspace(op, *workspace, sdm::forward_workspace_floats(dm)));
   call->p1 = Phase1View(k_idx, q_idx, k_eff, w, cpe, q_w, nullptr, QK, w_order, w_group, nullptr, nullptr, minv);
   call->io = sdm::ForwardIO{v.typed_data(), beta.typed_data(), y->typed_data(),
                             save ? delta->typed_data() : nullptr, save ? G->typed_data() : nullptr,
@@ -196,7 +197,7 @@ SDM_BACKWARD_PARAMS, BackwardCall* call) {
   SDM_RETURN_IF_ERROR(CheckShape(op, "dQK", *dQK, V, {NC, P, C, C}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "dbeta", *dbeta, V, {NC, P, C}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "dv", *dv, V, {NC, P, C, dm.D}));
-  SDM_RETURN_IF_ERROR(CheckWorkspace(op, *workspace, dm));
+  SDM_RETURN_IF_ERROR(CheckWorkspace(op, *workspace, sdm::backward_workspace_floats(dm)));
   call->p1 = Phase1View(k_idx, q_idx, k_eff, w, cpe, q_w, &A, QK, w_order, w_group, &r_order, &r_group, minv);
   call->io = sdm::BackwardIO{v.typed_data(),       beta.typed_data(),   dy.typed_data(),
                              delta.typed_data(),   G.typed_data(),      snapshot.untyped_data(),

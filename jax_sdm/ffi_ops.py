@@ -216,7 +216,10 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None):
     """The forward chunk loop (docs/DESIGN.md "Forward steps").
 
     Args:
-      bank: `[..., P, K, D]` float32 or bfloat16; updated in place (aliased to the returned bank).
+      bank: `[..., P, K, D]` float32 or bfloat16, the initial bank. Without `segments` the final bank is a new
+        buffer: the CUDA kernels read each row from `bank` until its first write, so no whole-bank copy is made
+        whether or not `bank` is donated. With `segments` it is updated in place (aliased to the returned bank:
+        donate it to avoid a copy).
       k_idx, q_idx, v, beta: `[..., NC, P, C, W|R|D]` / `[..., NC, P, C]` (kernel layout).
       p1: Phase 1's outputs (`Phase1`) in the same layout; minv: the solve's `[..., NC, P, C, C]`.
       save: keep the residuals for the backward (else they come back empty and nothing is saved).
@@ -241,11 +244,11 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None):
 
     results = (jax.ShapeDtypeStruct(bank.shape, bank.dtype), jax.ShapeDtypeStruct(tokens + (D,), f32),
                residual(tokens + (D,), f32), residual(tokens + (D,), f32),
-               residual(tokens[:-1] + (C * W, D), bank.dtype), _workspace(bank, k_idx, q_idx))
+               residual(tokens[:-1] + (C * W, D), bank.dtype), _workspace(bank, k_idx, q_idx, forward=True))
     args = (bank, k_idx.astype(i32), q_idx.astype(i32), v.astype(f32), beta.astype(f32),
             p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.QK, p1.w_order, p1.w_group, minv)
     if segments is None:
-        call = jax.ffi.ffi_call("sdm_forward", results, vmap_method="broadcast_all", input_output_aliases={0: 0})
+        call = jax.ffi.ffi_call("sdm_forward", results, vmap_method="broadcast_all")
         return call(*args)[:5]
     initial, local, seg0 = segments
     results += (jax.ShapeDtypeStruct(bank.shape[:-1], i32), residual(tokens[:-1] + (C * W,), i32))
@@ -254,12 +257,16 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None):
     return outs[:5] + outs[6:]
 
 
-def _workspace(bank, k_idx, q_idx):
-    """The steps' scratch (kernels/steps.h `step_workspace_floats`), float32: per problem (leading dims of the
-    bank `[..., P, K, D]`) `3 * P * C * D` floats rounded up to a multiple of 4, then 4 per slot group (`C * W`
-    write groups and `C * R` read groups per unit: `k_idx.size + q_idx.size`)."""
+def _workspace(bank, k_idx, q_idx, forward):
+    """The steps' scratch (kernels/steps.h `forward_workspace_floats` / `backward_workspace_floats`), float32: per
+    problem (leading dims of the bank `[..., P, K, D]`) `3 * P * C * D` floats rounded up to a multiple of 4, then 4
+    per slot group: the forward's `C * W` write groups per unit (`k_idx.size`), then one per bank row (each slot's
+    first writing chunk) and one per gather lane (`k_idx.size + q_idx.size`); the backward's write and read groups
+    (`k_idx.size + q_idx.size`)."""
     P, D, C = bank.shape[-3], bank.shape[-1], k_idx.shape[-2]
     rows = math.prod(bank.shape[:-3]) * ((3 * P * C * D + 3) // 4 * 4)
+    if forward:
+        return jax.ShapeDtypeStruct((rows + 4 * k_idx.size + math.prod(bank.shape[:-1]) + k_idx.size + q_idx.size,), jnp.float32)
     return jax.ShapeDtypeStruct((rows + 4 * (k_idx.size + q_idx.size),), jnp.float32)
 
 
@@ -282,7 +289,7 @@ def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, sna
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
     results = (like(bank), like(dbank), like(p1.k_eff), like(p1.w), like(p1.cpe),
                like(p1.q_w), like(p1.A), like(p1.QK), like(beta.astype(f32)), like(v.astype(f32)),
-               _workspace(bank, k_idx, q_idx))
+               _workspace(bank, k_idx, q_idx, forward=False))
     args = (bank, dbank, dy.astype(f32), k_idx.astype(i32), q_idx.astype(i32),
             v.astype(f32), beta.astype(f32), p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.A, p1.QK, p1.w_order,
             p1.w_group, p1.r_order, p1.r_group, minv, delta, G, snapshot)

@@ -20,7 +20,8 @@
 // rounded once where a kernel writes them.
 //
 // One writer per bank row, gradient row and output cell; every sum in a fixed order (lanes in sorted or lane
-// order, warp shuffles in a fixed xor tree): bitwise reproducible, no atomics. Rows are read and written VEC
+// order, warp shuffles in a fixed xor tree): bitwise reproducible, no floating-point atomics (one integer minimum,
+// whose result does not depend on the order, marks each slot's first writing chunk: see "Fresh output bank"). Rows are read and written VEC
 // columns per thread (16 bytes of bfloat16 when D allows), chosen from the shapes. The kernels that walk bank and
 // gradient rows are bound by memory latency: each thread loads several rows (or row segments) before using the
 // first, and their register budgets (__launch_bounds__) are set for the blocks per SM that keep enough loads in
@@ -244,11 +245,12 @@ struct ChunkRows {
   }
 };
 
-// The rows a gather reads: slot s's row of one bank.
+// The rows a gather reads: slot s's row of one bank (has(s): s is in range; an out-of-range id touches no row).
 template <typename T>
 struct BankRows {
   const T* rows;
-  int64_t D;
+  int64_t K, D;
+  __device__ __forceinline__ bool has(int32_t s) const { return s >= 0 && s < K; }
   __device__ __forceinline__ const T* operator()(int32_t s) const { return rows + s * D; }
 };
 
@@ -256,12 +258,12 @@ struct BankRows {
 // (column, part): blockDim.x threads cover the columns VEC at a time, and the lanes are split into blockDim.y
 // contiguous parts whose partial sums are added in part order (a fixed order): more rows in flight per token.
 // `partial` is dynamic shared memory of blockDim.y * blockDim.x * VEC floats. Used for the gathers G, Q0 (bank
-// rows) and the GWR gather (gradient rows). `row_of(slot)` is the row of a slot (BankRows, or with packed sequences
-// the working or the initial bank's row).
+// rows) and the GWR gather (gradient rows). `row_of(id)` is the row of a lane's id and `row_of.has(id)` whether it
+// has one (BankRows; with packed sequences SegmentRows, the working or the initial bank's row; FreshRows for the
+// row tags of a fresh output bank).
 template <int VEC, typename T, typename RowOf>
 __device__ __forceinline__ void gather_row(RowOf row_of, const int32_t* idx, const float* weight,
-                                           int64_t lanes, int64_t K, int64_t D, float* __restrict__ out,
-                                           float* partial) {
+                                           int64_t lanes, int64_t D, float* __restrict__ out, float* partial) {
   constexpr int kInFlight = sizeof(T) == 2 ? 6 : 4;  // independent row loads issued before the first is used
   const int64_t per_part = (lanes + blockDim.y - 1) / blockDim.y;
   const int64_t n_lo = threadIdx.y * per_part, n_hi = min(lanes, n_lo + per_part);
@@ -276,9 +278,9 @@ __device__ __forceinline__ void gather_row(RowOf row_of, const int32_t* idx, con
         bool ok[kInFlight];
 #pragma unroll
         for (int j = 0; j < kInFlight; ++j) {
-          const int32_t slot = n0 + j < n_hi ? idx[n0 + j] : -1;
-          ok[j] = slot >= 0 && slot < K;  // an out-of-range id touches no row
-          if (ok[j]) x[j].load(row_of(slot) + d);
+          const int32_t id = n0 + j < n_hi ? idx[n0 + j] : -1;
+          ok[j] = row_of.has(id);
+          if (ok[j]) x[j].load(row_of(id) + d);
         }
 #pragma unroll
         for (int j = 0; j < kInFlight; ++j) {  // lanes in order within the part
@@ -318,7 +320,7 @@ struct SegView {
   void* dinitial;           // backward: the initial bank's gradient, in the gradient bank's dtype and layout
 };
 
-// Without packed sequences: no view (the kernels' `kPacked` is false).
+// Without packed sequences: no view (fwd_gather_kernel's Seg).
 struct NoSegments {};
 
 // Whether token t of unit u reads slot `slot` of stream s from the working bank.
@@ -344,36 +346,122 @@ struct SegmentRows {
   const int32_t* stamp;  // the stream's stamps
   int32_t seg0;
   bool continues;        // the token's local is 0
-  int64_t D;
+  int64_t K, D;
+  __device__ __forceinline__ bool has(int32_t s) const { return s >= 0 && s < K; }
   __device__ __forceinline__ const T* operator()(int32_t s) const {
     return (continues && stamp[s] == seg0 ? bank : initial) + s * D;
   }
 };
 
+// Fresh output bank (forward_cuda with two bank buffers, no packed sequences): instead of copying the whole input
+// bank into the result first, a row is read from the input bank until the first chunk that writes it, whose write
+// kernel stores it into the result; the rows no chunk writes are copied once (copy_unwritten_kernel). Before the
+// loop, first_write_kernel finds each slot's first writing chunk, and lane_tags_kernel tags every gather lane with
+// the bank it reads (FreshRows) and group_table_kernel every write group (kFromInput): the row kernels pick the
+// bank without a dependent load.
+constexpr uint32_t kNeverWritten = 0xffffffffu;  // first_write of a slot no chunk writes
+constexpr int32_t kFromInput = 1 << 30;          // a write group's table `hi` flag: its row is read from the input
+
+__device__ __forceinline__ int64_t chunk_of_unit(const StepDims& dm, int64_t u) { return (u / dm.P) % dm.NC; }
+__device__ __forceinline__ int64_t stream_of_unit(const StepDims& dm, int64_t u) {
+  return (u / (dm.NC * dm.P)) * dm.P + u % dm.P;
+}
+
+// first_write[s * K + slot] = the first chunk of stream s with a write lane on the slot (filled with kNeverWritten
+// before). An integer minimum: the same result in any order of the atomics.
+__global__ void first_write_kernel(StepDims dm, const int32_t* __restrict__ k_idx, uint32_t* __restrict__ first) {
+  chain_start();
+  const int64_t n = dm.C * dm.W, total = dm.V * dm.NC * dm.P * n;  // every write lane
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t slot = k_idx[k];
+    if (slot < 0 || slot >= dm.K) continue;
+    const int64_t u = k / n;
+    atomicMin(first + stream_of_unit(dm, u) * dm.K + slot, static_cast<uint32_t>(chunk_of_unit(dm, u)));
+  }
+}
+
+// A gather lane's row tag: the slot when a chunk before the lane's wrote it (the row is in the result), -2 - slot
+// when none did (the input bank's row), -1 for an out-of-range id (no row).
+__global__ void lane_tags_kernel(StepDims dm, const int32_t* __restrict__ idx, int64_t lanes,
+                                 const uint32_t* __restrict__ first, int32_t* __restrict__ tags) {
+  chain_start();
+  const int64_t n = dm.C * lanes, total = dm.V * dm.NC * dm.P * n;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t slot = idx[k];
+    const int64_t u = k / n;
+    int32_t tag = -1;
+    if (slot >= 0 && slot < dm.K)
+      tag = first[stream_of_unit(dm, u) * dm.K + slot] < chunk_of_unit(dm, u) ? slot : -2 - slot;
+    tags[k] = tag;
+  }
+}
+
+// The fresh output bank as the forward kernels see it: the input bank and the gather lanes' row tags.
+template <typename T>
+struct FreshView {
+  const T* input;        // [streams, K, D]
+  const int32_t* w_tag;  // [units, C, W]
+  const int32_t* r_tag;  // [units, C, R]
+};
+
+// A gather's rows by row tag (lane_tags_kernel): the result's or the input bank's row of the slot.
+template <typename T>
+struct FreshRows {
+  const T* result;
+  const T* input;
+  int64_t D;
+  __device__ __forceinline__ bool has(int32_t tag) const { return tag != -1; }
+  __device__ __forceinline__ const T* operator()(int32_t tag) const {
+    return tag >= 0 ? result + tag * D : input + (-2 - tag) * D;
+  }
+};
+
+// The rows no chunk writes, from the input bank into the result (VEC columns per thread; D a multiple of VEC).
+template <int VEC, typename T>
+__global__ void copy_unwritten_kernel(StepDims dm, const uint32_t* __restrict__ first, const T* __restrict__ input,
+                                      T* __restrict__ result) {
+  chain_start();
+  const int64_t per_row = dm.D / VEC, total = dm.V * dm.P * dm.K * per_row;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = k / per_row;
+    if (first[row] != kNeverWritten) continue;
+    const int64_t at = row * dm.D + (k % per_row) * VEC;
+    Cols<VEC, T> x;
+    x.load(input + at);
+    x.store(result + at);
+  }
+}
+
 // One block per (stream, token, side): side 0 gathers the write lanes' G row, side 1 the read lanes' Q0 row (two
-// blocks rather than one doing both in turn: twice the rows in flight per chunk).
-// With packed sequences (kPacked, `sg` a SegView<T>) each lane's row comes from the working or the initial bank.
-template <int VEC, typename T, bool kPacked, typename Seg>
+// blocks rather than one doing both in turn: twice the rows in flight per chunk). Seg is NoSegments; SegView<T>
+// with packed sequences (each lane's row from the working or the initial bank); or FreshView<T> for a fresh
+// output bank (each lane's row from the result or the input bank, by its tag).
+template <int VEC, typename T, typename Seg>
 __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) fwd_gather_kernel(StepDims dm, StepPhase1 p1, const T* __restrict__ bank, int64_t c, ChunkRows rows, Seg sg) {
   chain_start();
   extern __shared__ float partial[];
   const int64_t s = blockIdx.x, t = blockIdx.y;
   const int64_t u = unit_of(dm, s, c);
   const T* S = bank + s * dm.K * dm.D;
-  const auto side = [&](auto row_of) {
+  const auto side = [&](auto row_of, const int32_t* w_ids, const int32_t* r_ids) {
     if (blockIdx.z == 0) {
-      gather_row<VEC, T>(row_of, p1.k_idx + (u * dm.C + t) * dm.W, p1.k_eff + (u * dm.C + t) * dm.W, dm.W, dm.K,
-                         dm.D, rows.G + rows.at(dm, u, s) + t * dm.D, partial);
+      gather_row<VEC, T>(row_of, w_ids + (u * dm.C + t) * dm.W, p1.k_eff + (u * dm.C + t) * dm.W, dm.W, dm.D,
+                         rows.G + rows.at(dm, u, s) + t * dm.D, partial);
     } else {
-      gather_row<VEC, T>(row_of, p1.q_idx + (u * dm.C + t) * dm.R, p1.q_w + (u * dm.C + t) * dm.R, dm.R, dm.K,
-                         dm.D, rows.Q0 + s * dm.C * dm.D + t * dm.D, partial);
+      gather_row<VEC, T>(row_of, r_ids + (u * dm.C + t) * dm.R, p1.q_w + (u * dm.C + t) * dm.R, dm.R, dm.D,
+                         rows.Q0 + s * dm.C * dm.D + t * dm.D, partial);
     }
   };
-  if constexpr (kPacked) {
+  if constexpr (std::is_same_v<Seg, SegView<T>>) {
     side(SegmentRows<T>{S, sg.initial + s * dm.K * dm.D, sg.stamp + s * dm.K, sg.seg0[u],
-                        sg.local[u * dm.C + t] == 0, dm.D});
+                        sg.local[u * dm.C + t] == 0, dm.K, dm.D}, p1.k_idx, p1.q_idx);
+  } else if constexpr (std::is_same_v<Seg, FreshView<T>>) {
+    side(FreshRows<T>{S, sg.input + s * dm.K * dm.D, dm.D}, sg.w_tag, sg.r_tag);
   } else {
-    side(BankRows<T>{S, dm.D});
+    side(BankRows<T>{S, dm.K, dm.D}, p1.k_idx, p1.q_idx);
   }
 }
 
@@ -688,10 +776,12 @@ struct alignas(16) GroupEntry {
 // The call's table of a map of DESIGN.md (w_* with k_idx, or r_* with q_idx; `lanes` its W or R) for every unit u,
 // n = C * lanes entries per unit: by group, table[u * n + g] = {slot, lo, hi, first} for every group g < n (the
 // packed kernels); or by first entry (the unpacked kernels), table[u * n + first] = {slot, lo, hi, g} at the first
-// sorted entry of every group with a slot in range, the rest left as they are (filled with -1 before).
+// sorted entry of every group with a slot in range, the rest left as they are (filled with -1 before). With
+// `first_write` (a fresh output bank's forward, by first entry) `hi` carries kFromInput when the group's chunk is
+// the first to write its slot: its row is read from the input bank.
 __global__ void group_table_kernel(StepDims dm, const int32_t* __restrict__ order, const int32_t* __restrict__ group,
                                    const int32_t* __restrict__ idx, int64_t lanes, int64_t units, bool by_first,
-                                   GroupEntry* __restrict__ table) {
+                                   const uint32_t* __restrict__ first_write, GroupEntry* __restrict__ table) {
   chain_start();
   const int64_t n = dm.C * lanes, total = units * n;
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total;
@@ -709,7 +799,9 @@ __global__ void group_table_kernel(StepDims dm, const int32_t* __restrict__ orde
     if (!by_first) {
       table[k] = e;
     } else if (e.slot >= 0) {
-      table[u * n + e.first] = GroupEntry{e.slot, e.lo, e.hi, static_cast<int32_t>(g)};
+      const bool from_input =
+          first_write && first_write[stream_of_unit(dm, u) * dm.K + e.slot] == chunk_of_unit(dm, u);
+      table[u * n + e.first] = GroupEntry{e.slot, e.lo, e.hi | (from_input ? kFromInput : 0), static_cast<int32_t>(g)};
     }
   }
 }
@@ -721,6 +813,7 @@ struct Group {
   int64_t s, u, g;
   int lane;
   int32_t lo, hi, slot, first;
+  bool from_input;  // a fresh output bank's first write of the slot: the row is the input bank's
 };
 
 __device__ __forceinline__ bool warp_group(const StepDims& dm, int64_t c, const GroupEntry* table, int64_t lanes,
@@ -736,6 +829,7 @@ __device__ __forceinline__ bool warp_group(const StepDims& dm, int64_t c, const 
   out->lo = e.y;
   out->hi = e.z;
   out->first = e.w;
+  out->from_input = false;
   return out->slot >= 0;
 }
 
@@ -808,7 +902,9 @@ struct OwnedGroups {
     todo &= todo - 1;
     gr.slot = __shfl_sync(0xffffffffu, e.x, k);
     gr.lo = __shfl_sync(0xffffffffu, e.y, k);
-    gr.hi = __shfl_sync(0xffffffffu, e.z, k);
+    const int32_t hi = __shfl_sync(0xffffffffu, e.z, k);
+    gr.hi = hi & ~kFromInput;
+    gr.from_input = (hi & kFromInput) != 0;
     gr.g = __shfl_sync(0xffffffffu, e.w, k);
     gr.first = static_cast<int32_t>(t * lanes + entry(k));
     return true;
@@ -879,10 +975,11 @@ __device__ __forceinline__ void load_batch(const T* row, int64_t d0, int64_t D, 
   }
 }
 
+// `input` is the input bank of a fresh output bank (the rows of groups from_input are read there), else `bank`.
 template <int VEC, typename T>
 __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
-    fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, T* __restrict__ bank, int64_t c, ChunkRows rows,
-                     GroupTables tables) {
+    fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, const T* input, T* __restrict__ bank, int64_t c,
+                     ChunkRows rows, GroupTables tables) {
   chain_start();
   extern __shared__ __align__(16) float staged[];
   const int64_t D = dm.D, s = blockIdx.x, u = unit_of(dm, s, c);
@@ -893,9 +990,10 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   stage_token(D, vecs, staged, pre);
   constexpr int S = segs_for(kWriteLaneBytes, VEC * static_cast<int>(sizeof(T)));
   const int64_t d0 = static_cast<int64_t>(owned.gr.lane) * VEC;
+  const auto row_of = [&](const Group& gr) { return (gr.from_input ? input : bank) + (s * dm.K + gr.slot) * D; };
   if (D > S * 32 * VEC) {  // rows of several batches: one group at a time
     while (owned.next()) {
-      const T* row = bank + (s * dm.K + owned.gr.slot) * D;
+      const T* row = row_of(owned.gr);
       for (int64_t d = d0; d < D; d += S * 32 * VEC) {
         Cols<VEC, T> x[S];
         load_batch(row, d, D, x);
@@ -908,11 +1006,11 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   if (!owned.next()) return;
   Group cur = owned.gr;
   Cols<VEC, T> x[S];
-  load_batch(bank + (s * dm.K + cur.slot) * D, d0, D, x);
+  load_batch(row_of(cur), d0, D, x);
   for (;;) {
     const bool more = owned.next();
     Cols<VEC, T> y[S];
-    if (more) load_batch(bank + (s * dm.K + owned.gr.slot) * D, d0, D, y);
+    if (more) load_batch(row_of(owned.gr), d0, D, y);
     write_batch<VEC>(dm, p1, io, bank, delta, pre[0], cur, d0, x);
     if (!more) break;
     cur = owned.gr;
@@ -986,8 +1084,8 @@ __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) bwd_gwr_kerne
     const int32_t* local_u = local + u * dm.C;
     if (local_u[t] != warp_unit_last(local_u, dm.C)) lanes = 0;
   }
-  gather_row<VEC, GT>(BankRows<GT>{dbank + s * dm.K * dm.D, dm.D}, p1.k_idx + (u * dm.C + t) * dm.W,
-                      p1.w + (u * dm.C + t) * dm.W, lanes, dm.K, dm.D, rows.gwr + (s * dm.C + t) * dm.D, partial);
+  gather_row<VEC, GT>(BankRows<GT>{dbank + s * dm.K * dm.D, dm.K, dm.D}, p1.k_idx + (u * dm.C + t) * dm.W,
+                      p1.w + (u * dm.C + t) * dm.W, lanes, dm.D, rows.gwr + (s * dm.C + t) * dm.D, partial);
 }
 
 // In the loop: du += Minv^T gwr (the bank-dependent part), dG = -beta du. Shared memory: the gwr slice; staged,
@@ -1538,18 +1636,56 @@ inline GroupEntry* group_tables_at(const StepDims& dm, float* workspace) {
   return reinterpret_cast<GroupEntry*>(workspace + step_rows_floats(dm));
 }
 
+// Blocks of a grid-stride launch of 256 threads over `total` items.
+inline int stride_blocks(int64_t total) { return static_cast<int>(std::min<int64_t>((total + 255) / 256, 4096)); }
+
 inline int build_group_table(bool pdl, const StepDims& dm, const int32_t* order, const int32_t* group,
-                             const int32_t* idx, int64_t lanes, bool by_first, GroupEntry* table,
-                             cudaStream_t stream) {
+                             const int32_t* idx, int64_t lanes, bool by_first, const uint32_t* first_write,
+                             GroupEntry* table, cudaStream_t stream) {
   const int64_t total = dm.units() * dm.C * lanes;
   if (total == 0) return 0;
   if (by_first) {  // every entry that heads no group reads slot -1
     const int rc = static_cast<int>(cudaMemsetAsync(table, 0xff, total * sizeof(GroupEntry), stream));
     if (rc) return rc;
   }
-  const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 4096));
-  return launch(pdl, group_table_kernel, dim3(blocks), dim3(256), 0, stream, dm, order, group, idx, lanes,
-                dm.units(), by_first, table);
+  return launch(pdl, group_table_kernel, dim3(stride_blocks(total)), dim3(256), 0, stream, dm, order, group, idx,
+                lanes, dm.units(), by_first, first_write, table);
+}
+
+// A fresh output bank's arrays after the write table in the forward's workspace (kernels/steps.h
+// forward_workspace_floats): each slot's first writing chunk, then the gather lanes' row tags.
+struct FreshArrays {
+  uint32_t* first_write;
+  int32_t* w_tag;
+  int32_t* r_tag;
+};
+inline FreshArrays fresh_arrays_at(const StepDims& dm, GroupEntry* w_table) {
+  uint32_t* first_write = reinterpret_cast<uint32_t*>(w_table + dm.units() * dm.C * dm.W);
+  int32_t* w_tag = reinterpret_cast<int32_t*>(first_write + dm.streams() * dm.K);
+  return FreshArrays{first_write, w_tag, w_tag + dm.units() * dm.C * dm.W};
+}
+
+// Before a fresh output bank's chunk loop: the slots' first writing chunks and the gather lanes' tags (the write
+// table is built after, from the first writing chunks), and the rows no chunk writes copied into the result.
+template <int VEC, typename T>
+int prepare_fresh(bool pdl, const StepDims& dm, const StepPhase1& p1, const FreshArrays& fa, const T* input,
+                  T* result, cudaStream_t stream) {
+  const int64_t writes = dm.units() * dm.C * dm.W, reads = dm.units() * dm.C * dm.R;
+  int rc = static_cast<int>(cudaMemsetAsync(fa.first_write, 0xff, dm.streams() * dm.K * sizeof(uint32_t), stream));
+  if (!rc && writes)
+    rc = launch(pdl, first_write_kernel, dim3(stride_blocks(writes)), dim3(256), 0, stream, dm, p1.k_idx,
+                fa.first_write);
+  if (!rc && writes)
+    rc = launch(pdl, lane_tags_kernel, dim3(stride_blocks(writes)), dim3(256), 0, stream, dm, p1.k_idx, dm.W,
+                static_cast<const uint32_t*>(fa.first_write), fa.w_tag);
+  if (!rc && reads)
+    rc = launch(pdl, lane_tags_kernel, dim3(stride_blocks(reads)), dim3(256), 0, stream, dm, p1.q_idx, dm.R,
+                static_cast<const uint32_t*>(fa.first_write), fa.r_tag);
+  const int64_t copies = dm.streams() * dm.K * (dm.D / VEC);
+  if (!rc && copies)
+    rc = launch(pdl, copy_unwritten_kernel<VEC, T>, dim3(stride_blocks(copies)), dim3(256), 0, stream, dm,
+                static_cast<const uint32_t*>(fa.first_write), input, result);
+  return rc;
 }
 
 // Launch shape of the unpacked group kernels (for_owned_groups): one block of kOwnerWarps warps per (stream, token),
@@ -1565,24 +1701,34 @@ inline OwnerLaunch owner_launch(const StepDims& dm, int nv) {
 }
 
 template <int VEC, typename T>
-int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, T* bank, float* workspace,
-                 cudaStream_t stream, const StepSegments* segments) {
+int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, const T* input, T* bank,
+                 float* workspace, cudaStream_t stream, const StepSegments* segments) {
   const int64_t n = dm.streams() * dm.C * dm.D;
   const bool save = io.delta != nullptr;
   const ChunkRows rows{save ? io.G : workspace, workspace + n, save ? io.delta : workspace + 2 * n, save};
   GroupEntry* w_table = group_tables_at(dm, workspace);
   const GroupTables tables{w_table, nullptr};
   const bool pdl = use_pdl();
+  const bool fresh = segments == nullptr && input != bank;
+  const FreshArrays fa = fresh_arrays_at(dm, w_table);
   const auto fwd_solve = solve_staged(dm.C) ? fwd_solve_kernel<true> : fwd_solve_kernel<false>;
   const size_t smem = solve_smem(dm.C, 2, 2, 2);
-  int rc = build_group_table(pdl, dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, segments == nullptr, w_table, stream);
+  int rc = 0;
+  if (segments && input != bank)  // packed sequences update the working bank in place
+    rc = static_cast<int>(cudaMemcpyAsync(bank, input, dm.streams() * dm.K * dm.D * sizeof(T),
+                                          cudaMemcpyDeviceToDevice, stream));
+  if (!rc && fresh) rc = prepare_fresh<VEC>(pdl, dm, p1, fa, input, bank, stream);
+  if (!rc)
+    rc = build_group_table(pdl, dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, segments == nullptr,
+                           fresh ? fa.first_write : nullptr, w_table, stream);
   if (!rc) rc = smem_attribute(fwd_solve, smem);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
   const dim3 group_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
   const RowBlock rb = row_block(dm.D, VEC);
   const dim3 gather_grid(dm.streams(), dm.C, 2);
   // The chunk steps: gather, solve, write (with packed sequences the gathers pick each row's bank, and the write
-  // kernel stores the last segment's groups and stamps their rows).
+  // kernel stores the last segment's groups and stamps their rows; with a fresh output bank the gathers and the
+  // write read a row from the input until its first write).
   const auto steps = [&](auto gather, auto write, auto seg) {
     if (!rc) rc = smem_attribute(gather, rb.smem);
     for (int64_t c = 0; c < dm.NC && !rc; ++c) {
@@ -1595,16 +1741,20 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   };
   if (!segments) {
     const OwnerLaunch ol = owner_launch(dm, 1);
-    steps(fwd_gather_kernel<VEC, T, false, NoSegments>, [&](int64_t c) {
-      return launch(pdl, fwd_write_kernel<VEC, T>, ol.grid, ol.block, ol.smem, stream, dm, p1, io, bank, c, rows,
-                    tables);
-    }, NoSegments{});
+    const auto write = [&](int64_t c) {
+      return launch(pdl, fwd_write_kernel<VEC, T>, ol.grid, ol.block, ol.smem, stream, dm, p1, io,
+                    fresh ? input : static_cast<const T*>(bank), bank, c, rows, tables);
+    };
+    if (fresh)
+      steps(fwd_gather_kernel<VEC, T, FreshView<T>>, write, FreshView<T>{input, fa.w_tag, fa.r_tag});
+    else
+      steps(fwd_gather_kernel<VEC, T, NoSegments>, write, NoSegments{});
     return rc;
   }
   const SegView<T> sv{segments->local, segments->seg0, static_cast<const T*>(segments->initial), segments->stamp,
                       segments->stamp_snapshot, nullptr};
   if (!rc) rc = static_cast<int>(cudaMemsetAsync(sv.stamp, 0, dm.streams() * dm.K * sizeof(int32_t), stream));
-  steps(fwd_gather_kernel<VEC, T, true, SegView<T>>, [&](int64_t c) {
+  steps(fwd_gather_kernel<VEC, T, SegView<T>>, [&](int64_t c) {
     return launch(pdl, fwd_write_packed_kernel<VEC, T>, group_grid, dim3(kGroupWarps * 32), 0, stream, dm, p1, io,
                   bank, c, rows, tables, sv);
   }, sv);
@@ -1624,8 +1774,9 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const auto bwd_solve = staged ? bwd_solve_kernel<true> : bwd_solve_kernel<false>;
   const size_t dy_smem = solve_smem(dm.C, 2, 0, 2), solve_smem_bytes = solve_smem(dm.C, 1, 1, 1);
   const bool by_first = segments == nullptr;
-  int rc = build_group_table(pdl, dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, by_first, w_table, stream);
-  if (!rc) rc = build_group_table(pdl, dm, p1.r_order, p1.r_group, p1.q_idx, dm.R, by_first, r_table, stream);
+  int rc = build_group_table(pdl, dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, by_first, nullptr, w_table, stream);
+  if (!rc)
+    rc = build_group_table(pdl, dm, p1.r_order, p1.r_group, p1.q_idx, dm.R, by_first, nullptr, r_table, stream);
   if (!rc) rc = smem_attribute(bwd_dy, dy_smem);
   if (!rc) rc = smem_attribute(bwd_solve, solve_smem_bytes);
   const dim3 row_grid(dm.streams(), dm.C);
@@ -1686,15 +1837,20 @@ inline int vec_of(int64_t D) { return D % 8 == 0 ? 8 : D % 4 == 0 ? 4 : 1; }
 }  // namespace
 
 template <typename BankT>
-int forward_cuda(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, BankT* bank_in, float* workspace,
-                 CUstream_st* stream, const StepSegments* segments) {
+int forward_cuda(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, const BankT* bank_in,
+                 BankT* bank_out, float* workspace, CUstream_st* stream, const StepSegments* segments) {
   using T = typename Device<BankT>::type;
-  T* bank = reinterpret_cast<T*>(bank_in);
-  if (dm.streams() == 0 || dm.NC == 0 || dm.C == 0 || dm.D == 0) return 0;
+  const T* input = reinterpret_cast<const T*>(bank_in);
+  T* bank = reinterpret_cast<T*>(bank_out);
+  if (dm.streams() == 0 || dm.K == 0 || dm.D == 0) return 0;
+  if (dm.NC == 0 || dm.C == 0) {  // no steps: the result is the input bank
+    return input == bank ? 0 : static_cast<int>(cudaMemcpyAsync(bank, input, dm.streams() * dm.K * dm.D * sizeof(T),
+                                                                cudaMemcpyDeviceToDevice, stream));
+  }
   switch (vec_of(dm.D)) {
-    case 8: return forward_loop<8>(dm, p1, io, bank, workspace, stream, segments);
-    case 4: return forward_loop<4>(dm, p1, io, bank, workspace, stream, segments);
-    default: return forward_loop<1>(dm, p1, io, bank, workspace, stream, segments);
+    case 8: return forward_loop<8>(dm, p1, io, input, bank, workspace, stream, segments);
+    case 4: return forward_loop<4>(dm, p1, io, input, bank, workspace, stream, segments);
+    default: return forward_loop<1>(dm, p1, io, input, bank, workspace, stream, segments);
   }
 }
 
@@ -1719,10 +1875,10 @@ int backward_cuda(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   }
 }
 
-template int forward_cuda<float>(const StepDims&, const StepPhase1&, const ForwardIO&, float*, float*, CUstream_st*,
-                                 const StepSegments*);
-template int forward_cuda<bf16>(const StepDims&, const StepPhase1&, const ForwardIO&, bf16*, float*, CUstream_st*,
-                                const StepSegments*);
+template int forward_cuda<float>(const StepDims&, const StepPhase1&, const ForwardIO&, const float*, float*,
+                                 float*, CUstream_st*, const StepSegments*);
+template int forward_cuda<bf16>(const StepDims&, const StepPhase1&, const ForwardIO&, const bf16*, bf16*, float*,
+                                CUstream_st*, const StepSegments*);
 template int backward_cuda<float, float>(const StepDims&, const StepPhase1&, const BackwardIO&, float*, float*,
                                          float*, CUstream_st*, const StepSegments*);
 template int backward_cuda<bf16, float>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, float*,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jax_sdm import sdm_write_read
-from jax_sdm.testing import (FLOAT_ARGS, check_against_reference, cotangents, ffi_calls,
+from jax_sdm.testing import (FLOAT_ARGS, check_against_reference, cotangents, entry_ops_of_shape, ffi_calls,
                              outputs_and_grads, random_problem, rel_err)
 
 ffi_op = functools.partial(sdm_write_read, impl="ffi")
@@ -57,6 +57,28 @@ def test_no_grad_forward_saves_nothing():
     trained = jax.make_jaxpr(lambda a: jax.vjp(lambda b: ffi_op(**dict(a, bank=b), chunk_size=8), a["bank"]))(args)
     (fwd,) = ffi_calls(trained.jaxpr, "sdm_forward")
     assert all(int(np.prod(v.aval.shape)) > 0 for v in fwd.outvars[2:5])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_forward_makes_no_copy_of_a_kept_bank(dtype):
+    """The final bank is a result of its own: with the bank not donated (the caller keeps it), the compiled forward
+    copies no whole bank before the kernels (the kernels read each row from the initial bank until its first
+    write), and the initial bank is left as it was."""
+    args = random_problem(int(np.random.SeedSequence().entropy % 2**31), B=2, T=20, H=2, K=512, D=8, W=3, R=2, dtype=dtype)
+    bank = jnp.asarray(args["bank"])
+    kept = np.asarray(bank, np.float32).copy()
+    op = jax.jit(lambda bank, a: ffi_op(bank=bank, **a, chunk_size=8))
+    rest = {k: v for k, v in args.items() if k != "bank"}
+    hlo = op.lower(bank, rest).compile().as_text()
+    B, H, K, D = bank.shape
+    # Of the bank's shape, and of the kernels' [B*H, K, D]: views only (a copy may also come as a fusion).
+    ops = entry_ops_of_shape(hlo, bank.shape) + entry_ops_of_shape(hlo, (B * H, K, D))
+    assert set(ops) <= {"parameter", "bitcast", "get-tuple-element"}, ops
+    y, final = op(bank, rest)
+    np.testing.assert_array_equal(np.asarray(bank, np.float32), kept)
+    y_ref, final_ref = sdm_write_read(**args, impl="reference")
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    assert rel_err(y, y_ref) < tol and rel_err(final, final_ref) < tol
 
 
 def _digest(*trees):

@@ -30,11 +30,15 @@ def kernel_inputs(seed, chunk, **kw):
 
 def run_steps(device, bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank):
     put = lambda t: jax.device_put(t, device)
+    kept = np.asarray(bank)
     bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank = map(put, (bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank))
     poison_allocator(device)
     fwd = jax.jit(lambda *a: ffi_ops.forward_ffi(*a, save=True))
     final, y, delta, G, snap = fwd(bank, k_idx, q_idx, v, beta, p1, minv)
     no_grad = jax.jit(lambda *a: ffi_ops.forward_ffi(*a, save=False))(bank, k_idx, q_idx, v, beta, p1, minv)
+    # The final bank is a buffer of its own (rows read from the initial bank until their first write): the
+    # initial bank stays as it was.
+    np.testing.assert_array_equal(np.asarray(bank, np.float32), np.asarray(kept, np.float32))
     poison_allocator(device)
     bwd = jax.jit(ffi_ops.backward_ffi)(final, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snap)
     return (final, y, delta, G, snap), no_grad[:2], bwd
@@ -45,6 +49,8 @@ CASES = [
     dict(T=37, K=8, D=5, W=5, R=4, distinct=False, repeats=True, per_write_gates=True),
     dict(B=2, H=3, T=70, K=16, D=40, W=3, R=2, distinct=False),
     dict(T=33, K=40, D=130, W=9, R=7, distinct=False, repeats=True, dtype=jnp.bfloat16),
+    # most rows written by no chunk (copied from the initial bank), the others first written in every chunk
+    dict(B=2, H=2, T=150, K=2048, D=64, W=4, R=4, dtype=jnp.bfloat16),
 ]
 
 

@@ -295,7 +295,7 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
       longest = std::max(longest, grp[g + 1] - grp[g]);
     }
 
-  const int64_t ws_floats = step_workspace_floats(dm);
+  const int64_t fwd_ws_floats = forward_workspace_floats(dm), bwd_ws_floats = backward_workspace_floats(dm);
   const size_t ncd = size_t(N * C * D), nsnap = size_t(N * C * W * D), nstamp = size_t(dm.streams() * K);
   // The packed sequences' arguments of one pass (null without packed sequences).
   auto segments_of = [&](StepSegments& sg, const std::vector<BankT>& initial, std::vector<int32_t>& stamp,
@@ -305,10 +305,11 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
     return packed ? &sg : nullptr;
   };
   // One forward; save: with residuals. cuda: the emulated CUDA kernels (the CPU ones under cpu-both), else the
-  // CPU ones.
+  // CPU ones; the CUDA forward with residuals gets the result as a second buffer (filled with NaN: a fresh output
+  // bank must write every row), the one without them the bank in place.
   std::vector<BankT> final_cpu, snap_cpu;
   auto forward = [&](bool cuda, bool save, int* rc) {
-    std::vector<BankT> bank = bank0, initial = bank0;
+    std::vector<BankT> bank = bank0, initial = bank0, input = bank0;
     std::vector<BankT> snap(save ? nsnap : 0, from_float<BankT>(kNaN));
     ForwardOut o{std::vector<float>(ncd, kNaN), std::vector<float>(save ? ncd : 0, kNaN),
                  std::vector<float>(save ? ncd : 0, kNaN), {}, {}};
@@ -319,8 +320,14 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
     const ForwardIO io{v.data(), beta.data(), o.y.data(), save ? o.delta.data() : nullptr,
                        save ? o.G.data() : nullptr, save ? snap.data() : nullptr};
     if (cuda && !cpu_both) {
-      std::vector<float> ws(size_t(ws_floats), kNaN);
-      *rc = forward_cuda<BankT>(dm, p1, io, bank.data(), ws.data(), nullptr, segments);
+      std::vector<float> ws(size_t(fwd_ws_floats), kNaN);
+      if (save) std::fill(bank.begin(), bank.end(), from_float<BankT>(kNaN));
+      *rc = forward_cuda<BankT>(dm, p1, io, save ? input.data() : bank.data(), bank.data(), ws.data(), nullptr,
+                                segments);
+      if (save && !same_bits(input, bank0)) {
+        std::printf("  FAIL forward_cuda changed its input bank\n");
+        *rc = -1;
+      }
     } else {
       forward_cpu<BankT>(dm, p1, io, bank.data(), segments);
     }
@@ -350,7 +357,7 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
                         o.dk_eff.data(), o.dw.data(), o.dcpe.data(), o.dq_w.data(), o.dA.data(), o.dQK.data(),
                         o.dbeta.data(), o.dv.data()};
     if (cuda && !cpu_both) {
-      std::vector<float> ws(size_t(ws_floats), kNaN);
+      std::vector<float> ws(size_t(bwd_ws_floats), kNaN);
       *rc = backward_cuda<BankT, GradT>(dm, p1, io, bank.data(), dbank.data(), ws.data(), nullptr, segments);
     } else {
       backward_cpu<BankT, GradT>(dm, p1, io, bank.data(), dbank.data(), segments);
