@@ -266,8 +266,10 @@ def _workspace(bank, k_idx, q_idx, forward):
     P, D, C = bank.shape[-3], bank.shape[-1], k_idx.shape[-2]
     rows = math.prod(bank.shape[:-3]) * ((3 * P * C * D + 3) // 4 * 4)
     if forward:
-        return jax.ShapeDtypeStruct((rows + 4 * k_idx.size + math.prod(bank.shape[:-1]) + k_idx.size + q_idx.size,), jnp.float32)
-    return jax.ShapeDtypeStruct((rows + 4 * (k_idx.size + q_idx.size),), jnp.float32)
+        floats = rows + 4 * k_idx.size + math.prod(bank.shape[:-1]) + k_idx.size + q_idx.size
+    else:
+        floats = rows + 4 * (k_idx.size + q_idx.size)
+    return jax.ShapeDtypeStruct((floats,), jnp.float32)
 
 
 def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snapshot, segments=None):
