@@ -204,9 +204,12 @@ __device__ __forceinline__ int64_t unit_of(const StepDims& dm, int64_t s, int64_
 
 // Programmatic dependent launch (sm_90 and later): the host launches each kernel of a call so that its blocks may
 // start while the previous kernel on the stream drains (hiding the launch gap between the ~200-470 launches of a
-// call). Every kernel calls chain_start() first, in every block, before any early return: it waits until the
-// previous kernel has completed and its writes are visible, then lets the next kernel launch. So a kernel's
-// completion implies its predecessors', and each kernel sees everything earlier kernels wrote. A no-op before sm_90.
+// call). Every kernel calls chain_start() in every block, before any early return: it waits until the previous
+// kernel has completed and its writes are visible, then lets the next kernel launch. So a kernel's completion
+// implies its predecessors', and each kernel sees everything earlier kernels wrote. It is the first thing a kernel
+// does, except where a kernel loads, before it, data that was final before its predecessor started: when kernel
+// N starts, N - 1 has passed its chain_start, so N - 2 and everything before it have completed (fwd_write_kernel).
+// A no-op before sm_90.
 __device__ __forceinline__ void chain_start() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -980,18 +983,21 @@ template <int VEC, typename T>
 __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, const T* input, T* __restrict__ bank, int64_t c,
                      ChunkRows rows, GroupTables tables) {
-  chain_start();
   extern __shared__ __align__(16) float staged[];
   const int64_t D = dm.D, s = blockIdx.x, u = unit_of(dm, s, c);
+  constexpr int S = segs_for(kWriteLaneBytes, VEC * static_cast<int>(sizeof(T)));
+  const auto row_of = [&](const Group& gr) { return (gr.from_input ? input : bank) + (s * dm.K + gr.slot) * D; };
   const float* delta = rows.delta + rows.at(dm, u, s);
   const float* const vecs[1] = {delta};
-  OwnedGroups owned(dm, s, u, tables.w, dm.W);
   const float* pre[1];
-  stage_token(D, vecs, staged, pre);
-  constexpr int S = segs_for(kWriteLaneBytes, VEC * static_cast<int>(sizeof(T)));
+  // The group table and the rows this kernel reads were final before the solve it follows started (that solve
+  // waited for the gather, which waited for the previous chunk's write): the table rows and the first group's
+  // row are loaded before chain_start waits for the solve, so those loads overlap its end; delta after.
+  OwnedGroups owned(dm, s, u, tables.w, dm.W);
   const int64_t d0 = static_cast<int64_t>(owned.gr.lane) * VEC;
-  const auto row_of = [&](const Group& gr) { return (gr.from_input ? input : bank) + (s * dm.K + gr.slot) * D; };
   if (D > S * 32 * VEC) {  // rows of several batches: one group at a time
+    chain_start();
+    stage_token(D, vecs, staged, pre);
     while (owned.next()) {
       const T* row = row_of(owned.gr);
       for (int64_t d = d0; d < D; d += S * 32 * VEC) {
@@ -1003,10 +1009,13 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     return;
   }
   // Rows of one batch: the next group's row is loaded before this one's is written (two rows in flight per warp).
-  if (!owned.next()) return;
+  const bool any = owned.next();
   Group cur = owned.gr;
   Cols<VEC, T> x[S];
-  load_batch(row_of(cur), d0, D, x);
+  if (any) load_batch(row_of(cur), d0, D, x);
+  chain_start();
+  stage_token(D, vecs, staged, pre);
+  if (!any) return;
   for (;;) {
     const bool more = owned.next();
     Cols<VEC, T> y[S];
