@@ -260,23 +260,22 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None):
 def _workspace(bank, k_idx, q_idx, forward):
     """The steps' scratch (kernels/steps.h `forward_workspace_floats` / `backward_workspace_floats`), float32: per
     problem (leading dims of the bank `[..., P, K, D]`) `3 * P * C * D` floats rounded up to a multiple of 4, then 4
-    per slot group: the forward's `C * W` write groups per unit (`k_idx.size`), then one per bank row (each slot's
-    first writing chunk) and one per gather lane (`k_idx.size + q_idx.size`); the backward's write and read groups
-    (`k_idx.size + q_idx.size`)."""
+    per slot group (the write groups, `k_idx.size`; the backward's read groups too, `q_idx.size`), then one per bank
+    row (each slot's first writing step) and one per gather lane (the write lanes, and the forward's read lanes)."""
     P, D, C = bank.shape[-3], bank.shape[-1], k_idx.shape[-2]
     rows = math.prod(bank.shape[:-3]) * ((3 * P * C * D + 3) // 4 * 4)
-    if forward:
-        floats = rows + 4 * k_idx.size + math.prod(bank.shape[:-1]) + k_idx.size + q_idx.size
-    else:
-        floats = rows + 4 * (k_idx.size + q_idx.size)
-    return jax.ShapeDtypeStruct((floats,), jnp.float32)
+    groups = k_idx.size + (0 if forward else q_idx.size)
+    tags = k_idx.size + (q_idx.size if forward else 0)
+    return jax.ShapeDtypeStruct((rows + 4 * groups + math.prod(bank.shape[:-1]) + tags,), jnp.float32)
 
 
 def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snapshot, segments=None):
     """The reverse chunk loop (docs/DESIGN.md "Backward steps").
 
     `bank` is the final bank (it comes back as the initial one, restored in place) and `dbank` the cotangent of
-    the final bank (it comes back as the gradient of the initial bank, in place). `dbank`'s dtype is the working
+    the final bank; the gradient of the initial bank comes back in a buffer of its own without `segments` (the CUDA
+    kernels read each row of `dbank` until its first write: no whole-bank copy whether or not `dbank` is donated),
+    in place with them. `dbank`'s dtype is the working
     gradient bank's: float32, or the bank's bfloat16 (float32 inside each step, rounded once per written row).
 
     `segments`: None, or for packed sequences `(initial, local, seg0, stamp, stamp_snapshot, dinitial)`: those
@@ -296,8 +295,7 @@ def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, sna
             v.astype(f32), beta.astype(f32), p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.A, p1.QK, p1.w_order,
             p1.w_group, p1.r_order, p1.r_group, minv, delta, G, snapshot)
     if segments is None:
-        call = jax.ffi.ffi_call("sdm_backward", results, vmap_method="broadcast_all",
-                                input_output_aliases={0: 0, 1: 1})
+        call = jax.ffi.ffi_call("sdm_backward", results, vmap_method="broadcast_all", input_output_aliases={0: 0})
         return call(*args)[:10]
     initial, local, seg0, stamp, stamp_snapshot, dinitial = segments
     n = len(args)  # the stamps and dinitial are updated in place, like the bank and dbank

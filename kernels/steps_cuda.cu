@@ -356,37 +356,56 @@ struct SegmentRows {
   }
 };
 
-// Fresh output bank (forward_cuda with two bank buffers, no packed sequences): instead of copying the whole input
-// bank into the result first, a row is read from the input bank until the first chunk that writes it, whose write
-// kernel stores it into the result; the rows no chunk writes are copied once (copy_unwritten_kernel). Before the
-// loop, first_write_kernel finds each slot's first writing chunk, and lane_tags_kernel tags every gather lane with
-// the bank it reads (FreshRows) and group_table_kernel every write group (kFromInput): the row kernels pick the
-// bank without a dependent load.
-constexpr uint32_t kNeverWritten = 0xffffffffu;  // first_write of a slot no chunk writes
-constexpr int32_t kFromInput = 1 << 30;          // a write group's table `hi` flag: its row is read from the input
+// Fresh result (forward_cuda's bank, backward_cuda's gradient bank, when XLA hands the input and the result as two
+// buffers; not with packed sequences): instead of copying the whole input into the result first, a row is read
+// from the input until the first step that writes it, whose kernel stores it into the result; the rows no step
+// writes are copied once (copy_untouched_kernel). The steps, in the order the loop runs them: forward, chunk c's
+// write is step c; backward (chunks in reverse, r = NC - 1 - c), chunk c's Phase A is step 2r and its read side
+// step 2r + 1. Before the loop, first_touch_kernel finds each slot's first writing step. A kernel that reads rows
+// as they are before step t (the forward's gathers and write of chunk c: t = c; the backward's GWR and Phase A:
+// 2r; the read side: 2r + 1) reads a slot's row from the input iff that first step is t or later:
+// lane_tags_kernel tags every gather lane with it (FreshRows) and group_table_kernel every group (kFromInput), so
+// the row kernels pick the buffer without a dependent load.
+constexpr uint32_t kUntouched = 0xffffffffu;  // the first step of a slot no step writes
+constexpr int32_t kFromInput = 1 << 30;       // a group's table `hi` flag: its row is read from the input
 
 __device__ __forceinline__ int64_t chunk_of_unit(const StepDims& dm, int64_t u) { return (u / dm.P) % dm.NC; }
 __device__ __forceinline__ int64_t stream_of_unit(const StepDims& dm, int64_t u) {
   return (u / (dm.NC * dm.P)) * dm.P + u % dm.P;
 }
 
-// first_write[s * K + slot] = the first chunk of stream s with a write lane on the slot (filled with kNeverWritten
-// before). An integer minimum: the same result in any order of the atomics.
-__global__ void first_write_kernel(StepDims dm, const int32_t* __restrict__ k_idx, uint32_t* __restrict__ first) {
+// The step (above) of unit u's lanes or groups of one map: mul * c + add, with c counted from the last chunk when
+// `reverse`.
+struct StepOf {
+  int mul, add;
+  bool reverse;
+  __device__ __forceinline__ uint32_t operator()(const StepDims& dm, int64_t u) const {
+    const int64_t c = chunk_of_unit(dm, u);
+    return static_cast<uint32_t>(mul * (reverse ? dm.NC - 1 - c : c) + add);
+  }
+};
+constexpr StepOf kForwardStep{1, 0, false}, kPhaseAStep{2, 0, true}, kReadSideStep{2, 1, true};
+
+// first[s * K + slot] = min(first, the step of each lane of stream s on the slot) over a map's lanes (`lanes` per
+// token, ids `idx`); first is filled with kUntouched before the first map. An integer minimum: the same result in
+// any order of the atomics.
+__global__ void first_touch_kernel(StepDims dm, const int32_t* __restrict__ idx, int64_t lanes, StepOf step,
+                                   uint32_t* __restrict__ first) {
   chain_start();
-  const int64_t n = dm.C * dm.W, total = dm.V * dm.NC * dm.P * n;  // every write lane
+  const int64_t n = dm.C * lanes, total = dm.V * dm.NC * dm.P * n;
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int32_t slot = k_idx[k];
+    const int32_t slot = idx[k];
     if (slot < 0 || slot >= dm.K) continue;
     const int64_t u = k / n;
-    atomicMin(first + stream_of_unit(dm, u) * dm.K + slot, static_cast<uint32_t>(chunk_of_unit(dm, u)));
+    atomicMin(first + stream_of_unit(dm, u) * dm.K + slot, step(dm, u));
   }
 }
 
-// A gather lane's row tag: the slot when a chunk before the lane's wrote it (the row is in the result), -2 - slot
-// when none did (the input bank's row), -1 for an out-of-range id (no row).
-__global__ void lane_tags_kernel(StepDims dm, const int32_t* __restrict__ idx, int64_t lanes,
+// A gather lane's row tag, for a gather that reads rows as they are before `step` of its unit: the slot when an
+// earlier step wrote it (the row is in the result), -2 - slot when none did (the input's row), -1 for an
+// out-of-range id (no row).
+__global__ void lane_tags_kernel(StepDims dm, const int32_t* __restrict__ idx, int64_t lanes, StepOf step,
                                  const uint32_t* __restrict__ first, int32_t* __restrict__ tags) {
   chain_start();
   const int64_t n = dm.C * lanes, total = dm.V * dm.NC * dm.P * n;
@@ -396,12 +415,12 @@ __global__ void lane_tags_kernel(StepDims dm, const int32_t* __restrict__ idx, i
     const int64_t u = k / n;
     int32_t tag = -1;
     if (slot >= 0 && slot < dm.K)
-      tag = first[stream_of_unit(dm, u) * dm.K + slot] < chunk_of_unit(dm, u) ? slot : -2 - slot;
+      tag = first[stream_of_unit(dm, u) * dm.K + slot] >= step(dm, u) ? -2 - slot : slot;
     tags[k] = tag;
   }
 }
 
-// The fresh output bank as the forward kernels see it: the input bank and the gather lanes' row tags.
+// The fresh output bank as the forward's gathers see it: the input bank and the gather lanes' row tags.
 template <typename T>
 struct FreshView {
   const T* input;        // [streams, K, D]
@@ -409,7 +428,7 @@ struct FreshView {
   const int32_t* r_tag;  // [units, C, R]
 };
 
-// A gather's rows by row tag (lane_tags_kernel): the result's or the input bank's row of the slot.
+// A gather's rows by row tag (lane_tags_kernel): the result's or the input's row of the slot.
 template <typename T>
 struct FreshRows {
   const T* result;
@@ -421,16 +440,16 @@ struct FreshRows {
   }
 };
 
-// The rows no chunk writes, from the input bank into the result (VEC columns per thread; D a multiple of VEC).
+// The rows no step writes, from the input into the result (VEC columns per thread; D a multiple of VEC).
 template <int VEC, typename T>
-__global__ void copy_unwritten_kernel(StepDims dm, const uint32_t* __restrict__ first, const T* __restrict__ input,
+__global__ void copy_untouched_kernel(StepDims dm, const uint32_t* __restrict__ first, const T* __restrict__ input,
                                       T* __restrict__ result) {
   chain_start();
   const int64_t per_row = dm.D / VEC, total = dm.V * dm.P * dm.K * per_row;
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = k / per_row;
-    if (first[row] != kNeverWritten) continue;
+    if (first[row] != kUntouched) continue;
     const int64_t at = row * dm.D + (k % per_row) * VEC;
     Cols<VEC, T> x;
     x.load(input + at);
@@ -780,11 +799,11 @@ struct alignas(16) GroupEntry {
 // n = C * lanes entries per unit: by group, table[u * n + g] = {slot, lo, hi, first} for every group g < n (the
 // packed kernels); or by first entry (the unpacked kernels), table[u * n + first] = {slot, lo, hi, g} at the first
 // sorted entry of every group with a slot in range, the rest left as they are (filled with -1 before). With
-// `first_write` (a fresh output bank's forward, by first entry) `hi` carries kFromInput when the group's chunk is
-// the first to write its slot: its row is read from the input bank.
+// `first` (a fresh result's first steps; by first entry) `hi` carries kFromInput when the group's kernel, at `step`,
+// reads its row from the input.
 __global__ void group_table_kernel(StepDims dm, const int32_t* __restrict__ order, const int32_t* __restrict__ group,
                                    const int32_t* __restrict__ idx, int64_t lanes, int64_t units, bool by_first,
-                                   const uint32_t* __restrict__ first_write, GroupEntry* __restrict__ table) {
+                                   const uint32_t* __restrict__ first, StepOf step, GroupEntry* __restrict__ table) {
   chain_start();
   const int64_t n = dm.C * lanes, total = units * n;
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total;
@@ -802,8 +821,7 @@ __global__ void group_table_kernel(StepDims dm, const int32_t* __restrict__ orde
     if (!by_first) {
       table[k] = e;
     } else if (e.slot >= 0) {
-      const bool from_input =
-          first_write && first_write[stream_of_unit(dm, u) * dm.K + e.slot] == chunk_of_unit(dm, u);
+      const bool from_input = first && first[stream_of_unit(dm, u) * dm.K + e.slot] >= step(dm, u);
       table[u * n + e.first] = GroupEntry{e.slot, e.lo, e.hi | (from_input ? kFromInput : 0), static_cast<int32_t>(g)};
     }
   }
@@ -1082,8 +1100,10 @@ __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
 
 // With packed sequences (kPacked, `local` the tokens' segments) only the chunk's last segment's writes were
 // stored: the other tokens' rows are zero (and their dw stays 0).
-template <int VEC, typename GT, bool kPacked>
-__global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) bwd_gwr_kernel(StepDims dm, StepPhase1 p1, const GT* __restrict__ dbank, int64_t c, BackRows rows, const int32_t* local) {
+// With a fresh result (kFresh) each lane's gradient row comes from the result or the input, by its tag (`w_tag`,
+// lane_tags_kernel).
+template <int VEC, typename GT, bool kPacked, bool kFresh>
+__global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) bwd_gwr_kernel(StepDims dm, StepPhase1 p1, const GT* __restrict__ dbank, const GT* dbank_in, const int32_t* w_tag, int64_t c, BackRows rows, const int32_t* local) {
   chain_start();
   extern __shared__ float partial[];
   const int64_t s = blockIdx.x, t = blockIdx.y;
@@ -1093,8 +1113,15 @@ __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) bwd_gwr_kerne
     const int32_t* local_u = local + u * dm.C;
     if (local_u[t] != warp_unit_last(local_u, dm.C)) lanes = 0;
   }
-  gather_row<VEC, GT>(BankRows<GT>{dbank + s * dm.K * dm.D, dm.K, dm.D}, p1.k_idx + (u * dm.C + t) * dm.W,
-                      p1.w + (u * dm.C + t) * dm.W, lanes, dm.D, rows.gwr + (s * dm.C + t) * dm.D, partial);
+  const int64_t at = (u * dm.C + t) * dm.W;
+  float* out = rows.gwr + (s * dm.C + t) * dm.D;
+  if constexpr (kFresh) {
+    gather_row<VEC, GT>(FreshRows<GT>{dbank + s * dm.K * dm.D, dbank_in + s * dm.K * dm.D, dm.D}, w_tag + at,
+                        p1.w + at, lanes, dm.D, out, partial);
+  } else {
+    gather_row<VEC, GT>(BankRows<GT>{dbank + s * dm.K * dm.D, dm.K, dm.D}, p1.k_idx + at, p1.w + at, lanes, dm.D,
+                        out, partial);
+  }
 }
 
 // In the loop: du += Minv^T gwr (the bank-dependent part), dG = -beta du. Shared memory: the gwr slice; staged,
@@ -1252,7 +1279,7 @@ __device__ __forceinline__ void phase_a_dots(const GT* drow, const T* s0, const 
 template <int VEC, typename T, typename GT>
 __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T* __restrict__ bank, GT* __restrict__ dbank,
-                       int64_t c, BackRows rows, GroupTables tables) {
+                       const GT* dbank_in, int64_t c, BackRows rows, GroupTables tables) {
   chain_start();
   extern __shared__ __align__(16) float staged[];
   const int64_t C = dm.C, W = dm.W, D = dm.D, K = dm.K, s = blockIdx.x, u = unit_of(dm, s, c);
@@ -1263,17 +1290,18 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     const int lane = gr.lane;
     const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
     const int32_t* order = p1.w_order + u * C * W;
-    GT* drow = dbank + (s * K + slot) * D;
+    GT* drow = dbank + (s * K + slot) * D;  // dS1 is read at dsrc (the input's row until a fresh result's first write)
+    const GT* dsrc = (gr.from_input ? dbank_in : dbank) + (s * K + slot) * D;
     const T* s0 = static_cast<const T*>(io.snapshot) + (u * C * W + gr.g) * D;
     const int64_t e0 = u * C * W + gr.first;
     const float cpe = p1.cpe[e0];
     const float* k_eff = p1.k_eff + u * C * W;
     T* row = bank + (s * K + slot) * D;
     if (hi - lo > kInlineEntries) {
-      phase_a_dots<VEC>(drow, s0, delta, dG, order, lo, hi, W, D, lane, io, u * C * W, e0);
+      phase_a_dots<VEC>(dsrc, s0, delta, dG, order, lo, hi, W, D, lane, io, u * C * W, e0);
       for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
         float acc[VEC];
-        load_cols<VEC>(drow + d, acc);
+        load_cols<VEC>(dsrc + d, acc);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) acc[i] *= cpe;
         group_add<VEC>(order, lo, hi, k_eff, dG + d, W, D, acc);
@@ -1287,7 +1315,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     // warp_dot's order), the gradient row and the restore. The first entry's delta and dG are the block's token's.
     const int32_t n = hi - lo;
     float p_cpe = 0.f, p_w[kInlineEntries] = {}, p_k[kInlineEntries] = {};
-    walk_two_rows<VEC>(drow, s0, pre, D, lane, [&](int64_t d, const Cols<VEC, GT>& ds, const Cols<VEC, T>& sv,
+    walk_two_rows<VEC>(dsrc, s0, pre, D, lane, [&](int64_t d, const Cols<VEC, GT>& ds, const Cols<VEC, T>& sv,
                                                  const float (&first)[2][VEC]) {
       float acc[VEC];
 #pragma unroll
@@ -1334,7 +1362,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
 template <int VEC, typename T, typename GT>
 __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     bwd_read_side_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const T* __restrict__ bank,
-                         GT* __restrict__ dbank, int64_t c, GroupTables tables) {
+                         GT* __restrict__ dbank, const GT* dbank_in, int64_t c, GroupTables tables) {
   chain_start();
   extern __shared__ __align__(16) float staged[];
   const int64_t C = dm.C, R = dm.R, D = dm.D, K = dm.K, s = blockIdx.x, u = unit_of(dm, s, c);
@@ -1344,7 +1372,8 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     const int lane = gr.lane;
     const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
     const int32_t* order = p1.r_order + u * C * R;
-    GT* drow = dbank + (s * K + slot) * D;
+    GT* drow = dbank + (s * K + slot) * D;  // read at dsrc, as in Phase A
+    const GT* dsrc = (gr.from_input ? dbank_in : dbank) + (s * K + slot) * D;
     const T* row = bank + (s * K + slot) * D;
     const float* q_w = p1.q_w + u * C * R;
     if (hi - lo > kInlineEntries) {
@@ -1355,7 +1384,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
       }
       for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
         float acc[VEC];
-        load_cols<VEC>(drow + d, acc);
+        load_cols<VEC>(dsrc + d, acc);
         for (int32_t k = lo; k < hi; ++k) {
           const int32_t r = order[k];
           float x[VEC];
@@ -1372,7 +1401,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     // block's token's.
     const int32_t n = hi - lo;
     float p_q[kInlineEntries] = {};
-    walk_two_rows<VEC>(row, drow, pre, D, lane, [&](int64_t d, const Cols<VEC, T>& x, const Cols<VEC, GT>& ds,
+    walk_two_rows<VEC>(row, dsrc, pre, D, lane, [&](int64_t d, const Cols<VEC, T>& x, const Cols<VEC, GT>& ds,
                                                   const float (&first)[1][VEC]) {
       float acc[VEC];
 #pragma unroll
@@ -1649,7 +1678,7 @@ inline GroupEntry* group_tables_at(const StepDims& dm, float* workspace) {
 inline int stride_blocks(int64_t total) { return static_cast<int>(std::min<int64_t>((total + 255) / 256, 4096)); }
 
 inline int build_group_table(bool pdl, const StepDims& dm, const int32_t* order, const int32_t* group,
-                             const int32_t* idx, int64_t lanes, bool by_first, const uint32_t* first_write,
+                             const int32_t* idx, int64_t lanes, bool by_first, const uint32_t* first, StepOf step,
                              GroupEntry* table, cudaStream_t stream) {
   const int64_t total = dm.units() * dm.C * lanes;
   if (total == 0) return 0;
@@ -1658,43 +1687,64 @@ inline int build_group_table(bool pdl, const StepDims& dm, const int32_t* order,
     if (rc) return rc;
   }
   return launch(pdl, group_table_kernel, dim3(stride_blocks(total)), dim3(256), 0, stream, dm, order, group, idx,
-                lanes, dm.units(), by_first, first_write, table);
+                lanes, dm.units(), by_first, first, step, table);
 }
 
-// A fresh output bank's arrays after the write table in the forward's workspace (kernels/steps.h
-// forward_workspace_floats): each slot's first writing chunk, then the gather lanes' row tags.
+// A fresh result's arrays in the workspace, after the group tables (kernels/steps.h): each slot's first writing
+// step ([streams, K]), then the gather lanes' row tags: the forward's write and read lanes, the backward's GWR
+// lanes (its write lanes; no read tags).
 struct FreshArrays {
-  uint32_t* first_write;
+  uint32_t* first;
   int32_t* w_tag;
   int32_t* r_tag;
 };
-inline FreshArrays fresh_arrays_at(const StepDims& dm, GroupEntry* w_table) {
-  uint32_t* first_write = reinterpret_cast<uint32_t*>(w_table + dm.units() * dm.C * dm.W);
-  int32_t* w_tag = reinterpret_cast<int32_t*>(first_write + dm.streams() * dm.K);
-  return FreshArrays{first_write, w_tag, w_tag + dm.units() * dm.C * dm.W};
+inline FreshArrays fresh_arrays_at(const StepDims& dm, GroupEntry* after_tables, bool read_tags) {
+  uint32_t* first = reinterpret_cast<uint32_t*>(after_tables);
+  int32_t* w_tag = reinterpret_cast<int32_t*>(first + dm.streams() * dm.K);
+  return FreshArrays{first, w_tag, read_tags ? w_tag + dm.units() * dm.C * dm.W : nullptr};
 }
 
-// Before a fresh output bank's chunk loop: the slots' first writing chunks and the gather lanes' tags (the write
-// table is built after, from the first writing chunks), and the rows no chunk writes copied into the result.
+// One map's part in a fresh result (prepare_fresh): its ids, the step of its lanes, whether its kernel writes the
+// rows (a write map in the forward; both maps in the backward) and where its gather lanes' tags go (or null).
+struct TouchMap {
+  const int32_t* idx;
+  int64_t lanes;
+  StepOf step;
+  bool writes;
+  int32_t* tags;
+};
+
+// Before a fresh result's chunk loop: the slots' first writing steps, the gather lanes' tags (the group tables
+// are built after, from the first steps), and the rows no step writes copied from the input into the result.
 template <int VEC, typename T>
-int prepare_fresh(bool pdl, const StepDims& dm, const StepPhase1& p1, const FreshArrays& fa, const T* input,
+int prepare_fresh(bool pdl, const StepDims& dm, const TouchMap (&maps)[2], uint32_t* first, const T* input,
                   T* result, cudaStream_t stream) {
-  const int64_t writes = dm.units() * dm.C * dm.W, reads = dm.units() * dm.C * dm.R;
-  int rc = static_cast<int>(cudaMemsetAsync(fa.first_write, 0xff, dm.streams() * dm.K * sizeof(uint32_t), stream));
-  if (!rc && writes)
-    rc = launch(pdl, first_write_kernel, dim3(stride_blocks(writes)), dim3(256), 0, stream, dm, p1.k_idx,
-                fa.first_write);
-  if (!rc && writes)
-    rc = launch(pdl, lane_tags_kernel, dim3(stride_blocks(writes)), dim3(256), 0, stream, dm, p1.k_idx, dm.W,
-                static_cast<const uint32_t*>(fa.first_write), fa.w_tag);
-  if (!rc && reads)
-    rc = launch(pdl, lane_tags_kernel, dim3(stride_blocks(reads)), dim3(256), 0, stream, dm, p1.q_idx, dm.R,
-                static_cast<const uint32_t*>(fa.first_write), fa.r_tag);
+  int rc = static_cast<int>(cudaMemsetAsync(first, 0xff, dm.streams() * dm.K * sizeof(uint32_t), stream));
+  for (const TouchMap& m : maps) {
+    const int64_t lanes = dm.units() * dm.C * m.lanes;
+    if (!rc && lanes && m.writes)
+      rc = launch(pdl, first_touch_kernel, dim3(stride_blocks(lanes)), dim3(256), 0, stream, dm, m.idx, m.lanes,
+                  m.step, first);
+  }
+  for (const TouchMap& m : maps) {
+    const int64_t lanes = dm.units() * dm.C * m.lanes;
+    if (!rc && lanes && m.tags)
+      rc = launch(pdl, lane_tags_kernel, dim3(stride_blocks(lanes)), dim3(256), 0, stream, dm, m.idx, m.lanes,
+                  m.step, static_cast<const uint32_t*>(first), m.tags);
+  }
   const int64_t copies = dm.streams() * dm.K * (dm.D / VEC);
   if (!rc && copies)
-    rc = launch(pdl, copy_unwritten_kernel<VEC, T>, dim3(stride_blocks(copies)), dim3(256), 0, stream, dm,
-                static_cast<const uint32_t*>(fa.first_write), input, result);
+    rc = launch(pdl, copy_untouched_kernel<VEC, T>, dim3(stride_blocks(copies)), dim3(256), 0, stream, dm,
+                static_cast<const uint32_t*>(first), input, result);
   return rc;
+}
+
+// The whole input into the result when they are two buffers (packed sequences update the result in place).
+template <typename T>
+int copy_whole(const StepDims& dm, const T* input, T* result, cudaStream_t stream) {
+  if (input == result) return 0;
+  return static_cast<int>(cudaMemcpyAsync(result, input, dm.streams() * dm.K * dm.D * sizeof(T),
+                                          cudaMemcpyDeviceToDevice, stream));
 }
 
 // Launch shape of the unpacked group kernels (for_owned_groups): one block of kOwnerWarps warps per (stream, token),
@@ -1719,17 +1769,19 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   const GroupTables tables{w_table, nullptr};
   const bool pdl = use_pdl();
   const bool fresh = segments == nullptr && input != bank;
-  const FreshArrays fa = fresh_arrays_at(dm, w_table);
+  const FreshArrays fa = fresh_arrays_at(dm, w_table + dm.units() * dm.C * dm.W, true);
   const auto fwd_solve = solve_staged(dm.C) ? fwd_solve_kernel<true> : fwd_solve_kernel<false>;
   const size_t smem = solve_smem(dm.C, 2, 2, 2);
   int rc = 0;
-  if (segments && input != bank)  // packed sequences update the working bank in place
-    rc = static_cast<int>(cudaMemcpyAsync(bank, input, dm.streams() * dm.K * dm.D * sizeof(T),
-                                          cudaMemcpyDeviceToDevice, stream));
-  if (!rc && fresh) rc = prepare_fresh<VEC>(pdl, dm, p1, fa, input, bank, stream);
+  if (segments) rc = copy_whole(dm, input, bank, stream);
+  if (!rc && fresh) {
+    const TouchMap maps[2] = {{p1.k_idx, dm.W, kForwardStep, true, fa.w_tag},
+                              {p1.q_idx, dm.R, kForwardStep, false, fa.r_tag}};
+    rc = prepare_fresh<VEC>(pdl, dm, maps, fa.first, input, bank, stream);
+  }
   if (!rc)
     rc = build_group_table(pdl, dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, segments == nullptr,
-                           fresh ? fa.first_write : nullptr, w_table, stream);
+                           fresh ? fa.first : nullptr, kForwardStep, w_table, stream);
   if (!rc) rc = smem_attribute(fwd_solve, smem);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
   const dim3 group_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
@@ -1770,9 +1822,13 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   return rc;
 }
 
+// Columns per thread of the gradient rows' gather and copies: 16 bytes, 8 bfloat16 or 4 float32 columns.
+template <int VEC, typename GT>
+constexpr int kGVecOf = sizeof(GT) == 2 ? VEC : (VEC >= 4 ? 4 : 1);
+
 template <int VEC, typename T, typename GT>
-int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, T* bank, GT* dbank,
-                  float* workspace, cudaStream_t stream, const StepSegments* segments) {
+int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, T* bank, const GT* dbank_in,
+                  GT* dbank, float* workspace, cudaStream_t stream, const StepSegments* segments) {
   const int64_t n = dm.streams() * dm.C * dm.D;
   const BackRows rows{workspace, workspace + n};
   GroupEntry* w_table = group_tables_at(dm, workspace);
@@ -1783,19 +1839,35 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const auto bwd_solve = staged ? bwd_solve_kernel<true> : bwd_solve_kernel<false>;
   const size_t dy_smem = solve_smem(dm.C, 2, 0, 2), solve_smem_bytes = solve_smem(dm.C, 1, 1, 1);
   const bool by_first = segments == nullptr;
-  int rc = build_group_table(pdl, dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, by_first, nullptr, w_table, stream);
+  // A fresh gradient bank: the cotangent's rows are read until the first Phase A or read side (in the loop's
+  // order, the last chunk first) that writes them.
+  const bool fresh = segments == nullptr && dbank_in != dbank;
+  const FreshArrays fa = fresh_arrays_at(dm, r_table + dm.units() * dm.C * dm.R, false);
+  int rc = 0;
+  if (segments) rc = copy_whole(dm, dbank_in, dbank, stream);
+  if (!rc && fresh) {
+    const TouchMap maps[2] = {{p1.k_idx, dm.W, kPhaseAStep, true, fa.w_tag},
+                              {p1.q_idx, dm.R, kReadSideStep, true, nullptr}};
+    rc = prepare_fresh<kGVecOf<VEC, GT>>(pdl, dm, maps, fa.first, dbank_in, dbank, stream);
+  }
+  const uint32_t* first = fresh ? fa.first : nullptr;
   if (!rc)
-    rc = build_group_table(pdl, dm, p1.r_order, p1.r_group, p1.q_idx, dm.R, by_first, nullptr, r_table, stream);
+    rc = build_group_table(pdl, dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, by_first, first, kPhaseAStep, w_table,
+                           stream);
+  if (!rc)
+    rc = build_group_table(pdl, dm, p1.r_order, p1.r_group, p1.q_idx, dm.R, by_first, first, kReadSideStep, r_table,
+                           stream);
   if (!rc) rc = smem_attribute(bwd_dy, dy_smem);
   if (!rc) rc = smem_attribute(bwd_solve, solve_smem_bytes);
   const dim3 row_grid(dm.streams(), dm.C);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
   const dim3 write_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
   const dim3 read_grid(dm.streams(), (dm.C * dm.R + kGroupWarps - 1) / kGroupWarps);
-  // Gradient rows read 16 bytes per thread: 8 bfloat16 or 4 float32 columns.
-  constexpr int kGVec = sizeof(GT) == 2 ? VEC : (VEC >= 4 ? 4 : 1);
+  constexpr int kGVec = kGVecOf<VEC, GT>;
   const RowBlock rb = row_block(dm.D, kGVec);
-  const auto gwr = segments ? bwd_gwr_kernel<kGVec, GT, true> : bwd_gwr_kernel<kGVec, GT, false>;
+  const auto gwr = segments ? bwd_gwr_kernel<kGVec, GT, true, false>
+                   : fresh  ? bwd_gwr_kernel<kGVec, GT, false, true>
+                            : bwd_gwr_kernel<kGVec, GT, false, false>;
   if (!rc) rc = smem_attribute(gwr, rb.smem);
   if (!rc) {
     rc = launch(pdl, bwd_dy, dim3(dm.units(), (dm.D + kSlice - 1) / kSlice), dim3(solve_threads(dm.C, false)), dy_smem,
@@ -1809,8 +1881,8 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
                     segments->stamp_snapshot, segments->dinitial};
   }
   for (int64_t c = dm.NC - 1; c >= 0 && !rc; --c) {
-    rc = launch(pdl, gwr, row_grid, rb.threads, rb.smem, stream, dm, p1, static_cast<const GT*>(dbank), c, rows,
-                sv.local);
+    rc = launch(pdl, gwr, row_grid, rb.threads, rb.smem, stream, dm, p1, static_cast<const GT*>(dbank), dbank_in,
+                static_cast<const int32_t*>(fa.w_tag), c, rows, sv.local);
     if (!rc)
       rc = launch(pdl, bwd_solve, slice_grid, dim3(solve_threads(dm.C, true)), solve_smem_bytes, stream, dm, p1, io, c, rows);
     if (segments) {  // Phase A (the stored groups, then the earlier segments' groups) and the read side
@@ -1827,10 +1899,10 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
     }
     if (!rc)
       rc = launch(pdl, bwd_phase_a_kernel<VEC, T, GT>, phase_a.grid, phase_a.block, phase_a.smem, stream, dm, p1, io,
-                  bank, dbank, c, rows, tables);
+                  bank, dbank, dbank_in, c, rows, tables);
     if (!rc)
       rc = launch(pdl, bwd_read_side_kernel<VEC, T, GT>, read_side.grid, read_side.block, read_side.smem, stream, dm,
-                  p1, io, static_cast<const T*>(bank), dbank, c, tables);
+                  p1, io, static_cast<const T*>(bank), dbank, dbank_in, c, tables);
   }
   if (!rc) {
     rc = launch(pdl, bwd_dots_kernel, dim3(dm.units(), (dm.C + kDotsTile - 1) / kDotsTile), dim3(kDotsThreads), 0,
@@ -1852,10 +1924,7 @@ int forward_cuda(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   const T* input = reinterpret_cast<const T*>(bank_in);
   T* bank = reinterpret_cast<T*>(bank_out);
   if (dm.streams() == 0 || dm.K == 0 || dm.D == 0) return 0;
-  if (dm.NC == 0 || dm.C == 0) {  // no steps: the result is the input bank
-    return input == bank ? 0 : static_cast<int>(cudaMemcpyAsync(bank, input, dm.streams() * dm.K * dm.D * sizeof(T),
-                                                                cudaMemcpyDeviceToDevice, stream));
-  }
+  if (dm.NC == 0 || dm.C == 0) return copy_whole(dm, input, bank, stream);  // no steps: the result is the input
   switch (vec_of(dm.D)) {
     case 8: return forward_loop<8>(dm, p1, io, input, bank, workspace, stream, segments);
     case 4: return forward_loop<4>(dm, p1, io, input, bank, workspace, stream, segments);
@@ -1864,23 +1933,26 @@ int forward_cuda(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
 }
 
 template <typename BankT, typename GradT>
-int backward_cuda(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, BankT* bank_in, GradT* dbank_in,
-                  float* workspace, CUstream_st* stream, const StepSegments* segments) {
+int backward_cuda(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, BankT* bank_io,
+                  const GradT* dbank_cot, GradT* dbank_out, float* workspace, CUstream_st* stream,
+                  const StepSegments* segments) {
   using T = typename Device<BankT>::type;
   using GT = typename Device<GradT>::type;
-  T* bank = reinterpret_cast<T*>(bank_in);
-  GT* dbank = reinterpret_cast<GT*>(dbank_in);
+  T* bank = reinterpret_cast<T*>(bank_io);
+  const GT* dbank_in = reinterpret_cast<const GT*>(dbank_cot);
+  GT* dbank = reinterpret_cast<GT*>(dbank_out);
   int rc = 0;
   // Entries in no group (out-of-range ids, padding) get zero gradients.
   for (auto [p, n] : {std::pair{io.dk_eff, dm.W}, std::pair{io.dw, dm.W}, std::pair{io.dcpe, dm.W},
                       std::pair{io.dq_w, dm.R}}) {
     if (!rc) rc = static_cast<int>(cudaMemsetAsync(p, 0, dm.units() * dm.C * n * sizeof(float), stream));
   }
-  if (dm.streams() == 0 || dm.NC == 0 || dm.C == 0 || dm.D == 0 || rc) return rc;
+  if (dm.streams() == 0 || dm.K == 0 || dm.D == 0 || rc) return rc;
+  if (dm.NC == 0 || dm.C == 0) return copy_whole(dm, dbank_in, dbank, stream);  // no steps: dbank is the cotangent
   switch (vec_of(dm.D)) {
-    case 8: return backward_loop<8>(dm, p1, io, bank, dbank, workspace, stream, segments);
-    case 4: return backward_loop<4>(dm, p1, io, bank, dbank, workspace, stream, segments);
-    default: return backward_loop<1>(dm, p1, io, bank, dbank, workspace, stream, segments);
+    case 8: return backward_loop<8>(dm, p1, io, bank, dbank_in, dbank, workspace, stream, segments);
+    case 4: return backward_loop<4>(dm, p1, io, bank, dbank_in, dbank, workspace, stream, segments);
+    default: return backward_loop<1>(dm, p1, io, bank, dbank_in, dbank, workspace, stream, segments);
   }
 }
 
@@ -1888,11 +1960,11 @@ template int forward_cuda<float>(const StepDims&, const StepPhase1&, const Forwa
                                  float*, CUstream_st*, const StepSegments*);
 template int forward_cuda<bf16>(const StepDims&, const StepPhase1&, const ForwardIO&, const bf16*, bf16*, float*,
                                 CUstream_st*, const StepSegments*);
-template int backward_cuda<float, float>(const StepDims&, const StepPhase1&, const BackwardIO&, float*, float*,
-                                         float*, CUstream_st*, const StepSegments*);
-template int backward_cuda<bf16, float>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, float*,
-                                        float*, CUstream_st*, const StepSegments*);
-template int backward_cuda<bf16, bf16>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, bf16*,
-                                       float*, CUstream_st*, const StepSegments*);
+template int backward_cuda<float, float>(const StepDims&, const StepPhase1&, const BackwardIO&, float*,
+                                         const float*, float*, float*, CUstream_st*, const StepSegments*);
+template int backward_cuda<bf16, float>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, const float*,
+                                        float*, float*, CUstream_st*, const StepSegments*);
+template int backward_cuda<bf16, bf16>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, const bf16*,
+                                       bf16*, float*, CUstream_st*, const StepSegments*);
 
 }  // namespace sdm

@@ -357,8 +357,17 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
                         o.dk_eff.data(), o.dw.data(), o.dcpe.data(), o.dq_w.data(), o.dA.data(), o.dQK.data(),
                         o.dbeta.data(), o.dv.data()};
     if (cuda && !cpu_both) {
+      // Without packed sequences the gradient bank comes back in a second buffer (filled with NaN: every row must
+      // be written), as kernel_path.py calls it; with them in place.
       std::vector<float> ws(size_t(bwd_ws_floats), kNaN);
-      *rc = backward_cuda<BankT, GradT>(dm, p1, io, bank.data(), dbank.data(), ws.data(), nullptr, segments);
+      const std::vector<GradT> cotangent = dbank;
+      if (!packed) std::fill(dbank.begin(), dbank.end(), from_float<GradT>(kNaN));
+      *rc = backward_cuda<BankT, GradT>(dm, p1, io, bank.data(), packed ? dbank.data() : cotangent.data(),
+                                        dbank.data(), ws.data(), nullptr, segments);
+      if (!same_bits(cotangent, dbank0) && !packed) {
+        std::printf("  FAIL backward_cuda changed the cotangent\n");
+        *rc = -1;
+      }
     } else {
       backward_cpu<BankT, GradT>(dm, p1, io, bank.data(), dbank.data(), segments);
     }
