@@ -30,7 +30,7 @@ def kernel_inputs(seed, chunk, **kw):
 
 def run_steps(device, bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank):
     put = lambda t: jax.device_put(t, device)
-    kept = np.asarray(bank)
+    kept, kept_dbank = np.asarray(bank), np.asarray(dbank)
     bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank = map(put, (bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank))
     poison_allocator(device)
     fwd = jax.jit(lambda *a: ffi_ops.forward_ffi(*a, save=True))
@@ -41,6 +41,8 @@ def run_steps(device, bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank):
     np.testing.assert_array_equal(np.asarray(bank, np.float32), np.asarray(kept, np.float32))
     poison_allocator(device)
     bwd = jax.jit(ffi_ops.backward_ffi)(final, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snap)
+    # and the gradient bank is a buffer of its own too: the cotangent stays as it was
+    np.testing.assert_array_equal(np.asarray(dbank), np.asarray(kept_dbank))
     return (final, y, delta, G, snap), no_grad[:2], bwd
 
 
