@@ -269,13 +269,13 @@ def _workspace(bank, k_idx, q_idx, forward):
     return jax.ShapeDtypeStruct((rows + 4 * groups + math.prod(bank.shape[:-1]) + tags,), jnp.float32)
 
 
-def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snapshot, segments=None):
+def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snapshot, segments=None, in_place=False):
     """The reverse chunk loop (docs/DESIGN.md "Backward steps").
 
     `bank` is the final bank (it comes back as the initial one, restored in place) and `dbank` the cotangent of
-    the final bank; the gradient of the initial bank comes back in a buffer of its own without `segments` (the CUDA
-    kernels read each row of `dbank` until its first write: no whole-bank copy whether or not `dbank` is donated),
-    in place with them. `dbank`'s dtype is the working
+    the final bank. The gradient of the initial bank comes back in `dbank`'s buffer (aliased) with `in_place` or
+    `segments`; else in a buffer of its own, and `dbank` is left as it is (the CUDA kernels read each row of it
+    until its first write: no whole-bank copy of a `dbank` the caller keeps). `dbank`'s dtype is the working
     gradient bank's: float32, or the bank's bfloat16 (float32 inside each step, rounded once per written row).
 
     `segments`: None, or for packed sequences `(initial, local, seg0, stamp, stamp_snapshot, dinitial)`: those
@@ -295,7 +295,8 @@ def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, sna
             v.astype(f32), beta.astype(f32), p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.A, p1.QK, p1.w_order,
             p1.w_group, p1.r_order, p1.r_group, minv, delta, G, snapshot)
     if segments is None:
-        call = jax.ffi.ffi_call("sdm_backward", results, vmap_method="broadcast_all", input_output_aliases={0: 0})
+        aliases = {0: 0, 1: 1} if in_place else {0: 0}
+        call = jax.ffi.ffi_call("sdm_backward", results, vmap_method="broadcast_all", input_output_aliases=aliases)
         return call(*args)[:10]
     initial, local, seg0, stamp, stamp_snapshot, dinitial = segments
     n = len(args)  # the stamps and dinitial are updated in place, like the bank and dbank

@@ -8,6 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.interpreters import ad
 
 from . import ffi_ops, layout, lowering, segments
@@ -48,15 +49,18 @@ def _sdm_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_s
     return (y, final, p1.repeats), (banks, (p1, minv, delta, G, snapshot) + stamp_snapshot)
 
 
-def _sdm_kernels_bwd(num_slots, inputs, final, residuals, dy, dfinal):
+def _sdm_kernels_bwd(num_slots, inputs, final, residuals, dy, dfinal, dfinal_zero=False):
     """The kernels' backward: gradients `(dbank, dk_val, dx, dv, dbeta, dq_val)` of `_sdm_kernels_fwd`'s inputs
     (`inputs`, in its order; the bank may be None without packed sequences: the backward restores it from the
-    final bank) from its final bank, `residuals` and the cotangents."""
+    final bank) from its final bank, `residuals` and the cotangents. `dfinal_zero`: `dfinal` is zeros made for the
+    call (a loss of the readings only), so the gradient bank may be updated in it; otherwise it gets a buffer of its
+    own and `dfinal` is left as it is (no copy of it either way)."""
     bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed = inputs
     banks, (p1, minv, delta, G, snapshot, *stamp_snapshot) = residuals
     steps = (dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snapshot)
     if packed is None:
-        _, dbank, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv = ffi_ops.backward_ffi(final, dfinal, *steps)
+        _, dbank, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv = ffi_ops.backward_ffi(final, dfinal, *steps,
+                                                                                    in_place=dfinal_zero)
     else:
         (work, stamp), (stamp_snapshot,), (seg0, local, last) = banks, stamp_snapshot, packed
         # The final bank's rows of the last segment are the working bank's, the others the initial bank's.
@@ -204,8 +208,8 @@ def _saved_bank_count(packed):
 
 def _local_backward(static, final, dfinal, dy, *rest):
     """One shard's backward (`_sdm_kernels_bwd`): `rest` is the kept inputs (`_kept_axes`) and the saved
-    residuals."""
-    num_slots, packed = static
+    residuals; `static` is `(num_slots, packed, dfinal_zero)`."""
+    num_slots, packed, dfinal_zero = static
     H = final.shape[1]
     kept_axes = _kept_axes(packed)
     kept = [merge(a, at) for a, at in zip(rest, kept_axes)]
@@ -218,7 +222,7 @@ def _local_backward(static, final, dfinal, dy, *rest):
     if not packed:
         inputs = (None,) + inputs[1:]
     grads = _sdm_kernels_bwd(num_slots, inputs, merge(final, BANK), residuals, merge(dy, UNITS),
-                             merge(dfinal, BANK))
+                             merge(dfinal, BANK), dfinal_zero)
     dbank, *dtokens = grads
     return (split(dbank, BANK, H),) + tuple(split(g, UNITS, H) for g in dtokens)
 
@@ -247,6 +251,10 @@ def stream_kernels(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_slo
 
 
 def _stream_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_slots, grad_dtype):
+    # symbolic_zeros: the inputs come as CustomVJPPrimal (value, perturbed)
+    bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed = jax.tree_util.tree_map(
+        lambda a: a.value, (bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed),
+        is_leaf=lambda a: isinstance(a, CustomVJPPrimal))
     args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val) + (packed or ())
     static = (num_slots, packed is not None)
     n_saved = len(jax.eval_shape(functools.partial(_local_saving, static), *args)) - 3
@@ -263,18 +271,22 @@ def _stream_kernels_bwd(num_slots, grad_dtype, residuals, cotangents):
     final, kept, saved = residuals
     packed = len(kept) > 7
     dy, dfinal, _ = cotangents
-    args = (final, dfinal.astype(grad_dtype), dy.astype(jnp.float32)) + kept + saved
+    # A loss of the readings only gives the final bank a symbolic zero cotangent: the zeros made here are the
+    # backward's to update in place; a cotangent that came from the caller is left as it is.
+    dfinal_zero = isinstance(dfinal, SymbolicZero)
+    materialize = lambda c, dtype: jnp.zeros(c.shape, dtype) if isinstance(c, SymbolicZero) else c.astype(dtype)
+    args = (final, materialize(dfinal, grad_dtype), materialize(dy, jnp.float32)) + kept + saved
     n_banks = _saved_bank_count(packed)
     in_axes = ((BANK, BANK, UNITS) + _kept_axes(packed) + (BANK,) * n_banks
                + (UNITS,) * (len(saved) - n_banks))
     dbank, dk_val, dx, dv, dbeta, dq_val = _kernels_per_stream(
-        _local_backward, (num_slots, packed), args, in_axes, (BANK,) + (UNITS,) * 5)
+        _local_backward, (num_slots, packed, dfinal_zero), args, in_axes, (BANK,) + (UNITS,) * 5)
     dbank, dk_val, dx, dv, dbeta, dq_val = (to_varying(d, varying_axes(final))
                                             for d in (dbank, dk_val, dx, dv, dbeta, dq_val))
     return dbank.astype(final.dtype), None, dk_val, dx, dv, dbeta, None, dq_val, None
 
 
-stream_kernels.defvjp(_stream_kernels_fwd, _stream_kernels_bwd)
+stream_kernels.defvjp(_stream_kernels_fwd, _stream_kernels_bwd, symbolic_zeros=True)
 
 
 def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, grad_dtype=None, seg=None):
