@@ -167,6 +167,16 @@ __host__ __device__ constexpr int segs_for(int budget, int seg_bytes) {
   return budget / seg_bytes < 1 ? 1 : budget / seg_bytes > 4 ? 4 : budget / seg_bytes;
 }
 
+// S segments of VEC columns (32 * VEC apart) of a row from column d0 on, as far as D.
+template <int VEC, int S, typename T>
+__device__ __forceinline__ void load_batch(const T* row, int64_t d0, int64_t D, Cols<VEC, T> (&x)[S]) {
+#pragma unroll
+  for (int k = 0; k < S; ++k) {
+    if (d0 + k * 32 * VEC >= D) break;
+    x[k].load(row + d0 + k * 32 * VEC);
+  }
+}
+
 // A lane of a one-warp-per-row kernel walks two rows `a` and `b` (D columns each, dtypes A and B) in batches of S
 // segments of VEC columns (32 * VEC apart), all of a batch loaded before the first is used, and calls
 // body(d, a_cols, b_cols, pre_cols) per segment in increasing column order d (the order of the lane's partial sums),
@@ -180,12 +190,8 @@ __device__ __forceinline__ void walk_two_rows(const A* a, const B* b, const floa
   for (int64_t d0 = static_cast<int64_t>(lane) * VEC; d0 < D; d0 += S * kStep) {
     Cols<VEC, A> x[S];
     Cols<VEC, B> y[S];
-#pragma unroll
-    for (int k = 0; k < S; ++k) {
-      if (d0 + k * kStep >= D) break;
-      x[k].load(a + d0 + k * kStep);
-      y[k].load(b + d0 + k * kStep);
-    }
+    load_batch(a, d0, D, x);
+    load_batch(b, d0, D, y);
 #pragma unroll
     for (int k = 0; k < S; ++k) {
       const int64_t d = d0 + k * kStep;
@@ -983,16 +989,6 @@ __device__ __forceinline__ void write_batch(const StepDims& dm, const StepPhase1
     for (int i = 0; i < VEC; ++i) acc[i] = __fmaf_rn(w0, dl[i], cpe * x[k][i]);
     group_add<VEC>(p1.w_order + u * C * W, gr.lo + 1, gr.hi, w, delta + d, W, D, acc);
     store_cols<VEC>(row + d, acc);
-  }
-}
-
-// S segments of VEC columns (32 * VEC apart) of a row from column d0 on, as far as D.
-template <int VEC, int S, typename T>
-__device__ __forceinline__ void load_batch(const T* row, int64_t d0, int64_t D, Cols<VEC, T> (&x)[S]) {
-#pragma unroll
-  for (int k = 0; k < S; ++k) {
-    if (d0 + k * 32 * VEC >= D) break;
-    x[k].load(row + d0 + k * 32 * VEC);
   }
 }
 
