@@ -498,13 +498,14 @@ constexpr int kQuads = kSlice / 4;  // 4-column quads per row of a slice
 // Rows of the solve kernels' shared-memory slices: C rounded up to whole 4-row tiles.
 __host__ __device__ inline int tile_rows(int64_t C) { return static_cast<int>((C + 3) / 4 * 4); }
 
-// A solve kernel reads the unit's C x C matrices from shared memory when they fit next to its slices ("staged":
-// C <= kStagedMaxC, about 67 KB for the forward at C = 64, within every sm_80+ GPU's limit), else from global
-// memory through L1. Staged, a block issues every load it needs at its start as asynchronous copies and waits
-// once: the kernels were bound by serial rounds of global loads (the slice, then each matrix, then the epilogue's
-// rows), with one block of a few warps per SM to hide them.
-constexpr int kStagedMaxC = 64;
-inline bool solve_staged(int64_t C) { return C <= kStagedMaxC; }
+// A solve kernel reads the unit's C x C matrices from shared memory when they fit next to its slices ("staged"),
+// else from global memory through L1. Staged, a block issues every load it needs at its start as asynchronous
+// copies and waits once: the kernels were bound by serial rounds of global loads (the slice, then each matrix, then
+// the epilogue's rows), with one block of a few warps per SM to hide them. The in-loop solves are staged up to
+// C = kStagedLoopMaxC where the device allows a block the shared memory (the forward's: 67 KB at C = 64, 199 KB at
+// C = 128, within the 227 KB of sm_90); the dy part (all chunks in one launch, throughput-bound with several
+// blocks per SM) up to kStagedDyMaxC. Host-side (solve_staged in the launchers).
+constexpr int kStagedLoopMaxC = 128, kStagedDyMaxC = 64;
 
 // Row stride of a staged matrix: 16-byte rows, and 4 floats of padding that spread a tile's rows over the banks.
 __host__ __device__ inline int matrix_stride(int64_t C) { return tile_rows(C) + 4; }
@@ -626,11 +627,11 @@ __device__ __forceinline__ void stage_quads(int C, float* out, Quad quad) {
 template <bool kStaged, bool kInLoop>
 constexpr int kTileRows = kStaged && kInLoop ? 1 : 4;
 
-// Threads per block of a solve kernel (in the loop or the dy part): one per tile of a slice, whole warps, at most
-// kSolveThreadsMax (more tiles take turns).
-inline int solve_threads(int64_t C, bool in_loop) {
-  const int rows = solve_staged(C) ? (in_loop ? kTileRows<true, true> : kTileRows<true, false>)
-                                   : (in_loop ? kTileRows<false, true> : kTileRows<false, false>);
+// Threads per block of a solve kernel (in the loop or the dy part; staged or not): one per tile of a slice, whole
+// warps, at most kSolveThreadsMax (more tiles take turns).
+inline int solve_threads(int64_t C, bool in_loop, bool staged) {
+  const int rows = staged ? (in_loop ? kTileRows<true, true> : kTileRows<true, false>)
+                          : (in_loop ? kTileRows<false, true> : kTileRows<false, false>);
   return std::min(kSolveThreadsMax, (tile_rows(C) / rows * kQuads + 31) / 32 * 32);
 }
 
@@ -1616,9 +1617,25 @@ int smem_attribute(Kernel kernel, size_t bytes) {
 
 // Shared memory of a solve kernel: `slices` [tile_rows(C), kSlice] float32 slices, and when staged `staged_slices`
 // more and `matrices` [tile_rows(C), matrix_stride(C)] matrices.
-inline size_t solve_smem(int64_t C, int slices, int staged_slices, int matrices) {
-  const size_t slice = static_cast<size_t>(tile_rows(C)) * kSlice, matrix = static_cast<size_t>(tile_rows(C)) * matrix_stride(C);
-  return sizeof(float) * (solve_staged(C) ? (slices + staged_slices) * slice + matrices * matrix : slices * slice);
+struct SolveSmem {
+  int slices, staged_slices, matrices;
+  size_t bytes(int64_t C, bool staged) const {
+    const size_t slice = static_cast<size_t>(tile_rows(C)) * kSlice;
+    const size_t matrix = static_cast<size_t>(tile_rows(C)) * matrix_stride(C);
+    return sizeof(float) * (staged ? (slices + staged_slices) * slice + matrices * matrix : slices * slice);
+  }
+};
+constexpr SolveSmem kFwdSolveSmem{2, 2, 2}, kBwdSolveSmem{1, 1, 1}, kDySmem{2, 0, 2};
+
+// Whether a solve kernel (`max_c`: kStagedLoopMaxC or kStagedDyMaxC) is staged at chunk size C on this device: up to
+// max_c, and its shared memory within what the device allows a block.
+inline bool solve_staged(int64_t C, int max_c, const SolveSmem& smem) {
+  if (C > max_c) return false;
+  int device = 0, limit = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
+    return false;
+  return smem.bytes(C, true) <= static_cast<size_t>(limit);
 }
 
 // Whether the kernels of a call are launched with programmatic stream serialization (chain_start): on devices of
@@ -1766,8 +1783,9 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   const bool pdl = use_pdl();
   const bool fresh = segments == nullptr && input != bank;
   const FreshArrays fa = fresh_arrays_at(dm, w_table + dm.units() * dm.C * dm.W, true);
-  const auto fwd_solve = solve_staged(dm.C) ? fwd_solve_kernel<true> : fwd_solve_kernel<false>;
-  const size_t smem = solve_smem(dm.C, 2, 2, 2);
+  const bool staged = solve_staged(dm.C, kStagedLoopMaxC, kFwdSolveSmem);
+  const auto fwd_solve = staged ? fwd_solve_kernel<true> : fwd_solve_kernel<false>;
+  const size_t smem = kFwdSolveSmem.bytes(dm.C, staged);
   int rc = 0;
   if (segments) rc = copy_whole(dm, input, bank, stream);
   if (!rc && fresh) {
@@ -1792,7 +1810,8 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
       rc = launch(pdl, gather, gather_grid, rb.threads, rb.smem, stream, dm, p1, static_cast<const T*>(bank), c,
                   rows, seg);
       if (!rc)
-        rc = launch(pdl, fwd_solve, slice_grid, dim3(solve_threads(dm.C, true)), smem, stream, dm, p1, io, c, rows);
+        rc = launch(pdl, fwd_solve, slice_grid, dim3(solve_threads(dm.C, true, staged)), smem, stream, dm, p1, io, c,
+                    rows);
       if (!rc) rc = write(c);
     }
   };
@@ -1830,10 +1849,12 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   GroupEntry* w_table = group_tables_at(dm, workspace);
   GroupEntry* r_table = w_table + dm.units() * dm.C * dm.W;
   const GroupTables tables{w_table, r_table};
-  const bool pdl = use_pdl(), staged = solve_staged(dm.C);
-  const auto bwd_dy = staged ? bwd_dy_kernel<true> : bwd_dy_kernel<false>;
+  const bool pdl = use_pdl();
+  const bool dy_staged = solve_staged(dm.C, kStagedDyMaxC, kDySmem);
+  const bool staged = solve_staged(dm.C, kStagedLoopMaxC, kBwdSolveSmem);
+  const auto bwd_dy = dy_staged ? bwd_dy_kernel<true> : bwd_dy_kernel<false>;
   const auto bwd_solve = staged ? bwd_solve_kernel<true> : bwd_solve_kernel<false>;
-  const size_t dy_smem = solve_smem(dm.C, 2, 0, 2), solve_smem_bytes = solve_smem(dm.C, 1, 1, 1);
+  const size_t dy_smem = kDySmem.bytes(dm.C, dy_staged), solve_smem_bytes = kBwdSolveSmem.bytes(dm.C, staged);
   const bool by_first = segments == nullptr;
   // A fresh gradient bank: the cotangent's rows are read until the first Phase A or read side (in the loop's
   // order, the last chunk first) that writes them.
@@ -1866,8 +1887,8 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
                             : bwd_gwr_kernel<kGVec, GT, false, false>;
   if (!rc) rc = smem_attribute(gwr, rb.smem);
   if (!rc) {
-    rc = launch(pdl, bwd_dy, dim3(dm.units(), (dm.D + kSlice - 1) / kSlice), dim3(solve_threads(dm.C, false)), dy_smem,
-                stream, dm, p1, io);
+    rc = launch(pdl, bwd_dy, dim3(dm.units(), (dm.D + kSlice - 1) / kSlice),
+                dim3(solve_threads(dm.C, false, dy_staged)), dy_smem, stream, dm, p1, io);
   }
   const dim3 group_block(kGroupWarps * 32);
   const OwnerLaunch phase_a = owner_launch(dm, 2), read_side = owner_launch(dm, 1);
@@ -1880,7 +1901,8 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
     rc = launch(pdl, gwr, row_grid, rb.threads, rb.smem, stream, dm, p1, static_cast<const GT*>(dbank), dbank_in,
                 static_cast<const int32_t*>(fa.w_tag), c, rows, sv.local);
     if (!rc)
-      rc = launch(pdl, bwd_solve, slice_grid, dim3(solve_threads(dm.C, true)), solve_smem_bytes, stream, dm, p1, io, c, rows);
+      rc = launch(pdl, bwd_solve, slice_grid, dim3(solve_threads(dm.C, true, staged)), solve_smem_bytes, stream, dm, p1,
+                  io, c, rows);
     if (segments) {  // Phase A (the stored groups, then the earlier segments' groups) and the read side
       if (!rc)
         rc = launch(pdl, bwd_phase_a_packed_kernel<VEC, T, GT>, write_grid, group_block, 0, stream, dm, p1, io, bank,

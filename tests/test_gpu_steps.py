@@ -57,7 +57,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("chunk", [16, 64])
+@pytest.mark.parametrize("chunk", [16, 64, 128])
 def test_gpu_steps_match_cpu(case, chunk):
     seed = case * 100 + chunk + int(np.random.SeedSequence().entropy % 1000) * 1000
     inputs = kernel_inputs(seed, chunk, **CASES[case])

@@ -168,7 +168,8 @@ void launch(K kernel, dim3 grid, dim3 block, size_t shmem, cudaStream_t, A... ar
 
 // cudaLaunchKernelEx with its launch attributes (programmatic dependent launch: the order of launches is all the
 // host has, so the attribute changes nothing here), and the device queries the launcher makes.
-constexpr int cudaLaunchAttributeProgrammaticStreamSerialization = 4, cudaDevAttrComputeCapabilityMajor = 75;
+constexpr int cudaLaunchAttributeProgrammaticStreamSerialization = 4, cudaDevAttrComputeCapabilityMajor = 75,
+              cudaDevAttrMaxSharedMemoryPerBlockOptin = 97;
 struct cudaLaunchAttribute {
   int id = 0;
   struct {
@@ -192,7 +193,7 @@ inline int cudaGetDevice(int* device) {
   return 0;
 }
 inline int cudaDeviceGetAttribute(int* value, int attr, int) {
-  *value = attr == cudaDevAttrComputeCapabilityMajor ? 9 : 0;
+  *value = attr == cudaDevAttrComputeCapabilityMajor ? 9 : attr == cudaDevAttrMaxSharedMemoryPerBlockOptin ? emu::kMaxDynSmem : 0;
   return 0;
 }
 

@@ -502,6 +502,9 @@ int main(int argc, char** argv) {
       {1, 3, 3, 8, 1, 1, 1, 20, false, false, 0.0, 0, 1.0},   // K = 1
       {1, 2, 1, 5, 3, 3, 3, 264, true, true, 0.1, 0, 1.5},    // several segments per lane (VEC 8), bf16
       {1, 3, 2, 12, 3, 3, 4, 16, true, false, 0.1, 4, 0.5},   // few segments: long groups across chunks
+      // 26-27, no packed sequences: 64 < C <= 128, the in-loop solves staged (the dy part not)
+      {1, 2, 2, 100, 2, 2, 60, 16, true, true, 0.05, 2},
+      {1, 2, 1, 128, 3, 2, 90, 12, false, false, 0.05, 0},
   };
   if (argc > 1 && std::string(argv[1]) == "shape") {  // shape V NC P C W R K D BANK GRAD INVALID PAD [SEED [SEGS]]
     if (argc < 14) {
