@@ -229,7 +229,8 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None):
         (`segments.virtual_slots`); `k_idx` and `q_idx` are the real ones.
 
     Returns:
-      `(final_bank, y, delta, G, snapshot)`; `y`, `delta`, `G` float32, `snapshot` in the bank's dtype. With
+      `(final_bank, y, delta, vg, snapshot)`; `y`, `delta` and `vg = v - G` (G the gathers of the write lanes, the
+      backward's only use of `v`) float32, `snapshot` in the bank's dtype. With
       `segments`, the final bank is the working bank (each row that of its stamp's segment) and two more
       results follow: the stamps `[..., P, K]` int32 (each row's segment of its last write) and, with `save`,
       the stamps' snapshot `[..., NC, P, C*W]` int32.
@@ -269,7 +270,7 @@ def _workspace(bank, k_idx, q_idx, forward):
     return jax.ShapeDtypeStruct((rows + 4 * groups + math.prod(bank.shape[:-1]) + tags,), jnp.float32)
 
 
-def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snapshot, segments=None, in_place=False):
+def backward_ffi(bank, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snapshot, segments=None, in_place=False):
     """The reverse chunk loop (docs/DESIGN.md "Backward steps").
 
     `bank` is the final bank (it comes back as the initial one, restored in place) and `dbank` the cotangent of
@@ -289,11 +290,11 @@ def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, sna
     f32, i32 = jnp.float32, jnp.int32
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
     results = (like(bank), like(dbank), like(p1.k_eff), like(p1.w), like(p1.cpe),
-               like(p1.q_w), like(p1.A), like(p1.QK), like(beta.astype(f32)), like(v.astype(f32)),
+               like(p1.q_w), like(p1.A), like(p1.QK), like(beta.astype(f32)), like(dy.astype(f32)),
                _workspace(bank, k_idx, q_idx, forward=False))
     args = (bank, dbank, dy.astype(f32), k_idx.astype(i32), q_idx.astype(i32),
-            v.astype(f32), beta.astype(f32), p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.A, p1.QK, p1.w_order,
-            p1.w_group, p1.r_order, p1.r_group, minv, delta, G, snapshot)
+            beta.astype(f32), p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.A, p1.QK, p1.w_order,
+            p1.w_group, p1.r_order, p1.r_group, minv, delta, vg, snapshot)
     if segments is None:
         aliases = {0: 0, 1: 1} if in_place else {0: 0}
         call = jax.ffi.ffi_call("sdm_backward", results, vmap_method="broadcast_all", input_output_aliases=aliases)

@@ -45,16 +45,15 @@ struct ForwardIO {
   float* y;           // [.., C, D] out
   // Residuals for the backward; all null for a no-grad forward.
   float* delta;    // [.., C, D] the write vectors
-  float* G;        // [.., C, D] the gathers sum_n k_eff S0[s]
+  float* vg;       // [.., C, D] v - G, G the gathers sum_n k_eff S0[s] (the backward's only use of v and G)
   void* snapshot;  // [.., C*W, D] bank dtype: the pre-write row of each write group
 };
 
 struct BackwardIO {
-  const float* v;         // [.., C, D]
   const float* beta;      // [.., C]
   const float* dy;        // [.., C, D]
   const float* delta;     // residuals of the forward
-  const float* G;
+  const float* vg;
   const void* snapshot;
   float* dk_eff;          // [.., C, W]
   float* dw;              // [.., C, W]

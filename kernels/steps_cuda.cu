@@ -245,7 +245,7 @@ __device__ __forceinline__ float warp_dot(const A* a, const B* b, int64_t D, int
 
 // Per-chunk scratch rows ([streams, C, D] float32 each) and where the residuals go.
 struct ChunkRows {
-  float* G;      // forward: the gathers (the G residual when saving)
+  float* G;      // forward: the gathers (when saving, the vg residual's buffer: the solve replaces them by v - G)
   float* Q0;     // forward: the read gathers
   float* delta;  // forward: the write vectors (the delta residual when saving)
   bool per_unit; // residual layout (per unit) or scratch layout (per stream)
@@ -735,7 +735,7 @@ __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64
   float* sq0 = sG + slice;
   float* smi = sq0 + slice;
   float* sqk = smi + tile_rows(C) * ms;
-  const float* G = rows.G + rows.at(dm, u, s);
+  float* G = rows.G + rows.at(dm, u, s);  // the gathers; saving, v - G replaces them (the vg residual)
   const float* v = io.v + u * C * D;
   const float* beta = io.beta + u * C;
   const float* minv = p1.minv + u * C * C;
@@ -753,7 +753,9 @@ __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64
       const float b = t < C ? beta[t] : 0.f;
       float4& x = reinterpret_cast<float4*>(su)[idx];
       const float4 g = reinterpret_cast<const float4*>(sG)[idx];
-      x = make_float4(b * (x.x - g.x), b * (x.y - g.y), b * (x.z - g.z), b * (x.w - g.w));
+      const float4 vg = make_float4(x.x - g.x, x.y - g.y, x.z - g.z, x.w - g.w);
+      if (rows.per_unit && t < C) store_quad(G + t * D, d0 + 4 * (idx % kQuads), D, vg);
+      x = make_float4(b * vg.x, b * vg.y, b * vg.z, b * vg.w);
     }
   } else {
     prefetch_matrix(minv, C);
@@ -762,7 +764,9 @@ __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64
     stage_quads(C, su, [&](int t, int q) {  // u = beta (v - G)
       const float b = beta[t];
       const float4 x = load_quad(v + t * D, d0 + 4 * q, D), g = load_quad(G + t * D, d0 + 4 * q, D);
-      return make_float4(b * (x.x - g.x), b * (x.y - g.y), b * (x.z - g.z), b * (x.w - g.w));
+      const float4 vg = make_float4(x.x - g.x, x.y - g.y, x.z - g.z, x.w - g.w);
+      if (rows.per_unit) store_quad(G + t * D, d0 + 4 * q, D, vg);
+      return make_float4(b * vg.x, b * vg.y, b * vg.z, b * vg.w);
     });
   }
   __syncthreads();
@@ -1208,7 +1212,7 @@ __global__ void __launch_bounds__(kDotsThreads) bwd_dots_kernel(StepDims dm, Ste
         sdy[r][dd] = in_i ? io.dy[ki] : 0.f;
         sdl[r][dd] = in_j ? io.delta[kj] : 0.f;
         if (diag) {
-          svg[r][dd] = in_i ? io.v[ki] - io.G[ki] : 0.f;
+          svg[r][dd] = in_i ? io.vg[ki] : 0.f;
           if (in_i) io.dv[ki] = io.beta[u * C + i0 + r] * du;
         }
       }
@@ -1777,7 +1781,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
                  float* workspace, cudaStream_t stream, const StepSegments* segments) {
   const int64_t n = dm.streams() * dm.C * dm.D;
   const bool save = io.delta != nullptr;
-  const ChunkRows rows{save ? io.G : workspace, workspace + n, save ? io.delta : workspace + 2 * n, save};
+  const ChunkRows rows{save ? io.vg : workspace, workspace + n, save ? io.delta : workspace + 2 * n, save};
   GroupEntry* w_table = group_tables_at(dm, workspace);
   const GroupTables tables{w_table, nullptr};
   const bool pdl = use_pdl();

@@ -34,13 +34,13 @@ def run_steps(device, bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank):
     bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank = map(put, (bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank))
     poison_allocator(device)
     fwd = jax.jit(lambda *a: ffi_ops.forward_ffi(*a, save=True))
-    final, y, delta, G, snap = fwd(bank, k_idx, q_idx, v, beta, p1, minv)
+    final, y, delta, vg, snap = fwd(bank, k_idx, q_idx, v, beta, p1, minv)
     no_grad = jax.jit(lambda *a: ffi_ops.forward_ffi(*a, save=False))(bank, k_idx, q_idx, v, beta, p1, minv)
     # The final bank is a buffer of its own (rows read from the initial bank until their first write): the
     # initial bank stays as it was.
     np.testing.assert_array_equal(np.asarray(bank, np.float32), np.asarray(kept, np.float32))
     poison_allocator(device)
-    bwd = jax.jit(ffi_ops.backward_ffi)(final, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snap)
+    bwd = jax.jit(ffi_ops.backward_ffi)(final, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snap)
     # and the gradient bank is a buffer of its own too: the cotangent stays as it was
     np.testing.assert_array_equal(np.asarray(dbank), np.asarray(kept_dbank))
     return (final, y, delta, G, snap), no_grad[:2], bwd
@@ -74,7 +74,7 @@ def test_gpu_steps_match_cpu(case, chunk):
     used = (group[..., 1:] > group[..., :-1])[..., None]
     gpu_fwd = gpu_fwd[:4] + (np.where(used, np.asarray(gpu_fwd[4], np.float32), 0),)
     cpu_fwd = cpu_fwd[:4] + (np.where(used, np.asarray(cpu_fwd[4], np.float32), 0),)
-    names = ["final", "y", "delta", "G", "snapshot"]
+    names = ["final", "y", "delta", "vg", "snapshot"]
     for name, a, b in zip(names, gpu_fwd, cpu_fwd):
         assert np.all(np.isfinite(np.asarray(a, np.float32))), name
         assert rel_err(a, b) < tol, (name, rel_err(a, b))

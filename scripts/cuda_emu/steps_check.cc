@@ -212,7 +212,7 @@ struct Phase1Out {
 };
 
 struct ForwardOut {
-  std::vector<float> y, delta, G;
+  std::vector<float> y, delta, vg;
   std::vector<float> bank;  // as float32 (bf16 banks widened) for the comparisons
   std::vector<float> snapshot;
   std::vector<int32_t> stamp, stamp_snapshot;  // packed sequences only
@@ -318,7 +318,7 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
     StepSegments sg;
     const StepSegments* segments = segments_of(sg, initial, o.stamp, o.stamp_snapshot, nullptr);
     const ForwardIO io{v.data(), beta.data(), o.y.data(), save ? o.delta.data() : nullptr,
-                       save ? o.G.data() : nullptr, save ? snap.data() : nullptr};
+                       save ? o.vg.data() : nullptr, save ? snap.data() : nullptr};
     if (cuda && !cpu_both) {
       std::vector<float> ws(size_t(fwd_ws_floats), kNaN);
       if (save) std::fill(bank.begin(), bank.end(), from_float<BankT>(kNaN));
@@ -353,7 +353,7 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
     BackwardOut o{std::vector<float>(cw, kNaN),  std::vector<float>(cw, kNaN),        std::vector<float>(cw, kNaN),
                   std::vector<float>(cr, kNaN),  std::vector<float>(ncc, kNaN),       std::vector<float>(ncc, kNaN),
                   std::vector<float>(size_t(N * C), kNaN), std::vector<float>(ncd, kNaN), {}};
-    const BackwardIO io{v.data(), beta.data(), dy.data(), res.delta.data(), res.G.data(), snap_cpu.data(),
+    const BackwardIO io{beta.data(), dy.data(), res.delta.data(), res.vg.data(), snap_cpu.data(),
                         o.dk_eff.data(), o.dw.data(), o.dcpe.data(), o.dq_w.data(), o.dA.data(), o.dQK.data(),
                         o.dbeta.data(), o.dv.data()};
     if (cuda && !cpu_both) {
@@ -406,7 +406,7 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
   if (fg_ran) {
     fails += compare("y", fg.y, fc.y, bf, verbose);
     fails += compare("delta", fg.delta, fc.delta, bf, verbose);
-    fails += compare("G", fg.G, fc.G, bf, verbose);
+    fails += compare("vg", fg.vg, fc.vg, bf, verbose);
     fails += compare("snapshot", fg.snapshot, fc.snapshot, bf, verbose);
     fails += compare("bank", fg.bank, fc.bank, bf, verbose);
     fails += compare_ints("stamp", fg.stamp, fc.stamp, verbose && packed);
