@@ -180,7 +180,10 @@ SDM_BACKWARD_PARAMS, BackwardCall* call) {
   SDM_RETURN_IF_ERROR(CheckForwardResults(op, dm, bank, bank, dy, delta, vg, snapshot, &save));
   if (!save) return ffi::Error::InvalidArgument(std::string(op) + ": the forward residuals are empty");
   const int64_t V = dm.V, NC = dm.NC, P = dm.P, C = dm.C, W = dm.W, R = dm.R;
-  SDM_RETURN_IF_ERROR(CheckShape(op, "dbank", dbank, V, {P, dm.K, dm.D}));
+  // A zero cotangent comes as [..., P, 0, D]: no buffer, its rows read as zeros.
+  const bool zero_cotangent = dbank.dimensions().size() >= 2 && dbank.dimensions()[dbank.dimensions().size() - 2] == 0 &&
+                              dm.K > 0;
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dbank", dbank, V, {P, zero_cotangent ? 0 : dm.K, dm.D}));
   if (dbank.element_type() != ffi::DataType::F32 && dbank.element_type() != bank.element_type())
     return ffi::Error::InvalidArgument(std::string(op) + ": dbank must be float32 or have the bank's dtype");
   if (dbank_out->element_type() != dbank.element_type())
@@ -210,9 +213,9 @@ SDM_BACKWARD_PARAMS, BackwardCall* call) {
   call->bank = bank_out->untyped_data();
   call->bank_bytes = bank.size_bytes();
   call->grad_type = dbank.element_type();
-  call->dbank_in = dbank.untyped_data();
+  call->dbank_in = zero_cotangent ? nullptr : dbank.untyped_data();
   call->dbank = dbank_out->untyped_data();
-  call->dbank_bytes = dbank.size_bytes();
+  call->dbank_bytes = dbank_out->size_bytes();
   call->workspace = workspace->typed_data();
   return ffi::Error::Success();
 }

@@ -262,21 +262,24 @@ def _workspace(bank, k_idx, q_idx, forward):
     """The steps' scratch (kernels/steps.h `forward_workspace_floats` / `backward_workspace_floats`), float32: per
     problem (leading dims of the bank `[..., P, K, D]`) `3 * P * C * D` floats rounded up to a multiple of 4, then 4
     per slot group (the write groups, `k_idx.size`; the backward's read groups too, `q_idx.size`), then one per bank
-    row (each slot's first writing step) and one per gather lane (the write lanes, and the forward's read lanes)."""
+    row (each slot's first writing step) and one per gather lane (the write lanes, and the forward's read lanes);
+    the backward's row of zeros last."""
     P, D, C = bank.shape[-3], bank.shape[-1], k_idx.shape[-2]
     rows = math.prod(bank.shape[:-3]) * ((3 * P * C * D + 3) // 4 * 4)
     groups = k_idx.size + (0 if forward else q_idx.size)
     tags = k_idx.size + (q_idx.size if forward else 0)
-    return jax.ShapeDtypeStruct((rows + 4 * groups + math.prod(bank.shape[:-1]) + tags,), jnp.float32)
+    zero_row = 0 if forward else (D + 3) // 4 * 4 + 4  # the backward's row of zeros, 16-byte aligned
+    return jax.ShapeDtypeStruct((rows + 4 * groups + math.prod(bank.shape[:-1]) + tags + zero_row,), jnp.float32)
 
 
-def backward_ffi(bank, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snapshot, segments=None, in_place=False):
+def backward_ffi(bank, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snapshot, segments=None):
     """The reverse chunk loop (docs/DESIGN.md "Backward steps").
 
     `bank` is the final bank (it comes back as the initial one, restored in place) and `dbank` the cotangent of
-    the final bank. The gradient of the initial bank comes back in `dbank`'s buffer (aliased) with `in_place` or
-    `segments`; else in a buffer of its own, and `dbank` is left as it is (the CUDA kernels read each row of it
-    until its first write: no whole-bank copy of a `dbank` the caller keeps). `dbank`'s dtype is the working
+    the final bank, or for a zero cotangent an empty `[..., P, 0, D]` array (no bank-sized buffer of zeros). The
+    gradient of the initial bank comes back in `dbank`'s buffer (aliased) with `segments`; else in a buffer of its
+    own, and `dbank` is left as it is (the CUDA kernels read each row of it until its first write: no whole-bank
+    copy of a `dbank` the caller keeps). `dbank`'s dtype is the working
     gradient bank's: float32, or the bank's bfloat16 (float32 inside each step, rounded once per written row).
 
     `segments`: None, or for packed sequences `(initial, local, seg0, stamp, stamp_snapshot, dinitial)`: those
@@ -289,15 +292,14 @@ def backward_ffi(bank, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snaps
     """
     f32, i32 = jnp.float32, jnp.int32
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
-    results = (like(bank), like(dbank), like(p1.k_eff), like(p1.w), like(p1.cpe),
+    results = (like(bank), jax.ShapeDtypeStruct(bank.shape, dbank.dtype), like(p1.k_eff), like(p1.w), like(p1.cpe),
                like(p1.q_w), like(p1.A), like(p1.QK), like(beta.astype(f32)), like(dy.astype(f32)),
                _workspace(bank, k_idx, q_idx, forward=False))
     args = (bank, dbank, dy.astype(f32), k_idx.astype(i32), q_idx.astype(i32),
             beta.astype(f32), p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.A, p1.QK, p1.w_order,
             p1.w_group, p1.r_order, p1.r_group, minv, delta, vg, snapshot)
     if segments is None:
-        aliases = {0: 0, 1: 1} if in_place else {0: 0}
-        call = jax.ffi.ffi_call("sdm_backward", results, vmap_method="broadcast_all", input_output_aliases=aliases)
+        call = jax.ffi.ffi_call("sdm_backward", results, vmap_method="broadcast_all", input_output_aliases={0: 0})
         return call(*args)[:10]
     initial, local, seg0, stamp, stamp_snapshot, dinitial = segments
     n = len(args)  # the stamps and dinitial are updated in place, like the bank and dbank

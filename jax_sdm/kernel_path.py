@@ -49,18 +49,16 @@ def _sdm_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_s
     return (y, final, p1.repeats), (banks, (p1, minv, delta, vg, snapshot) + stamp_snapshot)
 
 
-def _sdm_kernels_bwd(num_slots, inputs, final, residuals, dy, dfinal, dfinal_zero=False):
+def _sdm_kernels_bwd(num_slots, inputs, final, residuals, dy, dfinal):
     """The kernels' backward: gradients `(dbank, dk_val, dx, dv, dbeta, dq_val)` of `_sdm_kernels_fwd`'s inputs
     (`inputs`, in its order; the bank may be None without packed sequences: the backward restores it from the
-    final bank) from its final bank, `residuals` and the cotangents. `dfinal_zero`: `dfinal` is zeros made for the
-    call (a loss of the readings only), so the gradient bank may be updated in it; otherwise it gets a buffer of its
-    own and `dfinal` is left as it is (no copy of it either way)."""
+    final bank) from its final bank, `residuals` and the cotangents; `dfinal` `[P, 0, D]` without packed sequences
+    is a zero cotangent (`ffi_ops.backward_ffi`)."""
     bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed = inputs
     banks, (p1, minv, delta, vg, snapshot, *stamp_snapshot) = residuals
     steps = (dy, k_idx, q_idx, beta, p1, minv, delta, vg, snapshot)
     if packed is None:
-        _, dbank, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv = ffi_ops.backward_ffi(final, dfinal, *steps,
-                                                                                    in_place=dfinal_zero)
+        _, dbank, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv = ffi_ops.backward_ffi(final, dfinal, *steps)
     else:
         (work, stamp), (stamp_snapshot,), (seg0, local, last) = banks, stamp_snapshot, packed
         # The final bank's rows of the last segment are the working bank's, the others the initial bank's.
@@ -217,8 +215,8 @@ def _saved_bank_count(packed):
 
 def _local_backward(static, final, dfinal, dy, *rest):
     """One shard's backward (`_sdm_kernels_bwd`): `rest` is the kept inputs (`_kept_axes`) and the saved
-    residuals; `static` is `(num_slots, packed, dfinal_zero)`."""
-    num_slots, packed, dfinal_zero = static
+    residuals; `static` is `(num_slots, packed)`."""
+    num_slots, packed = static
     H = final.shape[1]
     kept_axes = _kept_axes(packed)
     kept = [merge(a, at) for a, at in zip(rest, kept_axes)]
@@ -236,7 +234,7 @@ def _local_backward(static, final, dfinal, dy, *rest):
     if not packed:
         inputs = (None,) + inputs[1:]
     grads = _sdm_kernels_bwd(num_slots, inputs, merge(final, BANK), residuals, merge(dy, UNITS),
-                             merge(dfinal, BANK), dfinal_zero)
+                             merge(dfinal, BANK))
     dbank, *dtokens = grads
     return (split(dbank, BANK, H),) + tuple(split(g, UNITS, H) for g in dtokens)
 
@@ -284,16 +282,18 @@ def _stream_kernels_bwd(num_slots, grad_dtype, residuals, cotangents):
     final, kept, saved = residuals
     packed = len(kept) > 6  # `_kept`: 6 per-token inputs; with packed sequences also the bank and their 3 arrays
     dy, dfinal, _ = cotangents
-    # A loss of the readings only gives the final bank a symbolic zero cotangent: the zeros made here are the
-    # backward's to update in place; a cotangent that came from the caller is left as it is.
-    dfinal_zero = isinstance(dfinal, SymbolicZero)
-    materialize = lambda c, dtype: jnp.zeros(c.shape, dtype) if isinstance(c, SymbolicZero) else c.astype(dtype)
-    args = (final, materialize(dfinal, grad_dtype), materialize(dy, jnp.float32)) + kept + saved
+    # A loss of the readings only gives the final bank a symbolic zero cotangent: without packed sequences it goes
+    # to the kernels as an empty [B, H, 0, D] array (no bank-sized buffer of zeros; the backward reads zero rows).
+    if isinstance(dfinal, SymbolicZero):
+        shape = dfinal.shape if packed else dfinal.shape[:-2] + (0, dfinal.shape[-1])
+        dfinal = jnp.zeros(shape, grad_dtype)
+    dy = jnp.zeros(dy.shape, dy.dtype) if isinstance(dy, SymbolicZero) else dy
+    args = (final, dfinal.astype(grad_dtype), dy.astype(jnp.float32)) + kept + saved
     n_banks = _saved_bank_count(packed)
     in_axes = ((BANK, BANK, UNITS) + _kept_axes(packed) + (BANK,) * n_banks
                + (UNITS,) * (len(saved) - n_banks))
     dbank, dk_val, dx, dv, dbeta, dq_val = _kernels_per_stream(
-        _local_backward, (num_slots, packed, dfinal_zero), args, in_axes, (BANK,) + (UNITS,) * 5)
+        _local_backward, (num_slots, packed), args, in_axes, (BANK,) + (UNITS,) * 5)
     dbank, dk_val, dx, dv, dbeta, dq_val = (to_varying(d, varying_axes(final))
                                             for d in (dbank, dk_val, dx, dv, dbeta, dq_val))
     return dbank.astype(final.dtype), None, dk_val, dx, dv, dbeta, None, dq_val, None

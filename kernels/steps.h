@@ -102,7 +102,7 @@ void backward_cpu(const StepDims& dims, const StepPhase1& p1, const BackwardIO& 
 // rows [streams, C, D] of float32 (step_rows_floats: per problem of the V, rounded up to 16 bytes), then a table of
 // 16-byte entries, one per slot group (C * W write groups per unit; the backward's also C * R read groups), then
 // each slot's first writing step ([streams, K] uint32) and the row tags of the gather lanes ([units, C, W] int32, and
-// the forward's also [units, C, R]; see "fresh result" below). BankT is float or __nv_bfloat16 (passed as sdm::bf16,
+// the forward's also [units, C, R]; see "fresh result" below), and the backward's row of D zeros (16-byte aligned). BankT is float or __nv_bfloat16 (passed as sdm::bf16,
 // same layout). Returns the first cudaError_t met, 0 on success.
 inline int64_t step_rows_floats(const StepDims& dims) { return dims.V * ((3 * dims.P * dims.C * dims.D + 3) / 4 * 4); }
 inline int64_t forward_workspace_floats(const StepDims& dims) {
@@ -111,7 +111,7 @@ inline int64_t forward_workspace_floats(const StepDims& dims) {
 }
 inline int64_t backward_workspace_floats(const StepDims& dims) {
   return step_rows_floats(dims) + 4 * dims.units() * dims.C * (dims.W + dims.R) + dims.streams() * dims.K +
-         dims.units() * dims.C * dims.W;
+         dims.units() * dims.C * dims.W + (dims.D + 3) / 4 * 4 + 4;
 }
 // With `segments` (packed sequences, null without) the loops follow forward_cpu / backward_cpu's semantics; the
 // stamps are zeroed by the forward (cudaMemsetAsync) and restored to zero by the backward.
@@ -119,7 +119,7 @@ inline int64_t backward_workspace_floats(const StepDims& dims) {
 // bank's cotangent) and `dbank` (the initial bank's gradient) of the backward may be one buffer (updated in place)
 // or two. Given two, the loops without packed sequences copy no whole bank: a row is read from the input until the
 // first step that writes it (into the result), and the rows no step writes are copied once. With packed sequences
-// the input is first copied into the result. The backward's `bank` goes from the final bank back to the initial
+// the input is first copied into the result. A null `dbank_in` is a zero cotangent: its rows read as zeros. The backward's `bank` goes from the final bank back to the initial
 // one in place.
 template <typename BankT>
 int forward_cuda(const StepDims& dims, const StepPhase1& p1, const ForwardIO& io, const BankT* bank_in, BankT* bank,

@@ -434,19 +434,21 @@ struct FreshView {
   const int32_t* r_tag;  // [units, C, R]
 };
 
-// A gather's rows by row tag (lane_tags_kernel): the result's or the input's row of the slot.
+// A gather's rows by row tag (lane_tags_kernel): the result's or the input's row of the slot. A null input is all
+// zeros (the backward's zero cotangent): its rows add nothing and are skipped.
 template <typename T>
 struct FreshRows {
   const T* result;
   const T* input;
   int64_t D;
-  __device__ __forceinline__ bool has(int32_t tag) const { return tag != -1; }
+  __device__ __forceinline__ bool has(int32_t tag) const { return tag >= 0 || (tag != -1 && input != nullptr); }
   __device__ __forceinline__ const T* operator()(int32_t tag) const {
     return tag >= 0 ? result + tag * D : input + (-2 - tag) * D;
   }
 };
 
-// The rows no step writes, from the input into the result (VEC columns per thread; D a multiple of VEC).
+// The rows no step writes, from the input into the result, or zeros for a null input (VEC columns per thread; D a
+// multiple of VEC).
 template <int VEC, typename T>
 __global__ void copy_untouched_kernel(StepDims dm, const uint32_t* __restrict__ first, const T* __restrict__ input,
                                       T* __restrict__ result) {
@@ -457,6 +459,11 @@ __global__ void copy_untouched_kernel(StepDims dm, const uint32_t* __restrict__ 
     const int64_t row = k / per_row;
     if (first[row] != kUntouched) continue;
     const int64_t at = row * dm.D + (k % per_row) * VEC;
+    if (input == nullptr) {
+      const float zeros[VEC] = {};
+      store_cols<VEC>(result + at, zeros);
+      continue;
+    }
     Cols<VEC, T> x;
     x.load(input + at);
     x.store(result + at);
@@ -1117,7 +1124,8 @@ __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) bwd_gwr_kerne
   const int64_t at = (u * dm.C + t) * dm.W;
   float* out = rows.gwr + (s * dm.C + t) * dm.D;
   if constexpr (kFresh) {
-    gather_row<VEC, GT>(FreshRows<GT>{dbank + s * dm.K * dm.D, dbank_in + s * dm.K * dm.D, dm.D}, w_tag + at,
+    const GT* input = dbank_in ? dbank_in + s * dm.K * dm.D : nullptr;  // null: a zero cotangent
+    gather_row<VEC, GT>(FreshRows<GT>{dbank + s * dm.K * dm.D, input, dm.D}, w_tag + at,
                         p1.w + at, lanes, dm.D, out, partial);
   } else {
     gather_row<VEC, GT>(BankRows<GT>{dbank + s * dm.K * dm.D, dm.K, dm.D}, p1.k_idx + at, p1.w + at, lanes, dm.D,
@@ -1277,10 +1285,19 @@ __device__ __forceinline__ void phase_a_dots(const GT* drow, const T* s0, const 
   }
 }
 
+// Where a group kernel of the backward reads its gradient row (at `offset` of a bank): the result's, or until a fresh
+// result's first write the cotangent's, a row of zeros for a zero cotangent (null `input`).
+template <typename GT>
+__device__ __forceinline__ const GT* fresh_source(const Group& gr, const GT* input, const GT* result,
+                                                  const GT* zero_row, int64_t offset) {
+  if (!gr.from_input) return result + offset;
+  return input ? input + offset : zero_row;
+}
+
 template <int VEC, typename T, typename GT>
 __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T* __restrict__ bank, GT* __restrict__ dbank,
-                       const GT* dbank_in, int64_t c, BackRows rows, GroupTables tables) {
+                       const GT* dbank_in, const GT* zero_row, int64_t c, BackRows rows, GroupTables tables) {
   chain_start();
   extern __shared__ __align__(16) float staged[];
   const int64_t C = dm.C, W = dm.W, D = dm.D, K = dm.K, s = blockIdx.x, u = unit_of(dm, s, c);
@@ -1292,7 +1309,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
     const int32_t* order = p1.w_order + u * C * W;
     GT* drow = dbank + (s * K + slot) * D;  // dS1 is read at dsrc (the input's row until a fresh result's first write)
-    const GT* dsrc = (gr.from_input ? dbank_in : dbank) + (s * K + slot) * D;
+    const GT* dsrc = fresh_source(gr, dbank_in, dbank, zero_row, (s * K + slot) * D);
     const T* s0 = static_cast<const T*>(io.snapshot) + (u * C * W + gr.g) * D;
     const int64_t e0 = u * C * W + gr.first;
     const float cpe = p1.cpe[e0];
@@ -1363,7 +1380,8 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
 template <int VEC, typename T, typename GT>
 __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     bwd_read_side_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const T* __restrict__ bank,
-                         GT* __restrict__ dbank, const GT* dbank_in, int64_t c, GroupTables tables) {
+                         GT* __restrict__ dbank, const GT* dbank_in, const GT* zero_row, int64_t c,
+                         GroupTables tables) {
   chain_start();
   extern __shared__ __align__(16) float staged[];
   const int64_t C = dm.C, R = dm.R, D = dm.D, K = dm.K, s = blockIdx.x, u = unit_of(dm, s, c);
@@ -1374,7 +1392,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
     const int32_t* order = p1.r_order + u * C * R;
     GT* drow = dbank + (s * K + slot) * D;  // read at dsrc, as in Phase A
-    const GT* dsrc = (gr.from_input ? dbank_in : dbank) + (s * K + slot) * D;
+    const GT* dsrc = fresh_source(gr, dbank_in, dbank, zero_row, (s * K + slot) * D);
     const T* row = bank + (s * K + slot) * D;
     const float* q_w = p1.q_w + u * C * R;
     if (hi - lo > kInlineEntries) {
@@ -1714,11 +1732,15 @@ struct FreshArrays {
   uint32_t* first;
   int32_t* w_tag;
   int32_t* r_tag;
+  float* zero_row;  // the backward's: a row of zeros (16-byte aligned), read for a zero cotangent's rows
 };
-inline FreshArrays fresh_arrays_at(const StepDims& dm, GroupEntry* after_tables, bool read_tags) {
+inline FreshArrays fresh_arrays_at(const StepDims& dm, GroupEntry* after_tables, bool forward) {
   uint32_t* first = reinterpret_cast<uint32_t*>(after_tables);
   int32_t* w_tag = reinterpret_cast<int32_t*>(first + dm.streams() * dm.K);
-  return FreshArrays{first, w_tag, read_tags ? w_tag + dm.units() * dm.C * dm.W : nullptr};
+  int32_t* end = w_tag + dm.units() * dm.C * dm.W;
+  if (forward) return FreshArrays{first, w_tag, end, nullptr};
+  const uintptr_t at = (reinterpret_cast<uintptr_t>(end) + 15) / 16 * 16;
+  return FreshArrays{first, w_tag, nullptr, reinterpret_cast<float*>(at)};
 }
 
 // One map's part in a fresh result (prepare_fresh): its ids, the step of its lanes, whether its kernel writes the
@@ -1756,12 +1778,14 @@ int prepare_fresh(bool pdl, const StepDims& dm, const TouchMap (&maps)[2], uint3
   return rc;
 }
 
-// The whole input into the result when they are two buffers (packed sequences update the result in place).
+// The whole input into the result when they are two buffers (packed sequences update the result in place); zeros
+// for a null input.
 template <typename T>
 int copy_whole(const StepDims& dm, const T* input, T* result, cudaStream_t stream) {
+  const size_t bytes = dm.streams() * dm.K * dm.D * sizeof(T);
   if (input == result) return 0;
-  return static_cast<int>(cudaMemcpyAsync(result, input, dm.streams() * dm.K * dm.D * sizeof(T),
-                                          cudaMemcpyDeviceToDevice, stream));
+  if (input == nullptr) return static_cast<int>(cudaMemsetAsync(result, 0, bytes, stream));  // a zero cotangent
+  return static_cast<int>(cudaMemcpyAsync(result, input, bytes, cudaMemcpyDeviceToDevice, stream));
 }
 
 // Launch shape of the unpacked group kernels (for_owned_groups): one block of kOwnerWarps warps per (stream, token),
@@ -1864,8 +1888,11 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   // order, the last chunk first) that writes them.
   const bool fresh = segments == nullptr && dbank_in != dbank;
   const FreshArrays fa = fresh_arrays_at(dm, r_table + dm.units() * dm.C * dm.R, false);
+  const GT* zero_row = reinterpret_cast<const GT*>(fa.zero_row);
   int rc = 0;
   if (segments) rc = copy_whole(dm, dbank_in, dbank, stream);
+  if (!rc && fresh && dbank_in == nullptr)
+    rc = static_cast<int>(cudaMemsetAsync(fa.zero_row, 0, dm.D * sizeof(GT), stream));
   if (!rc && fresh) {
     const TouchMap maps[2] = {{p1.k_idx, dm.W, kPhaseAStep, true, fa.w_tag},
                               {p1.q_idx, dm.R, kReadSideStep, true, nullptr}};
@@ -1921,10 +1948,10 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
     }
     if (!rc)
       rc = launch(pdl, bwd_phase_a_kernel<VEC, T, GT>, phase_a.grid, phase_a.block, phase_a.smem, stream, dm, p1, io,
-                  bank, dbank, dbank_in, c, rows, tables);
+                  bank, dbank, dbank_in, zero_row, c, rows, tables);
     if (!rc)
       rc = launch(pdl, bwd_read_side_kernel<VEC, T, GT>, read_side.grid, read_side.block, read_side.smem, stream, dm,
-                  p1, io, static_cast<const T*>(bank), dbank, dbank_in, c, tables);
+                  p1, io, static_cast<const T*>(bank), dbank, dbank_in, zero_row, c, tables);
   }
   if (!rc) {
     rc = launch(pdl, bwd_dots_kernel, dim3(dm.units(), (dm.C + kDotsTile - 1) / kDotsTile), dim3(kDotsThreads), 0,

@@ -107,14 +107,17 @@ def test_grad_makes_no_copy_of_the_bank_or_its_cotangent():
     want = jax.grad(functools.partial(loss, "reference"), argnums=(0, 1))(args["bank"], args["v"], dy, dbank)
     for g, w in zip(got, want):
         assert rel_err(g, w) < 1e-5, rel_err(g, w)
-    # A loss of the readings only: the final bank's cotangent is zeros made once (one fusion), which the backward
-    # updates in place rather than taking a second bank-sized buffer.
+    # A loss of the readings only: the final bank's cotangent is a symbolic zero, which the backward reads as zero
+    # rows: no bank-sized buffer of zeros is made (nor copied), and the gradients still match.
     grad = jax.jit(jax.grad(lambda bank, v, dy: loss("ffi", bank, v, dy, None), argnums=(0, 1)))
     hlo = grad.lower(args["bank"], args["v"], dy).compile().as_text()
     ops = entry_ops_of_shape(hlo, (B, H, K, D)) + entry_ops_of_shape(hlo, (B * H, K, D))
-    assert sorted(op for op in ops if op not in {"parameter", "bitcast", "get-tuple-element"}) == ["fusion"], ops
-    (backward,) = [line for line in hlo.splitlines() if "sdm_backward" in line and "custom-call(" in line]
-    assert "{1}: (1, {})" in backward  # the gradient bank aliases the zeros
+    assert set(ops) <= {"parameter", "bitcast", "get-tuple-element"}, ops
+    got = grad(args["bank"], args["v"], dy)
+    reference = jax.grad(lambda bank, v, dy: loss("reference", bank, v, dy, None), argnums=(0, 1))
+    want = reference(args["bank"], args["v"], dy)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-5, rel_err(g, w)
 
 
 def _digest(*trees):

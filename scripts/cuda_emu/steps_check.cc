@@ -337,10 +337,12 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
     o.initial_kept = same_bits(initial, bank0);
     return o;
   };
-  // One backward on the CPU forward's working bank, stamps and residuals (res).
-  auto backward = [&](bool cuda, const ForwardOut& res, int* rc) {
+  // One backward on the CPU forward's working bank, stamps and residuals (res); zero_cotangent: the final bank's
+  // cotangent is zero (the CUDA loops get no buffer for it, the CPU loops zeros).
+  auto backward = [&](bool cuda, const ForwardOut& res, int* rc, bool zero_cotangent = false) {
     std::vector<BankT> bank = final_cpu, initial = bank0;
     std::vector<GradT> dbank = dbank0, dinitial(packed ? dbank0.size() : 0, from_float<GradT>(0.f));
+    if (zero_cotangent) std::fill(dbank.begin(), dbank.end(), from_float<GradT>(0.f));
     std::vector<int32_t> stamp = res.stamp, stamp_snapshot = res.stamp_snapshot;
     // kernel_path.py: the final bank's rows of the stream's last segment are the working bank's, the others the
     // initial bank's; the cotangent goes to the one the row came from.
@@ -362,9 +364,9 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
       std::vector<float> ws(size_t(bwd_ws_floats), kNaN);
       const std::vector<GradT> cotangent = dbank;
       if (!packed) std::fill(dbank.begin(), dbank.end(), from_float<GradT>(kNaN));
-      *rc = backward_cuda<BankT, GradT>(dm, p1, io, bank.data(), packed ? dbank.data() : cotangent.data(),
-                                        dbank.data(), ws.data(), nullptr, segments);
-      if (!same_bits(cotangent, dbank0) && !packed) {
+      const GradT* in = packed ? dbank.data() : zero_cotangent ? nullptr : cotangent.data();
+      *rc = backward_cuda<BankT, GradT>(dm, p1, io, bank.data(), in, dbank.data(), ws.data(), nullptr, segments);
+      if (!packed && !zero_cotangent && !same_bits(cotangent, dbank0)) {
         std::printf("  FAIL backward_cuda changed the cotangent\n");
         *rc = -1;
       }
@@ -443,6 +445,18 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
     fails += compare("dbank", bg.dbank, bc.dbank, gbf, verbose);
     if (packed) fails += compare("dinitial", bg.dinitial, bc.dinitial, gbf, verbose);
     restored("backward_cuda", bg);
+  }
+  if (!packed) {  // a zero cotangent: no buffer on the CUDA side
+    if (verbose) std::printf("  backward (zero cotangent)\n");
+    const BackwardOut bc0 = backward(false, fc, &rc, true), bg0 = backward(true, fc, &rc, true);
+    if (ran("backward_cuda (zero cotangent)")) {
+      const bool gbf = sizeof(GradT) == 2;
+      fails += compare("dk_eff (zero cotangent)", bg0.dk_eff, bc0.dk_eff, gbf, verbose);
+      fails += compare("dw (zero cotangent)", bg0.dw, bc0.dw, gbf, verbose);
+      fails += compare("dcpe (zero cotangent)", bg0.dcpe, bc0.dcpe, gbf, verbose);
+      fails += compare("dbank (zero cotangent)", bg0.dbank, bc0.dbank, gbf, verbose);
+      restored("backward_cuda (zero cotangent)", bg0);
+    }
   }
   std::printf("%s V%lld NC%lld P%lld C%lld W%lld R%lld K%lld D%lld bank=%s grad=%s invalid=%.2f pad=%d "
               "longest_group=%d seed=%u",
