@@ -181,8 +181,8 @@ SDM_BACKWARD_PARAMS, BackwardCall* call) {
   if (!save) return ffi::Error::InvalidArgument(std::string(op) + ": the forward residuals are empty");
   const int64_t V = dm.V, NC = dm.NC, P = dm.P, C = dm.C, W = dm.W, R = dm.R;
   // A zero cotangent comes as [..., P, 0, D]: no buffer, its rows read as zeros.
-  const bool zero_cotangent = dbank.dimensions().size() >= 2 && dbank.dimensions()[dbank.dimensions().size() - 2] == 0 &&
-                              dm.K > 0;
+  const auto dbank_dims = dbank.dimensions();
+  const bool zero_cotangent = dbank_dims.size() >= 2 && dbank_dims[dbank_dims.size() - 2] == 0 && dm.K > 0;
   SDM_RETURN_IF_ERROR(CheckShape(op, "dbank", dbank, V, {P, zero_cotangent ? 0 : dm.K, dm.D}));
   if (dbank.element_type() != ffi::DataType::F32 && dbank.element_type() != bank.element_type())
     return ffi::Error::InvalidArgument(std::string(op) + ": dbank must be float32 or have the bank's dtype");

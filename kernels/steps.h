@@ -119,8 +119,8 @@ inline int64_t backward_workspace_floats(const StepDims& dims) {
 // bank's cotangent) and `dbank` (the initial bank's gradient) of the backward may be one buffer (updated in place)
 // or two. Given two, the loops without packed sequences copy no whole bank: a row is read from the input until the
 // first step that writes it (into the result), and the rows no step writes are copied once. With packed sequences
-// the input is first copied into the result. A null `dbank_in` is a zero cotangent: its rows read as zeros. The backward's `bank` goes from the final bank back to the initial
-// one in place.
+// the input is first copied into the result. A null `dbank_in` is a zero cotangent: its rows read as zeros. The
+// backward's `bank` goes from the final bank back to the initial one in place.
 template <typename BankT>
 int forward_cuda(const StepDims& dims, const StepPhase1& p1, const ForwardIO& io, const BankT* bank_in, BankT* bank,
                  float* workspace, CUstream_st* stream, const StepSegments* segments = nullptr);

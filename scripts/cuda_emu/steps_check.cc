@@ -427,36 +427,29 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
       ++fails;
     }
   }
+  // The backward reads the CPU forward's bank and residuals: a bfloat16 step can come from the gradient bank only.
+  const bool gbf = sizeof(GradT) == 2;
+  auto compare_backward = [&](const BackwardOut& bg, const BackwardOut& bc, const std::string& what) {
+    fails += compare(("dk_eff" + what).c_str(), bg.dk_eff, bc.dk_eff, gbf, verbose);
+    fails += compare(("dw" + what).c_str(), bg.dw, bc.dw, gbf, verbose);
+    fails += compare(("dcpe" + what).c_str(), bg.dcpe, bc.dcpe, gbf, verbose);
+    fails += compare(("dq_w" + what).c_str(), bg.dq_w, bc.dq_w, gbf, verbose);
+    fails += compare(("dA" + what).c_str(), bg.dA, bc.dA, gbf, verbose);
+    fails += compare(("dQK" + what).c_str(), bg.dQK, bc.dQK, false, verbose);
+    fails += compare(("dbeta" + what).c_str(), bg.dbeta, bc.dbeta, gbf, verbose);
+    fails += compare(("dv" + what).c_str(), bg.dv, bc.dv, gbf, verbose);
+    fails += compare(("dbank" + what).c_str(), bg.dbank, bc.dbank, gbf, verbose);
+    if (packed) fails += compare(("dinitial" + what).c_str(), bg.dinitial, bc.dinitial, gbf, verbose);
+    restored(("backward_cuda" + what).c_str(), bg);
+  };
   if (verbose) std::printf("  backward (on the CPU forward's residuals)\n");
   const BackwardOut bc = backward(false, fc, &rc), bg = backward(true, fc, &rc);
   restored("backward_cpu", bc);
-  if (ran("backward_cuda")) {
-    // The backward reads the CPU forward's bank and residuals: a bfloat16 step can come from the gradient bank
-    // only.
-    const bool gbf = sizeof(GradT) == 2;
-    fails += compare("dk_eff", bg.dk_eff, bc.dk_eff, gbf, verbose);
-    fails += compare("dw", bg.dw, bc.dw, gbf, verbose);
-    fails += compare("dcpe", bg.dcpe, bc.dcpe, gbf, verbose);
-    fails += compare("dq_w", bg.dq_w, bc.dq_w, gbf, verbose);
-    fails += compare("dA", bg.dA, bc.dA, gbf, verbose);
-    fails += compare("dQK", bg.dQK, bc.dQK, false, verbose);
-    fails += compare("dbeta", bg.dbeta, bc.dbeta, gbf, verbose);
-    fails += compare("dv", bg.dv, bc.dv, gbf, verbose);
-    fails += compare("dbank", bg.dbank, bc.dbank, gbf, verbose);
-    if (packed) fails += compare("dinitial", bg.dinitial, bc.dinitial, gbf, verbose);
-    restored("backward_cuda", bg);
-  }
+  if (ran("backward_cuda")) compare_backward(bg, bc, "");
   if (!packed) {  // a zero cotangent: no buffer on the CUDA side
     if (verbose) std::printf("  backward (zero cotangent)\n");
     const BackwardOut bc0 = backward(false, fc, &rc, true), bg0 = backward(true, fc, &rc, true);
-    if (ran("backward_cuda (zero cotangent)")) {
-      const bool gbf = sizeof(GradT) == 2;
-      fails += compare("dk_eff (zero cotangent)", bg0.dk_eff, bc0.dk_eff, gbf, verbose);
-      fails += compare("dw (zero cotangent)", bg0.dw, bc0.dw, gbf, verbose);
-      fails += compare("dcpe (zero cotangent)", bg0.dcpe, bc0.dcpe, gbf, verbose);
-      fails += compare("dbank (zero cotangent)", bg0.dbank, bc0.dbank, gbf, verbose);
-      restored("backward_cuda (zero cotangent)", bg0);
-    }
+    if (ran("backward_cuda (zero cotangent)")) compare_backward(bg0, bc0, " (zero cotangent)");
   }
   std::printf("%s V%lld NC%lld P%lld C%lld W%lld R%lld K%lld D%lld bank=%s grad=%s invalid=%.2f pad=%d "
               "longest_group=%d seed=%u",
