@@ -43,7 +43,7 @@ def run_steps(device, bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank):
     bwd = jax.jit(ffi_ops.backward_ffi)(final, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snap)
     # and the gradient bank is a buffer of its own too: the cotangent stays as it was
     np.testing.assert_array_equal(np.asarray(dbank), np.asarray(kept_dbank))
-    return (final, y, delta, G, snap), no_grad[:2], bwd
+    return (final, y, delta, vg, snap), no_grad[:2], bwd
 
 
 CASES = [
