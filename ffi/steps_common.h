@@ -34,11 +34,12 @@ inline ffi::Error StepDimsOf(const char* op, const ffi::AnyBuffer& bank, const S
   return ffi::Error::Success();
 }
 
-// The workspace holds step_workspace_floats(dm) floats (any shape: vmap adds a leading dim).
-inline ffi::Error CheckWorkspace(const char* op, const ffi::Buffer<ffi::F32>& ws, const sdm::StepDims& dm) {
-  if (static_cast<int64_t>(ws.element_count()) == sdm::step_workspace_floats(dm)) return ffi::Error::Success();
+// The workspace holds `floats` floats (kernels/steps.h forward_workspace_floats / backward_workspace_floats; any
+// shape: vmap adds a leading dim).
+inline ffi::Error CheckWorkspace(const char* op, const ffi::Buffer<ffi::F32>& ws, int64_t floats) {
+  if (static_cast<int64_t>(ws.element_count()) == floats) return ffi::Error::Success();
   return ffi::Error::InvalidArgument(std::string(op) + ": the workspace has " + std::to_string(ws.element_count()) +
-                                     " floats, expected " + std::to_string(sdm::step_workspace_floats(dm)));
+                                     " floats, expected " + std::to_string(floats));
 }
 
 // The Phase-1 arrays every step reads, checked against the sizes.
@@ -62,17 +63,17 @@ inline ffi::Error CheckPhase1(const char* op, const sdm::StepDims& dm, const F32
 // Results of the forward: y and (unless all empty, a no-grad call) the residuals.
 template <typename SnapshotT>
 ffi::Error CheckForwardResults(const char* op, const sdm::StepDims& dm, const ffi::AnyBuffer& bank,
-                               const ffi::AnyBuffer& bank_out, const F32& y, const F32& delta, const F32& G,
+                               const ffi::AnyBuffer& bank_out, const F32& y, const F32& delta, const F32& vg,
                                const SnapshotT& snapshot, bool* save) {
   const int64_t V = dm.V, NC = dm.NC, P = dm.P, C = dm.C;
   SDM_RETURN_IF_ERROR(CheckShape(op, "bank (result)", bank_out, dm.V, {dm.P, dm.K, dm.D}));
   if (bank_out.element_type() != bank.element_type())
     return ffi::Error::InvalidArgument(std::string(op) + ": the result bank must have the input bank's dtype");
   SDM_RETURN_IF_ERROR(CheckShape(op, "y (result)", y, V, {NC, P, C, dm.D}));
-  *save = delta.element_count() + G.element_count() + snapshot.element_count() > 0;
+  *save = delta.element_count() + vg.element_count() + snapshot.element_count() > 0;
   if (!*save) return ffi::Error::Success();
   SDM_RETURN_IF_ERROR(CheckShape(op, "delta (result)", delta, V, {NC, P, C, dm.D}));
-  SDM_RETURN_IF_ERROR(CheckShape(op, "G (result)", G, V, {NC, P, C, dm.D}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "vg (result)", vg, V, {NC, P, C, dm.D}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "snapshot (result)", snapshot, V, {NC, P, C * dm.W, dm.D}));
   if (snapshot.element_type() != bank.element_type())
     return ffi::Error::InvalidArgument(std::string(op) + ": the snapshot must have the bank's dtype");
@@ -94,22 +95,22 @@ inline sdm::StepPhase1 Phase1View(const S32& k_idx, const S32& q_idx, const F32&
       ::sdm_ffi::F32 k_eff, ::sdm_ffi::F32 w, ::sdm_ffi::F32 cpe, ::sdm_ffi::F32 q_w, ::sdm_ffi::F32 QK,        \
       ::sdm_ffi::S32 w_order, ::sdm_ffi::S32 w_group, ::sdm_ffi::F32 minv,                                     \
       ::xla::ffi::Result<::xla::ffi::AnyBuffer> bank_out, ::sdm_ffi::R32 y, ::sdm_ffi::R32 delta,            \
-      ::sdm_ffi::R32 G, ::xla::ffi::Result<::xla::ffi::AnyBuffer> snapshot, ::sdm_ffi::R32 workspace
+      ::sdm_ffi::R32 vg, ::xla::ffi::Result<::xla::ffi::AnyBuffer> snapshot, ::sdm_ffi::R32 workspace
 #define SDM_FORWARD_NAMES \
-  bank, k_idx, q_idx, v, beta, k_eff, w, cpe, q_w, QK, w_order, w_group, minv, bank_out, y, delta, G, snapshot, workspace
+  bank, k_idx, q_idx, v, beta, k_eff, w, cpe, q_w, QK, w_order, w_group, minv, bank_out, y, delta, vg, snapshot, workspace
 
 #define SDM_BACKWARD_PARAMS                                                                                    \
   ::xla::ffi::AnyBuffer bank, ::xla::ffi::AnyBuffer dbank, ::sdm_ffi::F32 dy, ::sdm_ffi::S32 k_idx, ::sdm_ffi::S32 q_idx, \
-      ::sdm_ffi::F32 v, ::sdm_ffi::F32 beta, ::sdm_ffi::F32 k_eff, ::sdm_ffi::F32 w, ::sdm_ffi::F32 cpe,         \
+      ::sdm_ffi::F32 beta, ::sdm_ffi::F32 k_eff, ::sdm_ffi::F32 w, ::sdm_ffi::F32 cpe,         \
       ::sdm_ffi::F32 q_w, ::sdm_ffi::F32 A, ::sdm_ffi::F32 QK, ::sdm_ffi::S32 w_order, ::sdm_ffi::S32 w_group,   \
       ::sdm_ffi::S32 r_order, ::sdm_ffi::S32 r_group, ::sdm_ffi::F32 minv, ::sdm_ffi::F32 delta,                \
-      ::sdm_ffi::F32 G, ::xla::ffi::AnyBuffer snapshot, ::xla::ffi::Result<::xla::ffi::AnyBuffer> bank_out,    \
+      ::sdm_ffi::F32 vg, ::xla::ffi::AnyBuffer snapshot, ::xla::ffi::Result<::xla::ffi::AnyBuffer> bank_out,   \
       ::xla::ffi::Result<::xla::ffi::AnyBuffer> dbank_out, ::sdm_ffi::R32 dk_eff, ::sdm_ffi::R32 dw, ::sdm_ffi::R32 dcpe,                  \
       ::sdm_ffi::R32 dq_w, ::sdm_ffi::R32 dA, ::sdm_ffi::R32 dQK, ::sdm_ffi::R32 dbeta, ::sdm_ffi::R32 dv,      \
       ::sdm_ffi::R32 workspace
 #define SDM_BACKWARD_NAMES                                                                                   \
-  bank, dbank, dy, k_idx, q_idx, v, beta, k_eff, w, cpe, q_w, A, QK, w_order, w_group, r_order, r_group, minv, \
-      delta, G, snapshot, bank_out, dbank_out, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv, workspace
+  bank, dbank, dy, k_idx, q_idx, beta, k_eff, w, cpe, q_w, A, QK, w_order, w_group, r_order, r_group, minv,    \
+      delta, vg, snapshot, bank_out, dbank_out, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv, workspace
 
 // A checked forward call, ready for a platform's kernel.
 struct ForwardCall {
@@ -129,11 +130,11 @@ inline ffi::Error PrepareForward(SDM_FORWARD_PARAMS, ForwardCall* call) {
   bool save = false;
   SDM_RETURN_IF_ERROR(StepDimsOf(op, bank, k_idx, q_idx, &dm));
   SDM_RETURN_IF_ERROR(CheckPhase1(op, dm, v, beta, k_eff, w, cpe, q_w, QK, w_order, w_group, minv));
-  SDM_RETURN_IF_ERROR(CheckForwardResults(op, dm, bank, *bank_out, *y, *delta, *G, *snapshot, &save));
-  SDM_RETURN_IF_ERROR(CheckWorkspace(op, *workspace, dm));
+  SDM_RETURN_IF_ERROR(CheckForwardResults(op, dm, bank, *bank_out, *y, *delta, *vg, *snapshot, &save));
+  SDM_RETURN_IF_ERROR(CheckWorkspace(op, *workspace, sdm::forward_workspace_floats(dm)));
   call->p1 = Phase1View(k_idx, q_idx, k_eff, w, cpe, q_w, nullptr, QK, w_order, w_group, nullptr, nullptr, minv);
   call->io = sdm::ForwardIO{v.typed_data(), beta.typed_data(), y->typed_data(),
-                            save ? delta->typed_data() : nullptr, save ? G->typed_data() : nullptr,
+                            save ? delta->typed_data() : nullptr, save ? vg->typed_data() : nullptr,
                             save ? snapshot->untyped_data() : nullptr};
   call->type = bank.element_type();
   call->bank_in = bank.untyped_data();
@@ -174,11 +175,15 @@ SDM_BACKWARD_PARAMS, BackwardCall* call) {
   sdm::StepDims& dm = call->dm;
   bool save = false;
   SDM_RETURN_IF_ERROR(StepDimsOf(op, bank, k_idx, q_idx, &dm));
-  SDM_RETURN_IF_ERROR(CheckPhase1(op, dm, v, beta, k_eff, w, cpe, q_w, QK, w_order, w_group, minv));
-  SDM_RETURN_IF_ERROR(CheckForwardResults(op, dm, bank, bank, dy, delta, G, snapshot, &save));
+  // dy has v's shape: the backward needs no v (the forward's residual vg is v - G).
+  SDM_RETURN_IF_ERROR(CheckPhase1(op, dm, dy, beta, k_eff, w, cpe, q_w, QK, w_order, w_group, minv));
+  SDM_RETURN_IF_ERROR(CheckForwardResults(op, dm, bank, bank, dy, delta, vg, snapshot, &save));
   if (!save) return ffi::Error::InvalidArgument(std::string(op) + ": the forward residuals are empty");
   const int64_t V = dm.V, NC = dm.NC, P = dm.P, C = dm.C, W = dm.W, R = dm.R;
-  SDM_RETURN_IF_ERROR(CheckShape(op, "dbank", dbank, V, {P, dm.K, dm.D}));
+  // A zero cotangent comes as [..., P, 0, D]: no buffer, its rows read as zeros.
+  const auto dbank_dims = dbank.dimensions();
+  const bool zero_cotangent = dbank_dims.size() >= 2 && dbank_dims[dbank_dims.size() - 2] == 0 && dm.K > 0;
+  SDM_RETURN_IF_ERROR(CheckShape(op, "dbank", dbank, V, {P, zero_cotangent ? 0 : dm.K, dm.D}));
   if (dbank.element_type() != ffi::DataType::F32 && dbank.element_type() != bank.element_type())
     return ffi::Error::InvalidArgument(std::string(op) + ": dbank must be float32 or have the bank's dtype");
   if (dbank_out->element_type() != dbank.element_type())
@@ -196,10 +201,10 @@ SDM_BACKWARD_PARAMS, BackwardCall* call) {
   SDM_RETURN_IF_ERROR(CheckShape(op, "dQK", *dQK, V, {NC, P, C, C}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "dbeta", *dbeta, V, {NC, P, C}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "dv", *dv, V, {NC, P, C, dm.D}));
-  SDM_RETURN_IF_ERROR(CheckWorkspace(op, *workspace, dm));
+  SDM_RETURN_IF_ERROR(CheckWorkspace(op, *workspace, sdm::backward_workspace_floats(dm)));
   call->p1 = Phase1View(k_idx, q_idx, k_eff, w, cpe, q_w, &A, QK, w_order, w_group, &r_order, &r_group, minv);
-  call->io = sdm::BackwardIO{v.typed_data(),       beta.typed_data(),   dy.typed_data(),
-                             delta.typed_data(),   G.typed_data(),      snapshot.untyped_data(),
+  call->io = sdm::BackwardIO{beta.typed_data(),    dy.typed_data(),
+                             delta.typed_data(),   vg.typed_data(),     snapshot.untyped_data(),
                              dk_eff->typed_data(), dw->typed_data(),
                              dcpe->typed_data(),   dq_w->typed_data(),  dA->typed_data(),
                              dQK->typed_data(),    dbeta->typed_data(), dv->typed_data()};
@@ -208,9 +213,9 @@ SDM_BACKWARD_PARAMS, BackwardCall* call) {
   call->bank = bank_out->untyped_data();
   call->bank_bytes = bank.size_bytes();
   call->grad_type = dbank.element_type();
-  call->dbank_in = dbank.untyped_data();
+  call->dbank_in = zero_cotangent ? nullptr : dbank.untyped_data();
   call->dbank = dbank_out->untyped_data();
-  call->dbank_bytes = dbank.size_bytes();
+  call->dbank_bytes = dbank_out->size_bytes();
   call->workspace = workspace->typed_data();
   return ffi::Error::Success();
 }
@@ -318,17 +323,16 @@ inline ffi::Error PrepareBackwardPacked(SDM_BACKWARD_PARAMS, SDM_BACKWARD_SEGMEN
       .Ret<::xla::ffi::AnyBuffer>() /* bank (aliased) */                                                     \
       .Ret<::sdm_ffi::F32>()  /* y */                                                                        \
       .Ret<::sdm_ffi::F32>()  /* delta */                                                                    \
-      .Ret<::sdm_ffi::F32>()  /* G */                                                                        \
+      .Ret<::sdm_ffi::F32>()  /* vg = v - G */                                                               \
       .Ret<::xla::ffi::AnyBuffer>() /* snapshot */                                                           \
       .Ret<::sdm_ffi::F32>()  /* workspace */
 
 #define SDM_BACKWARD_BUFFERS                                                                                 \
   Arg<::xla::ffi::AnyBuffer>() /* bank (final; aliased) */                                                     \
-      .Arg<::xla::ffi::AnyBuffer>() /* dbank (aliased; float32 or the bank's dtype) */                       \
+      .Arg<::xla::ffi::AnyBuffer>() /* dbank: the final bank's cotangent (float32 or the bank's dtype) */    \
       .Arg<::sdm_ffi::F32>()  /* dy */                                                                       \
       .Arg<::sdm_ffi::S32>()  /* k_idx */                                                                    \
       .Arg<::sdm_ffi::S32>()  /* q_idx */                                                                    \
-      .Arg<::sdm_ffi::F32>()  /* v */                                                                        \
       .Arg<::sdm_ffi::F32>()  /* beta */                                                                     \
       .Arg<::sdm_ffi::F32>()  /* k_eff */                                                                    \
       .Arg<::sdm_ffi::F32>()  /* w */                                                                        \
@@ -342,10 +346,10 @@ inline ffi::Error PrepareBackwardPacked(SDM_BACKWARD_PARAMS, SDM_BACKWARD_SEGMEN
       .Arg<::sdm_ffi::S32>()  /* r_group */                                                                  \
       .Arg<::sdm_ffi::F32>()  /* Minv */                                                                     \
       .Arg<::sdm_ffi::F32>()  /* delta */                                                                    \
-      .Arg<::sdm_ffi::F32>()  /* G */                                                                        \
+      .Arg<::sdm_ffi::F32>()  /* vg */                                                                        \
       .Arg<::xla::ffi::AnyBuffer>() /* snapshot */                                                           \
       .Ret<::xla::ffi::AnyBuffer>() /* bank (initial; aliased) */                                            \
-      .Ret<::xla::ffi::AnyBuffer>() /* dbank (initial; aliased) */                                           \
+      .Ret<::xla::ffi::AnyBuffer>() /* dbank: the initial bank's gradient (aliased to dbank or not) */       \
       .Ret<::sdm_ffi::F32>()  /* dk_eff */                                                                   \
       .Ret<::sdm_ffi::F32>()  /* dw */                                                                       \
       .Ret<::sdm_ffi::F32>()  /* dcpe */                                                                     \

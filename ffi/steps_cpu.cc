@@ -15,9 +15,11 @@ using sdm_ffi::S32;
 
 namespace {
 
-// The result aliases the input; copy only if XLA handed two buffers.
+// The result aliases the input; copy only if XLA handed two buffers (a null input: zeros, the backward's zero
+// cotangent).
 void AliasCopy(const void* in, void* out, size_t bytes) {
-  if (in != out) std::memcpy(out, in, bytes);
+  if (in == nullptr) std::memset(out, 0, bytes);
+  else if (in != out) std::memcpy(out, in, bytes);
 }
 
 // Runs a checked call; `segments`: null, or the packed sequences' buffers.

@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <string>
+#include <type_traits>
 
 #include "ffi/cuda_common.h"
 #include "ffi/steps_common.h"
@@ -24,24 +25,26 @@ int AliasCopy(const void* in, void* out, size_t bytes, cudaStream_t stream) {
 // Runs a checked call; `segments`: null, or the packed sequences' buffers.
 ffi::Error RunForward(cudaStream_t stream, const sdm_ffi::ForwardCall& call, const sdm::StepSegments* segments,
                       const char* name) {
-  int rc = AliasCopy(call.bank_in, call.bank, call.bank_bytes, stream);
-  if (!rc) {
-    rc = call.type == ffi::DataType::F32
-             ? sdm::forward_cuda(call.dm, call.p1, call.io, static_cast<float*>(call.bank), call.workspace, stream,
-                                 segments)
-             : sdm::forward_cuda(call.dm, call.p1, call.io, static_cast<sdm::bf16*>(call.bank), call.workspace,
-                                 stream, segments);
-  }
+  // Two bank buffers (the forward's result does not alias its input): the kernels read each row from the input
+  // until its first write instead of copying the whole bank first.
+  const int rc =
+      call.type == ffi::DataType::F32
+          ? sdm::forward_cuda(call.dm, call.p1, call.io, static_cast<const float*>(call.bank_in),
+                              static_cast<float*>(call.bank), call.workspace, stream, segments)
+          : sdm::forward_cuda(call.dm, call.p1, call.io, static_cast<const sdm::bf16*>(call.bank_in),
+                              static_cast<sdm::bf16*>(call.bank), call.workspace, stream, segments);
   return sdm_ffi::CudaStatus(name, rc);
 }
 
 ffi::Error RunBackward(cudaStream_t stream, const sdm_ffi::BackwardCall& call, const sdm::StepSegments* segments,
                        int rc, const char* name) {
   if (!rc) rc = AliasCopy(call.bank_in, call.bank, call.bank_bytes, stream);
-  if (!rc) rc = AliasCopy(call.dbank_in, call.dbank, call.dbank_bytes, stream);
   if (!rc) {
+    // Two gradient-bank buffers (the result does not alias the cotangent): the kernels read each row of the
+    // cotangent until its first write instead of copying it whole first.
     rc = sdm_ffi::WithBankTypes(call, [&](auto* bank, auto* dbank) {
-      return sdm::backward_cuda(call.dm, call.p1, call.io, bank, dbank, call.workspace, stream, segments);
+      const auto* dbank_in = static_cast<const std::remove_pointer_t<decltype(dbank)>*>(call.dbank_in);
+      return sdm::backward_cuda(call.dm, call.p1, call.io, bank, dbank_in, dbank, call.workspace, stream, segments);
     });
   }
   return sdm_ffi::CudaStatus(name, rc);

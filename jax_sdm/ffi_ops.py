@@ -216,7 +216,10 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None):
     """The forward chunk loop (docs/DESIGN.md "Forward steps").
 
     Args:
-      bank: `[..., P, K, D]` float32 or bfloat16; updated in place (aliased to the returned bank).
+      bank: `[..., P, K, D]` float32 or bfloat16, the initial bank. Without `segments` the final bank is a new
+        buffer: the CUDA kernels read each row from `bank` until its first write, so no whole-bank copy is made
+        whether or not `bank` is donated. With `segments` it is updated in place (aliased to the returned bank:
+        donate it to avoid a copy).
       k_idx, q_idx, v, beta: `[..., NC, P, C, W|R|D]` / `[..., NC, P, C]` (kernel layout).
       p1: Phase 1's outputs (`Phase1`) in the same layout; minv: the solve's `[..., NC, P, C, C]`.
       save: keep the residuals for the backward (else they come back empty and nothing is saved).
@@ -226,7 +229,8 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None):
         (`segments.virtual_slots`); `k_idx` and `q_idx` are the real ones.
 
     Returns:
-      `(final_bank, y, delta, G, snapshot)`; `y`, `delta`, `G` float32, `snapshot` in the bank's dtype. With
+      `(final_bank, y, delta, vg, snapshot)`; `y`, `delta` and `vg = v - G` (G the gathers of the write lanes, the
+      backward's only use of `v`) float32, `snapshot` in the bank's dtype. With
       `segments`, the final bank is the working bank (each row that of its stamp's segment) and two more
       results follow: the stamps `[..., P, K]` int32 (each row's segment of its last write) and, with `save`,
       the stamps' snapshot `[..., NC, P, C*W]` int32.
@@ -241,11 +245,11 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None):
 
     results = (jax.ShapeDtypeStruct(bank.shape, bank.dtype), jax.ShapeDtypeStruct(tokens + (D,), f32),
                residual(tokens + (D,), f32), residual(tokens + (D,), f32),
-               residual(tokens[:-1] + (C * W, D), bank.dtype), _workspace(bank, k_idx, q_idx))
+               residual(tokens[:-1] + (C * W, D), bank.dtype), _workspace(bank, k_idx, q_idx, forward=True))
     args = (bank, k_idx.astype(i32), q_idx.astype(i32), v.astype(f32), beta.astype(f32),
             p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.QK, p1.w_order, p1.w_group, minv)
     if segments is None:
-        call = jax.ffi.ffi_call("sdm_forward", results, vmap_method="broadcast_all", input_output_aliases={0: 0})
+        call = jax.ffi.ffi_call("sdm_forward", results, vmap_method="broadcast_all")
         return call(*args)[:5]
     initial, local, seg0 = segments
     results += (jax.ShapeDtypeStruct(bank.shape[:-1], i32), residual(tokens[:-1] + (C * W,), i32))
@@ -254,20 +258,28 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None):
     return outs[:5] + outs[6:]
 
 
-def _workspace(bank, k_idx, q_idx):
-    """The steps' scratch (kernels/steps.h `step_workspace_floats`), float32: per problem (leading dims of the
-    bank `[..., P, K, D]`) `3 * P * C * D` floats rounded up to a multiple of 4, then 4 per slot group (`C * W`
-    write groups and `C * R` read groups per unit: `k_idx.size + q_idx.size`)."""
+def _workspace(bank, k_idx, q_idx, forward):
+    """The steps' scratch (kernels/steps.h `forward_workspace_floats` / `backward_workspace_floats`), float32: per
+    problem (leading dims of the bank `[..., P, K, D]`) `3 * P * C * D` floats rounded up to a multiple of 4, then 4
+    per slot group (the write groups, `k_idx.size`; the backward's read groups too, `q_idx.size`), then one per bank
+    row (each slot's first writing step) and one per gather lane (the write lanes, and the forward's read lanes);
+    the backward's row of zeros last."""
     P, D, C = bank.shape[-3], bank.shape[-1], k_idx.shape[-2]
     rows = math.prod(bank.shape[:-3]) * ((3 * P * C * D + 3) // 4 * 4)
-    return jax.ShapeDtypeStruct((rows + 4 * (k_idx.size + q_idx.size),), jnp.float32)
+    groups = k_idx.size + (0 if forward else q_idx.size)
+    tags = k_idx.size + (q_idx.size if forward else 0)
+    zero_row = 0 if forward else (D + 3) // 4 * 4 + 4  # the backward's row of zeros, 16-byte aligned
+    return jax.ShapeDtypeStruct((rows + 4 * groups + math.prod(bank.shape[:-1]) + tags + zero_row,), jnp.float32)
 
 
-def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snapshot, segments=None):
+def backward_ffi(bank, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snapshot, segments=None):
     """The reverse chunk loop (docs/DESIGN.md "Backward steps").
 
     `bank` is the final bank (it comes back as the initial one, restored in place) and `dbank` the cotangent of
-    the final bank (it comes back as the gradient of the initial bank, in place). `dbank`'s dtype is the working
+    the final bank, or for a zero cotangent an empty `[..., P, 0, D]` array (no bank-sized buffer of zeros). The
+    gradient of the initial bank comes back in `dbank`'s buffer (aliased) with `segments`; else in a buffer of its
+    own, and `dbank` is left as it is (the CUDA kernels read each row of it until its first write: no whole-bank
+    copy of a `dbank` the caller keeps). `dbank`'s dtype is the working
     gradient bank's: float32, or the bank's bfloat16 (float32 inside each step, rounded once per written row).
 
     `segments`: None, or for packed sequences `(initial, local, seg0, stamp, stamp_snapshot, dinitial)`: those
@@ -280,15 +292,14 @@ def backward_ffi(bank, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, sna
     """
     f32, i32 = jnp.float32, jnp.int32
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
-    results = (like(bank), like(dbank), like(p1.k_eff), like(p1.w), like(p1.cpe),
-               like(p1.q_w), like(p1.A), like(p1.QK), like(beta.astype(f32)), like(v.astype(f32)),
-               _workspace(bank, k_idx, q_idx))
+    results = (like(bank), jax.ShapeDtypeStruct(bank.shape, dbank.dtype), like(p1.k_eff), like(p1.w), like(p1.cpe),
+               like(p1.q_w), like(p1.A), like(p1.QK), like(beta.astype(f32)), like(dy.astype(f32)),
+               _workspace(bank, k_idx, q_idx, forward=False))
     args = (bank, dbank, dy.astype(f32), k_idx.astype(i32), q_idx.astype(i32),
-            v.astype(f32), beta.astype(f32), p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.A, p1.QK, p1.w_order,
-            p1.w_group, p1.r_order, p1.r_group, minv, delta, G, snapshot)
+            beta.astype(f32), p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.A, p1.QK, p1.w_order,
+            p1.w_group, p1.r_order, p1.r_group, minv, delta, vg, snapshot)
     if segments is None:
-        call = jax.ffi.ffi_call("sdm_backward", results, vmap_method="broadcast_all",
-                                input_output_aliases={0: 0, 1: 1})
+        call = jax.ffi.ffi_call("sdm_backward", results, vmap_method="broadcast_all", input_output_aliases={0: 0})
         return call(*args)[:10]
     initial, local, seg0, stamp, stamp_snapshot, dinitial = segments
     n = len(args)  # the stamps and dinitial are updated in place, like the bank and dbank

@@ -8,6 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.interpreters import ad
 
 from . import ffi_ops, layout, lowering, segments
@@ -37,24 +38,25 @@ def _sdm_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_s
     p1 = ffi_ops.phase1_ffi(p1_k_idx, k_val, x, p1_q_idx, q_val, p1_slots)
     minv = ffi_ops.solve_ffi(p1.A, beta)
     if packed is None:
-        final, y, delta, G, snapshot = ffi_ops.forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save)
+        final, y, delta, vg, snapshot = ffi_ops.forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save)
         banks, stamp_snapshot = (), ()
     else:
         seg0, local, last = packed
-        work, y, delta, G, snapshot, stamp, stamp_snapshot = ffi_ops.forward_ffi(
+        work, y, delta, vg, snapshot, stamp, stamp_snapshot = ffi_ops.forward_ffi(
             bank, k_idx, q_idx, v, beta, p1, minv, save, segments=(bank, local, seg0))
         final = segments.final_bank(work, bank, stamp, last)
         banks, stamp_snapshot = (work, stamp), (stamp_snapshot,)
-    return (y, final, p1.repeats), (banks, (p1, minv, delta, G, snapshot) + stamp_snapshot)
+    return (y, final, p1.repeats), (banks, (p1, minv, delta, vg, snapshot) + stamp_snapshot)
 
 
 def _sdm_kernels_bwd(num_slots, inputs, final, residuals, dy, dfinal):
     """The kernels' backward: gradients `(dbank, dk_val, dx, dv, dbeta, dq_val)` of `_sdm_kernels_fwd`'s inputs
     (`inputs`, in its order; the bank may be None without packed sequences: the backward restores it from the
-    final bank) from its final bank, `residuals` and the cotangents."""
+    final bank) from its final bank, `residuals` and the cotangents; `dfinal` `[P, 0, D]` without packed sequences
+    is a zero cotangent (`ffi_ops.backward_ffi`)."""
     bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed = inputs
-    banks, (p1, minv, delta, G, snapshot, *stamp_snapshot) = residuals
-    steps = (dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snapshot)
+    banks, (p1, minv, delta, vg, snapshot, *stamp_snapshot) = residuals
+    steps = (dy, k_idx, q_idx, beta, p1, minv, delta, vg, snapshot)
     if packed is None:
         _, dbank, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv = ffi_ops.backward_ffi(final, dfinal, *steps)
     else:
@@ -160,10 +162,19 @@ def _input_axes(packed):
     return (BANK,) + (UNITS,) * 7 + (_PACKED_AXES if packed else ())
 
 
+_V = 4  # v's place among the kernels' inputs (bank, k_idx, k_val, x, v, ...)
+
+
+def _kept(inputs, packed):
+    """Of the kernels' inputs (or their axes), those the custom VJP keeps for the backward: not `v` (the backward
+    needs only the forward's `v - G`) and, without packed sequences, not the bank (the backward restores it from the
+    final bank)."""
+    return tuple(a for i, a in enumerate(inputs) if i != _V and (packed or i > 0))
+
+
 def _kept_axes(packed):
-    """The B axes of the inputs that the custom VJP keeps for the backward: without packed sequences not the bank
-    (the backward restores it from the final bank)."""
-    return _input_axes(packed)[0 if packed else 1:]
+    """The B axes of the inputs that the custom VJP keeps for the backward (`_kept`)."""
+    return _kept(_input_axes(packed), packed)
 
 
 def _kernel_inputs(arrays, packed):
@@ -204,17 +215,22 @@ def _saved_bank_count(packed):
 
 def _local_backward(static, final, dfinal, dy, *rest):
     """One shard's backward (`_sdm_kernels_bwd`): `rest` is the kept inputs (`_kept_axes`) and the saved
-    residuals."""
+    residuals; `static` is `(num_slots, packed)`."""
     num_slots, packed = static
     H = final.shape[1]
     kept_axes = _kept_axes(packed)
     kept = [merge(a, at) for a, at in zip(rest, kept_axes)]
-    inputs = _kernel_inputs(kept if packed else [merge(final, BANK)] + kept, packed)
+    # The kernels' inputs with the bank (without packed sequences, the final bank's shape) and v's shape (dy's) in
+    # their places, for the tree of the residuals; the backward reads neither.
+    arrays = ([] if packed else [merge(final, BANK)]) + kept
+    arrays.insert(_V, jax.ShapeDtypeStruct(merge(dy, UNITS).shape, jnp.float32))
+    inputs = _kernel_inputs(arrays, packed)
     rest = rest[len(kept_axes):]
     n_banks = _saved_bank_count(packed)
     units = jax.tree_util.tree_unflatten(_units_treedef(num_slots, inputs),
                                          [merge(a, UNITS) for a in rest[n_banks:]])
     residuals = (tuple(merge(a, BANK) for a in rest[:n_banks]), units)
+    inputs = inputs[:_V] + (None,) + inputs[_V + 1:]
     if not packed:
         inputs = (None,) + inputs[1:]
     grads = _sdm_kernels_bwd(num_slots, inputs, merge(final, BANK), residuals, merge(dy, UNITS),
@@ -247,6 +263,10 @@ def stream_kernels(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_slo
 
 
 def _stream_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_slots, grad_dtype):
+    # symbolic_zeros: the inputs come as CustomVJPPrimal (value, perturbed)
+    bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed = jax.tree_util.tree_map(
+        lambda a: a.value, (bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed),
+        is_leaf=lambda a: isinstance(a, CustomVJPPrimal))
     args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val) + (packed or ())
     static = (num_slots, packed is not None)
     n_saved = len(jax.eval_shape(functools.partial(_local_saving, static), *args)) - 3
@@ -255,14 +275,19 @@ def _stream_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, nu
         _local_saving, static, args, _input_axes(packed is not None),
         (UNITS, BANK, UNITS) + (BANK,) * n_banks + (UNITS,) * (n_saved - n_banks))
     y, final, repeats = (to_varying(o, varying_axes(*args)) for o in (y, final, repeats))
-    kept = args if packed is not None else args[1:]
-    return (y, final, repeats), (final, kept, tuple(saved))
+    return (y, final, repeats), (final, _kept(args, packed is not None), tuple(saved))
 
 
 def _stream_kernels_bwd(num_slots, grad_dtype, residuals, cotangents):
     final, kept, saved = residuals
-    packed = len(kept) > 7
+    packed = len(kept) > 6  # `_kept`: 6 per-token inputs; with packed sequences also the bank and their 3 arrays
     dy, dfinal, _ = cotangents
+    # A loss of the readings only gives the final bank a symbolic zero cotangent: without packed sequences it goes
+    # to the kernels as an empty [B, H, 0, D] array (no bank-sized buffer of zeros; the backward reads zero rows).
+    if isinstance(dfinal, SymbolicZero):
+        shape = dfinal.shape if packed else dfinal.shape[:-2] + (0, dfinal.shape[-1])
+        dfinal = jnp.zeros(shape, grad_dtype)
+    dy = jnp.zeros(dy.shape, dy.dtype) if isinstance(dy, SymbolicZero) else dy
     args = (final, dfinal.astype(grad_dtype), dy.astype(jnp.float32)) + kept + saved
     n_banks = _saved_bank_count(packed)
     in_axes = ((BANK, BANK, UNITS) + _kept_axes(packed) + (BANK,) * n_banks
@@ -274,7 +299,7 @@ def _stream_kernels_bwd(num_slots, grad_dtype, residuals, cotangents):
     return dbank.astype(final.dtype), None, dk_val, dx, dv, dbeta, None, dq_val, None
 
 
-stream_kernels.defvjp(_stream_kernels_fwd, _stream_kernels_bwd)
+stream_kernels.defvjp(_stream_kernels_fwd, _stream_kernels_bwd, symbolic_zeros=True)
 
 
 def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, grad_dtype=None, seg=None):

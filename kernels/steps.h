@@ -45,16 +45,15 @@ struct ForwardIO {
   float* y;           // [.., C, D] out
   // Residuals for the backward; all null for a no-grad forward.
   float* delta;    // [.., C, D] the write vectors
-  float* G;        // [.., C, D] the gathers sum_n k_eff S0[s]
+  float* vg;       // [.., C, D] v - G, G the gathers sum_n k_eff S0[s] (the backward's only use of v and G)
   void* snapshot;  // [.., C*W, D] bank dtype: the pre-write row of each write group
 };
 
 struct BackwardIO {
-  const float* v;         // [.., C, D]
   const float* beta;      // [.., C]
   const float* dy;        // [.., C, D]
   const float* delta;     // residuals of the forward
-  const float* G;
+  const float* vg;
   const void* snapshot;
   float* dk_eff;          // [.., C, W]
   float* dw;              // [.., C, W]
@@ -98,23 +97,37 @@ void backward_cpu(const StepDims& dims, const StepPhase1& p1, const BackwardIO& 
                   const StepSegments* segments = nullptr);
 
 // CUDA: the same loops, enqueued on `stream` (no allocation, no synchronisation; the launch configuration
-// depends on the shapes only). `workspace` holds step_workspace_floats(dims) floats (the handlers of both
-// platforms take it, so that their interfaces are the same): first three per-chunk rows [streams, C, D] of
-// float32 (step_rows_floats: per problem of the V, rounded up to 16 bytes), then a table of 16-byte entries, one
-// per slot group (C * W write groups and C * R read groups per unit). BankT is float or __nv_bfloat16 (passed as
-// sdm::bf16, same layout). Returns the first cudaError_t met, 0 on success.
+// depends on the shapes only). `workspace` holds forward_workspace_floats(dims) / backward_workspace_floats(dims)
+// floats (the handlers of both platforms take it, so that their interfaces are the same): first three per-chunk
+// rows [streams, C, D] of float32 (step_rows_floats: per problem of the V, rounded up to 16 bytes), then a table of
+// 16-byte entries, one per slot group (C * W write groups per unit; the backward's also C * R read groups), then
+// each slot's first writing step ([streams, K] uint32) and the row tags of the gather lanes ([units, C, W] int32, and
+// the forward's also [units, C, R]; see "fresh result" below), and the backward's row of D zeros (16-byte aligned). BankT is float or __nv_bfloat16 (passed as sdm::bf16,
+// same layout). Returns the first cudaError_t met, 0 on success.
 inline int64_t step_rows_floats(const StepDims& dims) { return dims.V * ((3 * dims.P * dims.C * dims.D + 3) / 4 * 4); }
-inline int64_t step_workspace_floats(const StepDims& dims) {
-  return step_rows_floats(dims) + 4 * dims.units() * dims.C * (dims.W + dims.R);
+inline int64_t forward_workspace_floats(const StepDims& dims) {
+  return step_rows_floats(dims) + 4 * dims.units() * dims.C * dims.W + dims.streams() * dims.K +
+         dims.units() * dims.C * (dims.W + dims.R);
+}
+inline int64_t backward_workspace_floats(const StepDims& dims) {
+  return step_rows_floats(dims) + 4 * dims.units() * dims.C * (dims.W + dims.R) + dims.streams() * dims.K +
+         dims.units() * dims.C * dims.W + (dims.D + 3) / 4 * 4 + 4;
 }
 // With `segments` (packed sequences, null without) the loops follow forward_cpu / backward_cpu's semantics; the
 // stamps are zeroed by the forward (cudaMemsetAsync) and restored to zero by the backward.
+// A fresh result: `bank_in` (the initial bank) and `bank` (the final one) of the forward, `dbank_in` (the final
+// bank's cotangent) and `dbank` (the initial bank's gradient) of the backward may be one buffer (updated in place)
+// or two. Given two, the loops without packed sequences copy no whole bank: a row is read from the input until the
+// first step that writes it (into the result), and the rows no step writes are copied once. With packed sequences
+// the input is first copied into the result. A null `dbank_in` is a zero cotangent: its rows read as zeros. The
+// backward's `bank` goes from the final bank back to the initial one in place.
 template <typename BankT>
-int forward_cuda(const StepDims& dims, const StepPhase1& p1, const ForwardIO& io, BankT* bank, float* workspace,
-                 CUstream_st* stream, const StepSegments* segments = nullptr);
+int forward_cuda(const StepDims& dims, const StepPhase1& p1, const ForwardIO& io, const BankT* bank_in, BankT* bank,
+                 float* workspace, CUstream_st* stream, const StepSegments* segments = nullptr);
 template <typename BankT, typename GradT>
-int backward_cuda(const StepDims& dims, const StepPhase1& p1, const BackwardIO& io, BankT* bank, GradT* dbank,
-                  float* workspace, CUstream_st* stream, const StepSegments* segments = nullptr);
+int backward_cuda(const StepDims& dims, const StepPhase1& p1, const BackwardIO& io, BankT* bank,
+                  const GradT* dbank_in, GradT* dbank, float* workspace, CUstream_st* stream,
+                  const StepSegments* segments = nullptr);
 
 }  // namespace sdm
 

@@ -127,7 +127,7 @@ void forward_unit(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io,
   const int32_t* k_idx = p1.k_idx + u * C * W;
   const float* v = io.v + u * C * D;
   const float* beta = io.beta + u * C;
-  float* G = io.G ? io.G + u * C * D : sc.a.data();
+  float* G = io.vg ? io.vg + u * C * D : sc.a.data();  // the gathers, then (saving) v - G
   float* Q0 = sc.b.data();
   float* uvec = sc.c.data();
   float* delta = io.delta ? io.delta + u * C * D : sc.d.data();
@@ -137,7 +137,11 @@ void forward_unit(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io,
   gather(row_of, k_idx, p1.k_eff + u * C * W, C, W, K, D, G);
   gather(row_of, p1.q_idx + u * C * R, p1.q_w + u * C * R, C, R, K, D, Q0);
   for (int64_t t = 0; t < C; ++t)
-    for (int64_t d = 0; d < D; ++d) uvec[t * D + d] = beta[t] * (v[t * D + d] - G[t * D + d]);
+    for (int64_t d = 0; d < D; ++d) {
+      const float vg = v[t * D + d] - G[t * D + d];
+      uvec[t * D + d] = beta[t] * vg;
+      if (io.vg) G[t * D + d] = vg;
+    }
   lower_times(p1.minv + u * C * C, uvec, C, D, delta);
   lower_times(p1.QK + u * C * C, delta, C, D, y);
   for (int64_t i = 0; i < C * D; ++i) y[i] += Q0[i];
@@ -183,8 +187,7 @@ void backward_unit(const StepDims& dm, const StepPhase1& p1, const BackwardIO& i
   const float* A = p1.A + u * C * C;
   const float* QK = p1.QK + u * C * C;
   const float* delta = io.delta + u * C * D;
-  const float* G = io.G + u * C * D;
-  const float* v = io.v + u * C * D;
+  const float* vg = io.vg + u * C * D;
   const float* beta = io.beta + u * C;
   const float* dy = io.dy + u * C * D;
   float* dw = io.dw + u * C * W;
@@ -221,7 +224,7 @@ void backward_unit(const StepDims& dm, const StepPhase1& p1, const BackwardIO& i
     float db = 0.f;
     for (int64_t d = 0; d < D; ++d) {
       const int64_t k = i * D + d;
-      db += du[k] * (v[k] - G[k] - tmp[k]);
+      db += du[k] * (vg[k] - tmp[k]);
       dv[k] = beta[i] * du[k];
       dG[k] = -beta[i] * du[k];
     }

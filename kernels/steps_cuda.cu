@@ -20,7 +20,8 @@
 // rounded once where a kernel writes them.
 //
 // One writer per bank row, gradient row and output cell; every sum in a fixed order (lanes in sorted or lane
-// order, warp shuffles in a fixed xor tree): bitwise reproducible, no atomics. Rows are read and written VEC
+// order, warp shuffles in a fixed xor tree): bitwise reproducible, no floating-point atomics (one integer minimum,
+// whose result does not depend on the order, marks each slot's first writing chunk: see "Fresh output bank"). Rows are read and written VEC
 // columns per thread (16 bytes of bfloat16 when D allows), chosen from the shapes. The kernels that walk bank and
 // gradient rows are bound by memory latency: each thread loads several rows (or row segments) before using the
 // first, and their register budgets (__launch_bounds__) are set for the blocks per SM that keep enough loads in
@@ -166,6 +167,16 @@ __host__ __device__ constexpr int segs_for(int budget, int seg_bytes) {
   return budget / seg_bytes < 1 ? 1 : budget / seg_bytes > 4 ? 4 : budget / seg_bytes;
 }
 
+// S segments of VEC columns (32 * VEC apart) of a row from column d0 on, as far as D.
+template <int VEC, int S, typename T>
+__device__ __forceinline__ void load_batch(const T* row, int64_t d0, int64_t D, Cols<VEC, T> (&x)[S]) {
+#pragma unroll
+  for (int k = 0; k < S; ++k) {
+    if (d0 + k * 32 * VEC >= D) break;
+    x[k].load(row + d0 + k * 32 * VEC);
+  }
+}
+
 // A lane of a one-warp-per-row kernel walks two rows `a` and `b` (D columns each, dtypes A and B) in batches of S
 // segments of VEC columns (32 * VEC apart), all of a batch loaded before the first is used, and calls
 // body(d, a_cols, b_cols, pre_cols) per segment in increasing column order d (the order of the lane's partial sums),
@@ -179,12 +190,8 @@ __device__ __forceinline__ void walk_two_rows(const A* a, const B* b, const floa
   for (int64_t d0 = static_cast<int64_t>(lane) * VEC; d0 < D; d0 += S * kStep) {
     Cols<VEC, A> x[S];
     Cols<VEC, B> y[S];
-#pragma unroll
-    for (int k = 0; k < S; ++k) {
-      if (d0 + k * kStep >= D) break;
-      x[k].load(a + d0 + k * kStep);
-      y[k].load(b + d0 + k * kStep);
-    }
+    load_batch(a, d0, D, x);
+    load_batch(b, d0, D, y);
 #pragma unroll
     for (int k = 0; k < S; ++k) {
       const int64_t d = d0 + k * kStep;
@@ -203,9 +210,12 @@ __device__ __forceinline__ int64_t unit_of(const StepDims& dm, int64_t s, int64_
 
 // Programmatic dependent launch (sm_90 and later): the host launches each kernel of a call so that its blocks may
 // start while the previous kernel on the stream drains (hiding the launch gap between the ~200-470 launches of a
-// call). Every kernel calls chain_start() first, in every block, before any early return: it waits until the
-// previous kernel has completed and its writes are visible, then lets the next kernel launch. So a kernel's
-// completion implies its predecessors', and each kernel sees everything earlier kernels wrote. A no-op before sm_90.
+// call). Every kernel calls chain_start() in every block, before any early return: it waits until the previous
+// kernel has completed and its writes are visible, then lets the next kernel launch. So a kernel's completion
+// implies its predecessors', and each kernel sees everything earlier kernels wrote. It is the first thing a kernel
+// does, except where a kernel loads, before it, data that was final before its predecessor started: when kernel
+// N starts, N - 1 has passed its chain_start, so N - 2 and everything before it have completed (fwd_write_kernel).
+// A no-op before sm_90.
 __device__ __forceinline__ void chain_start() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -235,7 +245,7 @@ __device__ __forceinline__ float warp_dot(const A* a, const B* b, int64_t D, int
 
 // Per-chunk scratch rows ([streams, C, D] float32 each) and where the residuals go.
 struct ChunkRows {
-  float* G;      // forward: the gathers (the G residual when saving)
+  float* G;      // forward: the gathers (when saving, the vg residual's buffer: the solve replaces them by v - G)
   float* Q0;     // forward: the read gathers
   float* delta;  // forward: the write vectors (the delta residual when saving)
   bool per_unit; // residual layout (per unit) or scratch layout (per stream)
@@ -244,11 +254,12 @@ struct ChunkRows {
   }
 };
 
-// The rows a gather reads: slot s's row of one bank.
+// The rows a gather reads: slot s's row of one bank (has(s): s is in range; an out-of-range id touches no row).
 template <typename T>
 struct BankRows {
   const T* rows;
-  int64_t D;
+  int64_t K, D;
+  __device__ __forceinline__ bool has(int32_t s) const { return s >= 0 && s < K; }
   __device__ __forceinline__ const T* operator()(int32_t s) const { return rows + s * D; }
 };
 
@@ -256,12 +267,12 @@ struct BankRows {
 // (column, part): blockDim.x threads cover the columns VEC at a time, and the lanes are split into blockDim.y
 // contiguous parts whose partial sums are added in part order (a fixed order): more rows in flight per token.
 // `partial` is dynamic shared memory of blockDim.y * blockDim.x * VEC floats. Used for the gathers G, Q0 (bank
-// rows) and the GWR gather (gradient rows). `row_of(slot)` is the row of a slot (BankRows, or with packed sequences
-// the working or the initial bank's row).
+// rows) and the GWR gather (gradient rows). `row_of(id)` is the row of a lane's id and `row_of.has(id)` whether it
+// has one (BankRows; with packed sequences SegmentRows, the working or the initial bank's row; FreshRows for the
+// row tags of a fresh output bank).
 template <int VEC, typename T, typename RowOf>
 __device__ __forceinline__ void gather_row(RowOf row_of, const int32_t* idx, const float* weight,
-                                           int64_t lanes, int64_t K, int64_t D, float* __restrict__ out,
-                                           float* partial) {
+                                           int64_t lanes, int64_t D, float* __restrict__ out, float* partial) {
   constexpr int kInFlight = sizeof(T) == 2 ? 6 : 4;  // independent row loads issued before the first is used
   const int64_t per_part = (lanes + blockDim.y - 1) / blockDim.y;
   const int64_t n_lo = threadIdx.y * per_part, n_hi = min(lanes, n_lo + per_part);
@@ -276,9 +287,9 @@ __device__ __forceinline__ void gather_row(RowOf row_of, const int32_t* idx, con
         bool ok[kInFlight];
 #pragma unroll
         for (int j = 0; j < kInFlight; ++j) {
-          const int32_t slot = n0 + j < n_hi ? idx[n0 + j] : -1;
-          ok[j] = slot >= 0 && slot < K;  // an out-of-range id touches no row
-          if (ok[j]) x[j].load(row_of(slot) + d);
+          const int32_t id = n0 + j < n_hi ? idx[n0 + j] : -1;
+          ok[j] = row_of.has(id);
+          if (ok[j]) x[j].load(row_of(id) + d);
         }
 #pragma unroll
         for (int j = 0; j < kInFlight; ++j) {  // lanes in order within the part
@@ -318,7 +329,7 @@ struct SegView {
   void* dinitial;           // backward: the initial bank's gradient, in the gradient bank's dtype and layout
 };
 
-// Without packed sequences: no view (the kernels' `kPacked` is false).
+// Without packed sequences: no view (fwd_gather_kernel's Seg).
 struct NoSegments {};
 
 // Whether token t of unit u reads slot `slot` of stream s from the working bank.
@@ -344,36 +355,153 @@ struct SegmentRows {
   const int32_t* stamp;  // the stream's stamps
   int32_t seg0;
   bool continues;        // the token's local is 0
-  int64_t D;
+  int64_t K, D;
+  __device__ __forceinline__ bool has(int32_t s) const { return s >= 0 && s < K; }
   __device__ __forceinline__ const T* operator()(int32_t s) const {
     return (continues && stamp[s] == seg0 ? bank : initial) + s * D;
   }
 };
 
+// Fresh result (forward_cuda's bank, backward_cuda's gradient bank, when XLA hands the input and the result as two
+// buffers; not with packed sequences): instead of copying the whole input into the result first, a row is read
+// from the input until the first step that writes it, whose kernel stores it into the result; the rows no step
+// writes are copied once (copy_untouched_kernel). The steps, in the order the loop runs them: forward, chunk c's
+// write is step c; backward (chunks in reverse, r = NC - 1 - c), chunk c's Phase A is step 2r and its read side
+// step 2r + 1. Before the loop, first_touch_kernel finds each slot's first writing step. A kernel that reads rows
+// as they are before step t (the forward's gathers and write of chunk c: t = c; the backward's GWR and Phase A:
+// 2r; the read side: 2r + 1) reads a slot's row from the input iff that first step is t or later:
+// lane_tags_kernel tags every gather lane with it (FreshRows) and group_table_kernel every group (kFromInput), so
+// the row kernels pick the buffer without a dependent load.
+constexpr uint32_t kUntouched = 0xffffffffu;  // the first step of a slot no step writes
+constexpr int32_t kFromInput = 1 << 30;       // a group's table `hi` flag: its row is read from the input
+
+__device__ __forceinline__ int64_t chunk_of_unit(const StepDims& dm, int64_t u) { return (u / dm.P) % dm.NC; }
+__device__ __forceinline__ int64_t stream_of_unit(const StepDims& dm, int64_t u) {
+  return (u / (dm.NC * dm.P)) * dm.P + u % dm.P;
+}
+
+// The step (above) of unit u's lanes or groups of one map: mul * c + add, with c counted from the last chunk when
+// `reverse`.
+struct StepOf {
+  int mul, add;
+  bool reverse;
+  __device__ __forceinline__ uint32_t operator()(const StepDims& dm, int64_t u) const {
+    const int64_t c = chunk_of_unit(dm, u);
+    return static_cast<uint32_t>(mul * (reverse ? dm.NC - 1 - c : c) + add);
+  }
+};
+constexpr StepOf kForwardStep{1, 0, false}, kPhaseAStep{2, 0, true}, kReadSideStep{2, 1, true};
+
+// first[s * K + slot] = min(first, the step of each lane of stream s on the slot) over a map's lanes (`lanes` per
+// token, ids `idx`); first is filled with kUntouched before the first map. An integer minimum: the same result in
+// any order of the atomics.
+__global__ void first_touch_kernel(StepDims dm, const int32_t* __restrict__ idx, int64_t lanes, StepOf step,
+                                   uint32_t* __restrict__ first) {
+  chain_start();
+  const int64_t n = dm.C * lanes, total = dm.V * dm.NC * dm.P * n;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t slot = idx[k];
+    if (slot < 0 || slot >= dm.K) continue;
+    const int64_t u = k / n;
+    atomicMin(first + stream_of_unit(dm, u) * dm.K + slot, step(dm, u));
+  }
+}
+
+// A gather lane's row tag, for a gather that reads rows as they are before `step` of its unit: the slot when an
+// earlier step wrote it (the row is in the result), -2 - slot when none did (the input's row), -1 for an
+// out-of-range id (no row).
+__global__ void lane_tags_kernel(StepDims dm, const int32_t* __restrict__ idx, int64_t lanes, StepOf step,
+                                 const uint32_t* __restrict__ first, int32_t* __restrict__ tags) {
+  chain_start();
+  const int64_t n = dm.C * lanes, total = dm.V * dm.NC * dm.P * n;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t slot = idx[k];
+    const int64_t u = k / n;
+    int32_t tag = -1;
+    if (slot >= 0 && slot < dm.K)
+      tag = first[stream_of_unit(dm, u) * dm.K + slot] >= step(dm, u) ? -2 - slot : slot;
+    tags[k] = tag;
+  }
+}
+
+// The fresh output bank as the forward's gathers see it: the input bank and the gather lanes' row tags.
+template <typename T>
+struct FreshView {
+  const T* input;        // [streams, K, D]
+  const int32_t* w_tag;  // [units, C, W]
+  const int32_t* r_tag;  // [units, C, R]
+};
+
+// A gather's rows by row tag (lane_tags_kernel): the result's or the input's row of the slot. A null input is all
+// zeros (the backward's zero cotangent): its rows add nothing and are skipped.
+template <typename T>
+struct FreshRows {
+  const T* result;
+  const T* input;
+  int64_t D;
+  __device__ __forceinline__ bool has(int32_t tag) const { return tag >= 0 || (tag != -1 && input != nullptr); }
+  __device__ __forceinline__ const T* operator()(int32_t tag) const {
+    return tag >= 0 ? result + tag * D : input + (-2 - tag) * D;
+  }
+};
+
+// The rows no step writes, from the input into the result, or zeros for a null input. Each warp reads 32 rows'
+// first steps in one load and copies the untouched rows among them (VEC columns per lane; D a multiple of VEC): at
+// model sizes nearly every row is written, and a thread per column with a lookup each cost 66 us at the flagship.
+template <int VEC, typename T>
+__global__ void copy_untouched_kernel(StepDims dm, const uint32_t* __restrict__ first, const T* __restrict__ input,
+                                      T* __restrict__ result) {
+  chain_start();
+  const int lane = threadIdx.x % 32;
+  const int64_t rows = dm.V * dm.P * dm.K;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;  // 32 rows per warp and round
+  for (int64_t r0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) - lane; r0 < rows; r0 += step) {
+    const bool untouched = r0 + lane < rows && first[r0 + lane] == kUntouched;
+    for (unsigned m = __ballot_sync(0xffffffffu, untouched); m != 0; m &= m - 1) {
+      const int64_t at = (r0 + __ffs(m) - 1) * dm.D;
+      for (int64_t col = lane * VEC; col < dm.D; col += 32 * VEC) {
+        if (input == nullptr) {
+          const float zeros[VEC] = {};
+          store_cols<VEC>(result + at + col, zeros);
+        } else {
+          Cols<VEC, T> x;
+          x.load(input + at + col);
+          x.store(result + at + col);
+        }
+      }
+    }
+  }
+}
+
 // One block per (stream, token, side): side 0 gathers the write lanes' G row, side 1 the read lanes' Q0 row (two
-// blocks rather than one doing both in turn: twice the rows in flight per chunk).
-// With packed sequences (kPacked, `sg` a SegView<T>) each lane's row comes from the working or the initial bank.
-template <int VEC, typename T, bool kPacked, typename Seg>
+// blocks rather than one doing both in turn: twice the rows in flight per chunk). Seg is NoSegments; SegView<T>
+// with packed sequences (each lane's row from the working or the initial bank); or FreshView<T> for a fresh
+// output bank (each lane's row from the result or the input bank, by its tag).
+template <int VEC, typename T, typename Seg>
 __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) fwd_gather_kernel(StepDims dm, StepPhase1 p1, const T* __restrict__ bank, int64_t c, ChunkRows rows, Seg sg) {
   chain_start();
   extern __shared__ float partial[];
   const int64_t s = blockIdx.x, t = blockIdx.y;
   const int64_t u = unit_of(dm, s, c);
   const T* S = bank + s * dm.K * dm.D;
-  const auto side = [&](auto row_of) {
+  const auto side = [&](auto row_of, const int32_t* w_ids, const int32_t* r_ids) {
     if (blockIdx.z == 0) {
-      gather_row<VEC, T>(row_of, p1.k_idx + (u * dm.C + t) * dm.W, p1.k_eff + (u * dm.C + t) * dm.W, dm.W, dm.K,
-                         dm.D, rows.G + rows.at(dm, u, s) + t * dm.D, partial);
+      gather_row<VEC, T>(row_of, w_ids + (u * dm.C + t) * dm.W, p1.k_eff + (u * dm.C + t) * dm.W, dm.W, dm.D,
+                         rows.G + rows.at(dm, u, s) + t * dm.D, partial);
     } else {
-      gather_row<VEC, T>(row_of, p1.q_idx + (u * dm.C + t) * dm.R, p1.q_w + (u * dm.C + t) * dm.R, dm.R, dm.K,
-                         dm.D, rows.Q0 + s * dm.C * dm.D + t * dm.D, partial);
+      gather_row<VEC, T>(row_of, r_ids + (u * dm.C + t) * dm.R, p1.q_w + (u * dm.C + t) * dm.R, dm.R, dm.D,
+                         rows.Q0 + s * dm.C * dm.D + t * dm.D, partial);
     }
   };
-  if constexpr (kPacked) {
+  if constexpr (std::is_same_v<Seg, SegView<T>>) {
     side(SegmentRows<T>{S, sg.initial + s * dm.K * dm.D, sg.stamp + s * dm.K, sg.seg0[u],
-                        sg.local[u * dm.C + t] == 0, dm.D});
+                        sg.local[u * dm.C + t] == 0, dm.K, dm.D}, p1.k_idx, p1.q_idx);
+  } else if constexpr (std::is_same_v<Seg, FreshView<T>>) {
+    side(FreshRows<T>{S, sg.input + s * dm.K * dm.D, dm.D}, sg.w_tag, sg.r_tag);
   } else {
-    side(BankRows<T>{S, dm.D});
+    side(BankRows<T>{S, dm.K, dm.D}, p1.k_idx, p1.q_idx);
   }
 }
 
@@ -382,13 +510,14 @@ constexpr int kQuads = kSlice / 4;  // 4-column quads per row of a slice
 // Rows of the solve kernels' shared-memory slices: C rounded up to whole 4-row tiles.
 __host__ __device__ inline int tile_rows(int64_t C) { return static_cast<int>((C + 3) / 4 * 4); }
 
-// A solve kernel reads the unit's C x C matrices from shared memory when they fit next to its slices ("staged":
-// C <= kStagedMaxC, about 67 KB for the forward at C = 64, within every sm_80+ GPU's limit), else from global
-// memory through L1. Staged, a block issues every load it needs at its start as asynchronous copies and waits
-// once: the kernels were bound by serial rounds of global loads (the slice, then each matrix, then the epilogue's
-// rows), with one block of a few warps per SM to hide them.
-constexpr int kStagedMaxC = 64;
-inline bool solve_staged(int64_t C) { return C <= kStagedMaxC; }
+// A solve kernel reads the unit's C x C matrices from shared memory when they fit next to its slices ("staged"),
+// else from global memory through L1. Staged, a block issues every load it needs at its start as asynchronous
+// copies and waits once: the kernels were bound by serial rounds of global loads (the slice, then each matrix, then
+// the epilogue's rows), with one block of a few warps per SM to hide them. The in-loop solves are staged up to
+// C = kStagedLoopMaxC where the device allows a block the shared memory (the forward's: 67 KB at C = 64, 199 KB at
+// C = 128, within the 227 KB of sm_90); the dy part (all chunks in one launch, throughput-bound with several
+// blocks per SM) up to kStagedDyMaxC. Host-side (solve_staged in the launchers).
+constexpr int kStagedLoopMaxC = 128, kStagedDyMaxC = 64;
 
 // Row stride of a staged matrix: 16-byte rows, and 4 floats of padding that spread a tile's rows over the banks.
 __host__ __device__ inline int matrix_stride(int64_t C) { return tile_rows(C) + 4; }
@@ -510,11 +639,11 @@ __device__ __forceinline__ void stage_quads(int C, float* out, Quad quad) {
 template <bool kStaged, bool kInLoop>
 constexpr int kTileRows = kStaged && kInLoop ? 1 : 4;
 
-// Threads per block of a solve kernel (in the loop or the dy part): one per tile of a slice, whole warps, at most
-// kSolveThreadsMax (more tiles take turns).
-inline int solve_threads(int64_t C, bool in_loop) {
-  const int rows = solve_staged(C) ? (in_loop ? kTileRows<true, true> : kTileRows<true, false>)
-                                   : (in_loop ? kTileRows<false, true> : kTileRows<false, false>);
+// Threads per block of a solve kernel (in the loop or the dy part; staged or not): one per tile of a slice, whole
+// warps, at most kSolveThreadsMax (more tiles take turns).
+inline int solve_threads(int64_t C, bool in_loop, bool staged) {
+  const int rows = staged ? (in_loop ? kTileRows<true, true> : kTileRows<true, false>)
+                          : (in_loop ? kTileRows<false, true> : kTileRows<false, false>);
   return std::min(kSolveThreadsMax, (tile_rows(C) / rows * kQuads + 31) / 32 * 32);
 }
 
@@ -618,7 +747,7 @@ __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64
   float* sq0 = sG + slice;
   float* smi = sq0 + slice;
   float* sqk = smi + tile_rows(C) * ms;
-  const float* G = rows.G + rows.at(dm, u, s);
+  float* G = rows.G + rows.at(dm, u, s);  // the gathers; saving, v - G replaces them (the vg residual)
   const float* v = io.v + u * C * D;
   const float* beta = io.beta + u * C;
   const float* minv = p1.minv + u * C * C;
@@ -636,7 +765,9 @@ __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64
       const float b = t < C ? beta[t] : 0.f;
       float4& x = reinterpret_cast<float4*>(su)[idx];
       const float4 g = reinterpret_cast<const float4*>(sG)[idx];
-      x = make_float4(b * (x.x - g.x), b * (x.y - g.y), b * (x.z - g.z), b * (x.w - g.w));
+      const float4 vg = make_float4(x.x - g.x, x.y - g.y, x.z - g.z, x.w - g.w);
+      if (rows.per_unit && t < C) store_quad(G + t * D, d0 + 4 * (idx % kQuads), D, vg);
+      x = make_float4(b * vg.x, b * vg.y, b * vg.z, b * vg.w);
     }
   } else {
     prefetch_matrix(minv, C);
@@ -645,7 +776,9 @@ __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64
     stage_quads(C, su, [&](int t, int q) {  // u = beta (v - G)
       const float b = beta[t];
       const float4 x = load_quad(v + t * D, d0 + 4 * q, D), g = load_quad(G + t * D, d0 + 4 * q, D);
-      return make_float4(b * (x.x - g.x), b * (x.y - g.y), b * (x.z - g.z), b * (x.w - g.w));
+      const float4 vg = make_float4(x.x - g.x, x.y - g.y, x.z - g.z, x.w - g.w);
+      if (rows.per_unit) store_quad(G + t * D, d0 + 4 * q, D, vg);
+      return make_float4(b * vg.x, b * vg.y, b * vg.z, b * vg.w);
     });
   }
   __syncthreads();
@@ -688,10 +821,12 @@ struct alignas(16) GroupEntry {
 // The call's table of a map of DESIGN.md (w_* with k_idx, or r_* with q_idx; `lanes` its W or R) for every unit u,
 // n = C * lanes entries per unit: by group, table[u * n + g] = {slot, lo, hi, first} for every group g < n (the
 // packed kernels); or by first entry (the unpacked kernels), table[u * n + first] = {slot, lo, hi, g} at the first
-// sorted entry of every group with a slot in range, the rest left as they are (filled with -1 before).
+// sorted entry of every group with a slot in range, the rest left as they are (filled with -1 before). With
+// `first` (a fresh result's first steps; by first entry) `hi` carries kFromInput when the group's kernel, at `step`,
+// reads its row from the input.
 __global__ void group_table_kernel(StepDims dm, const int32_t* __restrict__ order, const int32_t* __restrict__ group,
                                    const int32_t* __restrict__ idx, int64_t lanes, int64_t units, bool by_first,
-                                   GroupEntry* __restrict__ table) {
+                                   const uint32_t* __restrict__ first, StepOf step, GroupEntry* __restrict__ table) {
   chain_start();
   const int64_t n = dm.C * lanes, total = units * n;
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total;
@@ -709,7 +844,8 @@ __global__ void group_table_kernel(StepDims dm, const int32_t* __restrict__ orde
     if (!by_first) {
       table[k] = e;
     } else if (e.slot >= 0) {
-      table[u * n + e.first] = GroupEntry{e.slot, e.lo, e.hi, static_cast<int32_t>(g)};
+      const bool from_input = first && first[stream_of_unit(dm, u) * dm.K + e.slot] >= step(dm, u);
+      table[u * n + e.first] = GroupEntry{e.slot, e.lo, e.hi | (from_input ? kFromInput : 0), static_cast<int32_t>(g)};
     }
   }
 }
@@ -721,6 +857,7 @@ struct Group {
   int64_t s, u, g;
   int lane;
   int32_t lo, hi, slot, first;
+  bool from_input;  // a fresh output bank's first write of the slot: the row is the input bank's
 };
 
 __device__ __forceinline__ bool warp_group(const StepDims& dm, int64_t c, const GroupEntry* table, int64_t lanes,
@@ -736,6 +873,7 @@ __device__ __forceinline__ bool warp_group(const StepDims& dm, int64_t c, const 
   out->lo = e.y;
   out->hi = e.z;
   out->first = e.w;
+  out->from_input = false;
   return out->slot >= 0;
 }
 
@@ -808,7 +946,9 @@ struct OwnedGroups {
     todo &= todo - 1;
     gr.slot = __shfl_sync(0xffffffffu, e.x, k);
     gr.lo = __shfl_sync(0xffffffffu, e.y, k);
-    gr.hi = __shfl_sync(0xffffffffu, e.z, k);
+    const int32_t hi = __shfl_sync(0xffffffffu, e.z, k);
+    gr.hi = hi & ~kFromInput;
+    gr.from_input = (hi & kFromInput) != 0;
     gr.g = __shfl_sync(0xffffffffu, e.w, k);
     gr.first = static_cast<int32_t>(t * lanes + entry(k));
     return true;
@@ -869,33 +1009,28 @@ __device__ __forceinline__ void write_batch(const StepDims& dm, const StepPhase1
   }
 }
 
-// S segments of VEC columns (32 * VEC apart) of a row from column d0 on, as far as D.
-template <int VEC, int S, typename T>
-__device__ __forceinline__ void load_batch(const T* row, int64_t d0, int64_t D, Cols<VEC, T> (&x)[S]) {
-#pragma unroll
-  for (int k = 0; k < S; ++k) {
-    if (d0 + k * 32 * VEC >= D) break;
-    x[k].load(row + d0 + k * 32 * VEC);
-  }
-}
-
+// `input` is the input bank of a fresh output bank (the rows of groups from_input are read there), else `bank`.
 template <int VEC, typename T>
 __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
-    fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, T* __restrict__ bank, int64_t c, ChunkRows rows,
-                     GroupTables tables) {
-  chain_start();
+    fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, const T* input, T* __restrict__ bank, int64_t c,
+                     ChunkRows rows, GroupTables tables) {
   extern __shared__ __align__(16) float staged[];
   const int64_t D = dm.D, s = blockIdx.x, u = unit_of(dm, s, c);
+  constexpr int S = segs_for(kWriteLaneBytes, VEC * static_cast<int>(sizeof(T)));
+  const auto row_of = [&](const Group& gr) { return (gr.from_input ? input : bank) + (s * dm.K + gr.slot) * D; };
   const float* delta = rows.delta + rows.at(dm, u, s);
   const float* const vecs[1] = {delta};
-  OwnedGroups owned(dm, s, u, tables.w, dm.W);
   const float* pre[1];
-  stage_token(D, vecs, staged, pre);
-  constexpr int S = segs_for(kWriteLaneBytes, VEC * static_cast<int>(sizeof(T)));
+  // The group table and the rows this kernel reads were final before the solve it follows started (that solve
+  // waited for the gather, which waited for the previous chunk's write): the table rows and the first group's
+  // row are loaded before chain_start waits for the solve, so those loads overlap its end; delta after.
+  OwnedGroups owned(dm, s, u, tables.w, dm.W);
   const int64_t d0 = static_cast<int64_t>(owned.gr.lane) * VEC;
   if (D > S * 32 * VEC) {  // rows of several batches: one group at a time
+    chain_start();
+    stage_token(D, vecs, staged, pre);
     while (owned.next()) {
-      const T* row = bank + (s * dm.K + owned.gr.slot) * D;
+      const T* row = row_of(owned.gr);
       for (int64_t d = d0; d < D; d += S * 32 * VEC) {
         Cols<VEC, T> x[S];
         load_batch(row, d, D, x);
@@ -905,14 +1040,17 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     return;
   }
   // Rows of one batch: the next group's row is loaded before this one's is written (two rows in flight per warp).
-  if (!owned.next()) return;
+  const bool any = owned.next();
   Group cur = owned.gr;
   Cols<VEC, T> x[S];
-  load_batch(bank + (s * dm.K + cur.slot) * D, d0, D, x);
+  if (any) load_batch(row_of(cur), d0, D, x);
+  chain_start();
+  stage_token(D, vecs, staged, pre);
+  if (!any) return;
   for (;;) {
     const bool more = owned.next();
     Cols<VEC, T> y[S];
-    if (more) load_batch(bank + (s * dm.K + owned.gr.slot) * D, d0, D, y);
+    if (more) load_batch(row_of(owned.gr), d0, D, y);
     write_batch<VEC>(dm, p1, io, bank, delta, pre[0], cur, d0, x);
     if (!more) break;
     cur = owned.gr;
@@ -975,8 +1113,10 @@ __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
 
 // With packed sequences (kPacked, `local` the tokens' segments) only the chunk's last segment's writes were
 // stored: the other tokens' rows are zero (and their dw stays 0).
-template <int VEC, typename GT, bool kPacked>
-__global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) bwd_gwr_kernel(StepDims dm, StepPhase1 p1, const GT* __restrict__ dbank, int64_t c, BackRows rows, const int32_t* local) {
+// With a fresh result (kFresh) each lane's gradient row comes from the result or the input, by its tag (`w_tag`,
+// lane_tags_kernel).
+template <int VEC, typename GT, bool kPacked, bool kFresh>
+__global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) bwd_gwr_kernel(StepDims dm, StepPhase1 p1, const GT* __restrict__ dbank, const GT* dbank_in, const int32_t* w_tag, int64_t c, BackRows rows, const int32_t* local) {
   chain_start();
   extern __shared__ float partial[];
   const int64_t s = blockIdx.x, t = blockIdx.y;
@@ -986,8 +1126,16 @@ __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) bwd_gwr_kerne
     const int32_t* local_u = local + u * dm.C;
     if (local_u[t] != warp_unit_last(local_u, dm.C)) lanes = 0;
   }
-  gather_row<VEC, GT>(BankRows<GT>{dbank + s * dm.K * dm.D, dm.D}, p1.k_idx + (u * dm.C + t) * dm.W,
-                      p1.w + (u * dm.C + t) * dm.W, lanes, dm.K, dm.D, rows.gwr + (s * dm.C + t) * dm.D, partial);
+  const int64_t at = (u * dm.C + t) * dm.W;
+  float* out = rows.gwr + (s * dm.C + t) * dm.D;
+  if constexpr (kFresh) {
+    const GT* input = dbank_in ? dbank_in + s * dm.K * dm.D : nullptr;  // null: a zero cotangent
+    gather_row<VEC, GT>(FreshRows<GT>{dbank + s * dm.K * dm.D, input, dm.D}, w_tag + at,
+                        p1.w + at, lanes, dm.D, out, partial);
+  } else {
+    gather_row<VEC, GT>(BankRows<GT>{dbank + s * dm.K * dm.D, dm.K, dm.D}, p1.k_idx + at, p1.w + at, lanes, dm.D,
+                        out, partial);
+  }
 }
 
 // In the loop: du += Minv^T gwr (the bank-dependent part), dG = -beta du. Shared memory: the gwr slice; staged,
@@ -1077,7 +1225,7 @@ __global__ void __launch_bounds__(kDotsThreads) bwd_dots_kernel(StepDims dm, Ste
         sdy[r][dd] = in_i ? io.dy[ki] : 0.f;
         sdl[r][dd] = in_j ? io.delta[kj] : 0.f;
         if (diag) {
-          svg[r][dd] = in_i ? io.v[ki] - io.G[ki] : 0.f;
+          svg[r][dd] = in_i ? io.vg[ki] : 0.f;
           if (in_i) io.dv[ki] = io.beta[u * C + i0 + r] * du;
         }
       }
@@ -1142,10 +1290,19 @@ __device__ __forceinline__ void phase_a_dots(const GT* drow, const T* s0, const 
   }
 }
 
+// Where a group kernel of the backward reads its gradient row (at `offset` of a bank): the result's, or until a fresh
+// result's first write the cotangent's, a row of zeros for a zero cotangent (null `input`).
+template <typename GT>
+__device__ __forceinline__ const GT* fresh_source(const Group& gr, const GT* input, const GT* result,
+                                                  const GT* zero_row, int64_t offset) {
+  if (!gr.from_input) return result + offset;
+  return input ? input + offset : zero_row;
+}
+
 template <int VEC, typename T, typename GT>
 __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T* __restrict__ bank, GT* __restrict__ dbank,
-                       int64_t c, BackRows rows, GroupTables tables) {
+                       const GT* dbank_in, const GT* zero_row, int64_t c, BackRows rows, GroupTables tables) {
   chain_start();
   extern __shared__ __align__(16) float staged[];
   const int64_t C = dm.C, W = dm.W, D = dm.D, K = dm.K, s = blockIdx.x, u = unit_of(dm, s, c);
@@ -1156,17 +1313,18 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     const int lane = gr.lane;
     const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
     const int32_t* order = p1.w_order + u * C * W;
-    GT* drow = dbank + (s * K + slot) * D;
+    GT* drow = dbank + (s * K + slot) * D;  // dS1 is read at dsrc (the input's row until a fresh result's first write)
+    const GT* dsrc = fresh_source(gr, dbank_in, dbank, zero_row, (s * K + slot) * D);
     const T* s0 = static_cast<const T*>(io.snapshot) + (u * C * W + gr.g) * D;
     const int64_t e0 = u * C * W + gr.first;
     const float cpe = p1.cpe[e0];
     const float* k_eff = p1.k_eff + u * C * W;
     T* row = bank + (s * K + slot) * D;
     if (hi - lo > kInlineEntries) {
-      phase_a_dots<VEC>(drow, s0, delta, dG, order, lo, hi, W, D, lane, io, u * C * W, e0);
+      phase_a_dots<VEC>(dsrc, s0, delta, dG, order, lo, hi, W, D, lane, io, u * C * W, e0);
       for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
         float acc[VEC];
-        load_cols<VEC>(drow + d, acc);
+        load_cols<VEC>(dsrc + d, acc);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) acc[i] *= cpe;
         group_add<VEC>(order, lo, hi, k_eff, dG + d, W, D, acc);
@@ -1180,7 +1338,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     // warp_dot's order), the gradient row and the restore. The first entry's delta and dG are the block's token's.
     const int32_t n = hi - lo;
     float p_cpe = 0.f, p_w[kInlineEntries] = {}, p_k[kInlineEntries] = {};
-    walk_two_rows<VEC>(drow, s0, pre, D, lane, [&](int64_t d, const Cols<VEC, GT>& ds, const Cols<VEC, T>& sv,
+    walk_two_rows<VEC>(dsrc, s0, pre, D, lane, [&](int64_t d, const Cols<VEC, GT>& ds, const Cols<VEC, T>& sv,
                                                  const float (&first)[2][VEC]) {
       float acc[VEC];
 #pragma unroll
@@ -1227,7 +1385,8 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
 template <int VEC, typename T, typename GT>
 __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     bwd_read_side_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const T* __restrict__ bank,
-                         GT* __restrict__ dbank, int64_t c, GroupTables tables) {
+                         GT* __restrict__ dbank, const GT* dbank_in, const GT* zero_row, int64_t c,
+                         GroupTables tables) {
   chain_start();
   extern __shared__ __align__(16) float staged[];
   const int64_t C = dm.C, R = dm.R, D = dm.D, K = dm.K, s = blockIdx.x, u = unit_of(dm, s, c);
@@ -1237,7 +1396,8 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     const int lane = gr.lane;
     const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
     const int32_t* order = p1.r_order + u * C * R;
-    GT* drow = dbank + (s * K + slot) * D;
+    GT* drow = dbank + (s * K + slot) * D;  // read at dsrc, as in Phase A
+    const GT* dsrc = fresh_source(gr, dbank_in, dbank, zero_row, (s * K + slot) * D);
     const T* row = bank + (s * K + slot) * D;
     const float* q_w = p1.q_w + u * C * R;
     if (hi - lo > kInlineEntries) {
@@ -1248,7 +1408,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
       }
       for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
         float acc[VEC];
-        load_cols<VEC>(drow + d, acc);
+        load_cols<VEC>(dsrc + d, acc);
         for (int32_t k = lo; k < hi; ++k) {
           const int32_t r = order[k];
           float x[VEC];
@@ -1265,7 +1425,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     // block's token's.
     const int32_t n = hi - lo;
     float p_q[kInlineEntries] = {};
-    walk_two_rows<VEC>(row, drow, pre, D, lane, [&](int64_t d, const Cols<VEC, T>& x, const Cols<VEC, GT>& ds,
+    walk_two_rows<VEC>(row, dsrc, pre, D, lane, [&](int64_t d, const Cols<VEC, T>& x, const Cols<VEC, GT>& ds,
                                                   const float (&first)[1][VEC]) {
       float acc[VEC];
 #pragma unroll
@@ -1484,9 +1644,25 @@ int smem_attribute(Kernel kernel, size_t bytes) {
 
 // Shared memory of a solve kernel: `slices` [tile_rows(C), kSlice] float32 slices, and when staged `staged_slices`
 // more and `matrices` [tile_rows(C), matrix_stride(C)] matrices.
-inline size_t solve_smem(int64_t C, int slices, int staged_slices, int matrices) {
-  const size_t slice = static_cast<size_t>(tile_rows(C)) * kSlice, matrix = static_cast<size_t>(tile_rows(C)) * matrix_stride(C);
-  return sizeof(float) * (solve_staged(C) ? (slices + staged_slices) * slice + matrices * matrix : slices * slice);
+struct SolveSmem {
+  int slices, staged_slices, matrices;
+  size_t bytes(int64_t C, bool staged) const {
+    const size_t slice = static_cast<size_t>(tile_rows(C)) * kSlice;
+    const size_t matrix = static_cast<size_t>(tile_rows(C)) * matrix_stride(C);
+    return sizeof(float) * (staged ? (slices + staged_slices) * slice + matrices * matrix : slices * slice);
+  }
+};
+constexpr SolveSmem kFwdSolveSmem{2, 2, 2}, kBwdSolveSmem{1, 1, 1}, kDySmem{2, 0, 2};
+
+// Whether a solve kernel (`max_c`: kStagedLoopMaxC or kStagedDyMaxC) is staged at chunk size C on this device: up to
+// max_c, and its shared memory within what the device allows a block.
+inline bool solve_staged(int64_t C, int max_c, const SolveSmem& smem) {
+  if (C > max_c) return false;
+  int device = 0, limit = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
+    return false;
+  return smem.bytes(C, true) <= static_cast<size_t>(limit);
 }
 
 // Whether the kernels of a call are launched with programmatic stream serialization (chain_start): on devices of
@@ -1538,18 +1714,83 @@ inline GroupEntry* group_tables_at(const StepDims& dm, float* workspace) {
   return reinterpret_cast<GroupEntry*>(workspace + step_rows_floats(dm));
 }
 
+// Blocks of a grid-stride launch of 256 threads over `total` items.
+inline int stride_blocks(int64_t total) { return static_cast<int>(std::min<int64_t>((total + 255) / 256, 4096)); }
+
 inline int build_group_table(bool pdl, const StepDims& dm, const int32_t* order, const int32_t* group,
-                             const int32_t* idx, int64_t lanes, bool by_first, GroupEntry* table,
-                             cudaStream_t stream) {
+                             const int32_t* idx, int64_t lanes, bool by_first, const uint32_t* first, StepOf step,
+                             GroupEntry* table, cudaStream_t stream) {
   const int64_t total = dm.units() * dm.C * lanes;
   if (total == 0) return 0;
   if (by_first) {  // every entry that heads no group reads slot -1
     const int rc = static_cast<int>(cudaMemsetAsync(table, 0xff, total * sizeof(GroupEntry), stream));
     if (rc) return rc;
   }
-  const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 4096));
-  return launch(pdl, group_table_kernel, dim3(blocks), dim3(256), 0, stream, dm, order, group, idx, lanes,
-                dm.units(), by_first, table);
+  return launch(pdl, group_table_kernel, dim3(stride_blocks(total)), dim3(256), 0, stream, dm, order, group, idx,
+                lanes, dm.units(), by_first, first, step, table);
+}
+
+// A fresh result's arrays in the workspace, after the group tables (kernels/steps.h): each slot's first writing
+// step ([streams, K]), then the gather lanes' row tags: the forward's write and read lanes, the backward's GWR
+// lanes (its write lanes; no read tags).
+struct FreshArrays {
+  uint32_t* first;
+  int32_t* w_tag;
+  int32_t* r_tag;
+  float* zero_row;  // the backward's: a row of zeros (16-byte aligned), read for a zero cotangent's rows
+};
+inline FreshArrays fresh_arrays_at(const StepDims& dm, GroupEntry* after_tables, bool forward) {
+  uint32_t* first = reinterpret_cast<uint32_t*>(after_tables);
+  int32_t* w_tag = reinterpret_cast<int32_t*>(first + dm.streams() * dm.K);
+  int32_t* end = w_tag + dm.units() * dm.C * dm.W;
+  if (forward) return FreshArrays{first, w_tag, end, nullptr};
+  const uintptr_t at = (reinterpret_cast<uintptr_t>(end) + 15) / 16 * 16;
+  return FreshArrays{first, w_tag, nullptr, reinterpret_cast<float*>(at)};
+}
+
+// One map's part in a fresh result (prepare_fresh): its ids, the step of its lanes, whether its kernel writes the
+// rows (a write map in the forward; both maps in the backward) and where its gather lanes' tags go (or null).
+struct TouchMap {
+  const int32_t* idx;
+  int64_t lanes;
+  StepOf step;
+  bool writes;
+  int32_t* tags;
+};
+
+// Before a fresh result's chunk loop: the slots' first writing steps, the gather lanes' tags (the group tables
+// are built after, from the first steps), and the rows no step writes copied from the input into the result.
+template <int VEC, typename T>
+int prepare_fresh(bool pdl, const StepDims& dm, const TouchMap (&maps)[2], uint32_t* first, const T* input,
+                  T* result, cudaStream_t stream) {
+  int rc = static_cast<int>(cudaMemsetAsync(first, 0xff, dm.streams() * dm.K * sizeof(uint32_t), stream));
+  for (const TouchMap& m : maps) {
+    const int64_t lanes = dm.units() * dm.C * m.lanes;
+    if (!rc && lanes && m.writes)
+      rc = launch(pdl, first_touch_kernel, dim3(stride_blocks(lanes)), dim3(256), 0, stream, dm, m.idx, m.lanes,
+                  m.step, first);
+  }
+  for (const TouchMap& m : maps) {
+    const int64_t lanes = dm.units() * dm.C * m.lanes;
+    if (!rc && lanes && m.tags)
+      rc = launch(pdl, lane_tags_kernel, dim3(stride_blocks(lanes)), dim3(256), 0, stream, dm, m.idx, m.lanes,
+                  m.step, static_cast<const uint32_t*>(first), m.tags);
+  }
+  const int64_t rows = dm.streams() * dm.K;  // a thread per row: a warp per 32 rows
+  if (!rc && rows)
+    rc = launch(pdl, copy_untouched_kernel<VEC, T>, dim3(stride_blocks(rows)), dim3(256), 0, stream, dm,
+                static_cast<const uint32_t*>(first), input, result);
+  return rc;
+}
+
+// The whole input into the result when they are two buffers (packed sequences update the result in place); zeros
+// for a null input.
+template <typename T>
+int copy_whole(const StepDims& dm, const T* input, T* result, cudaStream_t stream) {
+  const size_t bytes = dm.streams() * dm.K * dm.D * sizeof(T);
+  if (input == result) return 0;
+  if (input == nullptr) return static_cast<int>(cudaMemsetAsync(result, 0, bytes, stream));  // a zero cotangent
+  return static_cast<int>(cudaMemcpyAsync(result, input, bytes, cudaMemcpyDeviceToDevice, stream));
 }
 
 // Launch shape of the unpacked group kernels (for_owned_groups): one block of kOwnerWarps warps per (stream, token),
@@ -1565,81 +1806,125 @@ inline OwnerLaunch owner_launch(const StepDims& dm, int nv) {
 }
 
 template <int VEC, typename T>
-int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, T* bank, float* workspace,
-                 cudaStream_t stream, const StepSegments* segments) {
+int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, const T* input, T* bank,
+                 float* workspace, cudaStream_t stream, const StepSegments* segments) {
   const int64_t n = dm.streams() * dm.C * dm.D;
   const bool save = io.delta != nullptr;
-  const ChunkRows rows{save ? io.G : workspace, workspace + n, save ? io.delta : workspace + 2 * n, save};
+  const ChunkRows rows{save ? io.vg : workspace, workspace + n, save ? io.delta : workspace + 2 * n, save};
   GroupEntry* w_table = group_tables_at(dm, workspace);
   const GroupTables tables{w_table, nullptr};
   const bool pdl = use_pdl();
-  const auto fwd_solve = solve_staged(dm.C) ? fwd_solve_kernel<true> : fwd_solve_kernel<false>;
-  const size_t smem = solve_smem(dm.C, 2, 2, 2);
-  int rc = build_group_table(pdl, dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, segments == nullptr, w_table, stream);
+  const bool fresh = segments == nullptr && input != bank;
+  const FreshArrays fa = fresh_arrays_at(dm, w_table + dm.units() * dm.C * dm.W, true);
+  const bool staged = solve_staged(dm.C, kStagedLoopMaxC, kFwdSolveSmem);
+  const auto fwd_solve = staged ? fwd_solve_kernel<true> : fwd_solve_kernel<false>;
+  const size_t smem = kFwdSolveSmem.bytes(dm.C, staged);
+  int rc = 0;
+  if (segments) rc = copy_whole(dm, input, bank, stream);
+  if (!rc && fresh) {
+    const TouchMap maps[2] = {{p1.k_idx, dm.W, kForwardStep, true, fa.w_tag},
+                              {p1.q_idx, dm.R, kForwardStep, false, fa.r_tag}};
+    rc = prepare_fresh<VEC>(pdl, dm, maps, fa.first, input, bank, stream);
+  }
+  if (!rc)
+    rc = build_group_table(pdl, dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, segments == nullptr,
+                           fresh ? fa.first : nullptr, kForwardStep, w_table, stream);
   if (!rc) rc = smem_attribute(fwd_solve, smem);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
   const dim3 group_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
   const RowBlock rb = row_block(dm.D, VEC);
   const dim3 gather_grid(dm.streams(), dm.C, 2);
   // The chunk steps: gather, solve, write (with packed sequences the gathers pick each row's bank, and the write
-  // kernel stores the last segment's groups and stamps their rows).
+  // kernel stores the last segment's groups and stamps their rows; with a fresh output bank the gathers and the
+  // write read a row from the input until its first write).
   const auto steps = [&](auto gather, auto write, auto seg) {
     if (!rc) rc = smem_attribute(gather, rb.smem);
     for (int64_t c = 0; c < dm.NC && !rc; ++c) {
       rc = launch(pdl, gather, gather_grid, rb.threads, rb.smem, stream, dm, p1, static_cast<const T*>(bank), c,
                   rows, seg);
       if (!rc)
-        rc = launch(pdl, fwd_solve, slice_grid, dim3(solve_threads(dm.C, true)), smem, stream, dm, p1, io, c, rows);
+        rc = launch(pdl, fwd_solve, slice_grid, dim3(solve_threads(dm.C, true, staged)), smem, stream, dm, p1, io, c,
+                    rows);
       if (!rc) rc = write(c);
     }
   };
   if (!segments) {
     const OwnerLaunch ol = owner_launch(dm, 1);
-    steps(fwd_gather_kernel<VEC, T, false, NoSegments>, [&](int64_t c) {
-      return launch(pdl, fwd_write_kernel<VEC, T>, ol.grid, ol.block, ol.smem, stream, dm, p1, io, bank, c, rows,
-                    tables);
-    }, NoSegments{});
+    const auto write = [&](int64_t c) {
+      return launch(pdl, fwd_write_kernel<VEC, T>, ol.grid, ol.block, ol.smem, stream, dm, p1, io,
+                    fresh ? input : static_cast<const T*>(bank), bank, c, rows, tables);
+    };
+    if (fresh)
+      steps(fwd_gather_kernel<VEC, T, FreshView<T>>, write, FreshView<T>{input, fa.w_tag, fa.r_tag});
+    else
+      steps(fwd_gather_kernel<VEC, T, NoSegments>, write, NoSegments{});
     return rc;
   }
   const SegView<T> sv{segments->local, segments->seg0, static_cast<const T*>(segments->initial), segments->stamp,
                       segments->stamp_snapshot, nullptr};
   if (!rc) rc = static_cast<int>(cudaMemsetAsync(sv.stamp, 0, dm.streams() * dm.K * sizeof(int32_t), stream));
-  steps(fwd_gather_kernel<VEC, T, true, SegView<T>>, [&](int64_t c) {
+  steps(fwd_gather_kernel<VEC, T, SegView<T>>, [&](int64_t c) {
     return launch(pdl, fwd_write_packed_kernel<VEC, T>, group_grid, dim3(kGroupWarps * 32), 0, stream, dm, p1, io,
                   bank, c, rows, tables, sv);
   }, sv);
   return rc;
 }
 
+// Columns per thread of the gradient rows' gather and copies: 16 bytes, 8 bfloat16 or 4 float32 columns.
+template <int VEC, typename GT>
+constexpr int kGVecOf = sizeof(GT) == 2 ? VEC : (VEC >= 4 ? 4 : 1);
+
 template <int VEC, typename T, typename GT>
-int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, T* bank, GT* dbank,
-                  float* workspace, cudaStream_t stream, const StepSegments* segments) {
+int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, T* bank, const GT* dbank_in,
+                  GT* dbank, float* workspace, cudaStream_t stream, const StepSegments* segments) {
   const int64_t n = dm.streams() * dm.C * dm.D;
   const BackRows rows{workspace, workspace + n};
   GroupEntry* w_table = group_tables_at(dm, workspace);
   GroupEntry* r_table = w_table + dm.units() * dm.C * dm.W;
   const GroupTables tables{w_table, r_table};
-  const bool pdl = use_pdl(), staged = solve_staged(dm.C);
-  const auto bwd_dy = staged ? bwd_dy_kernel<true> : bwd_dy_kernel<false>;
+  const bool pdl = use_pdl();
+  const bool dy_staged = solve_staged(dm.C, kStagedDyMaxC, kDySmem);
+  const bool staged = solve_staged(dm.C, kStagedLoopMaxC, kBwdSolveSmem);
+  const auto bwd_dy = dy_staged ? bwd_dy_kernel<true> : bwd_dy_kernel<false>;
   const auto bwd_solve = staged ? bwd_solve_kernel<true> : bwd_solve_kernel<false>;
-  const size_t dy_smem = solve_smem(dm.C, 2, 0, 2), solve_smem_bytes = solve_smem(dm.C, 1, 1, 1);
+  const size_t dy_smem = kDySmem.bytes(dm.C, dy_staged), solve_smem_bytes = kBwdSolveSmem.bytes(dm.C, staged);
   const bool by_first = segments == nullptr;
-  int rc = build_group_table(pdl, dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, by_first, w_table, stream);
-  if (!rc) rc = build_group_table(pdl, dm, p1.r_order, p1.r_group, p1.q_idx, dm.R, by_first, r_table, stream);
+  // A fresh gradient bank: the cotangent's rows are read until the first Phase A or read side (in the loop's
+  // order, the last chunk first) that writes them.
+  const bool fresh = segments == nullptr && dbank_in != dbank;
+  const FreshArrays fa = fresh_arrays_at(dm, r_table + dm.units() * dm.C * dm.R, false);
+  const GT* zero_row = reinterpret_cast<const GT*>(fa.zero_row);
+  int rc = 0;
+  if (segments) rc = copy_whole(dm, dbank_in, dbank, stream);
+  if (!rc && fresh && dbank_in == nullptr)
+    rc = static_cast<int>(cudaMemsetAsync(fa.zero_row, 0, dm.D * sizeof(GT), stream));
+  if (!rc && fresh) {
+    const TouchMap maps[2] = {{p1.k_idx, dm.W, kPhaseAStep, true, fa.w_tag},
+                              {p1.q_idx, dm.R, kReadSideStep, true, nullptr}};
+    rc = prepare_fresh<kGVecOf<VEC, GT>>(pdl, dm, maps, fa.first, dbank_in, dbank, stream);
+  }
+  const uint32_t* first = fresh ? fa.first : nullptr;
+  if (!rc)
+    rc = build_group_table(pdl, dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, by_first, first, kPhaseAStep, w_table,
+                           stream);
+  if (!rc)
+    rc = build_group_table(pdl, dm, p1.r_order, p1.r_group, p1.q_idx, dm.R, by_first, first, kReadSideStep, r_table,
+                           stream);
   if (!rc) rc = smem_attribute(bwd_dy, dy_smem);
   if (!rc) rc = smem_attribute(bwd_solve, solve_smem_bytes);
   const dim3 row_grid(dm.streams(), dm.C);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
   const dim3 write_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
   const dim3 read_grid(dm.streams(), (dm.C * dm.R + kGroupWarps - 1) / kGroupWarps);
-  // Gradient rows read 16 bytes per thread: 8 bfloat16 or 4 float32 columns.
-  constexpr int kGVec = sizeof(GT) == 2 ? VEC : (VEC >= 4 ? 4 : 1);
+  constexpr int kGVec = kGVecOf<VEC, GT>;
   const RowBlock rb = row_block(dm.D, kGVec);
-  const auto gwr = segments ? bwd_gwr_kernel<kGVec, GT, true> : bwd_gwr_kernel<kGVec, GT, false>;
+  const auto gwr = segments ? bwd_gwr_kernel<kGVec, GT, true, false>
+                   : fresh  ? bwd_gwr_kernel<kGVec, GT, false, true>
+                            : bwd_gwr_kernel<kGVec, GT, false, false>;
   if (!rc) rc = smem_attribute(gwr, rb.smem);
   if (!rc) {
-    rc = launch(pdl, bwd_dy, dim3(dm.units(), (dm.D + kSlice - 1) / kSlice), dim3(solve_threads(dm.C, false)), dy_smem,
-                stream, dm, p1, io);
+    rc = launch(pdl, bwd_dy, dim3(dm.units(), (dm.D + kSlice - 1) / kSlice),
+                dim3(solve_threads(dm.C, false, dy_staged)), dy_smem, stream, dm, p1, io);
   }
   const dim3 group_block(kGroupWarps * 32);
   const OwnerLaunch phase_a = owner_launch(dm, 2), read_side = owner_launch(dm, 1);
@@ -1649,10 +1934,11 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
                     segments->stamp_snapshot, segments->dinitial};
   }
   for (int64_t c = dm.NC - 1; c >= 0 && !rc; --c) {
-    rc = launch(pdl, gwr, row_grid, rb.threads, rb.smem, stream, dm, p1, static_cast<const GT*>(dbank), c, rows,
-                sv.local);
+    rc = launch(pdl, gwr, row_grid, rb.threads, rb.smem, stream, dm, p1, static_cast<const GT*>(dbank), dbank_in,
+                static_cast<const int32_t*>(fa.w_tag), c, rows, sv.local);
     if (!rc)
-      rc = launch(pdl, bwd_solve, slice_grid, dim3(solve_threads(dm.C, true)), solve_smem_bytes, stream, dm, p1, io, c, rows);
+      rc = launch(pdl, bwd_solve, slice_grid, dim3(solve_threads(dm.C, true, staged)), solve_smem_bytes, stream, dm, p1,
+                  io, c, rows);
     if (segments) {  // Phase A (the stored groups, then the earlier segments' groups) and the read side
       if (!rc)
         rc = launch(pdl, bwd_phase_a_packed_kernel<VEC, T, GT>, write_grid, group_block, 0, stream, dm, p1, io, bank,
@@ -1667,10 +1953,10 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
     }
     if (!rc)
       rc = launch(pdl, bwd_phase_a_kernel<VEC, T, GT>, phase_a.grid, phase_a.block, phase_a.smem, stream, dm, p1, io,
-                  bank, dbank, c, rows, tables);
+                  bank, dbank, dbank_in, zero_row, c, rows, tables);
     if (!rc)
       rc = launch(pdl, bwd_read_side_kernel<VEC, T, GT>, read_side.grid, read_side.block, read_side.smem, stream, dm,
-                  p1, io, static_cast<const T*>(bank), dbank, c, tables);
+                  p1, io, static_cast<const T*>(bank), dbank, dbank_in, zero_row, c, tables);
   }
   if (!rc) {
     rc = launch(pdl, bwd_dots_kernel, dim3(dm.units(), (dm.C + kDotsTile - 1) / kDotsTile), dim3(kDotsThreads), 0,
@@ -1686,48 +1972,53 @@ inline int vec_of(int64_t D) { return D % 8 == 0 ? 8 : D % 4 == 0 ? 4 : 1; }
 }  // namespace
 
 template <typename BankT>
-int forward_cuda(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, BankT* bank_in, float* workspace,
-                 CUstream_st* stream, const StepSegments* segments) {
+int forward_cuda(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, const BankT* bank_in,
+                 BankT* bank_out, float* workspace, CUstream_st* stream, const StepSegments* segments) {
   using T = typename Device<BankT>::type;
-  T* bank = reinterpret_cast<T*>(bank_in);
-  if (dm.streams() == 0 || dm.NC == 0 || dm.C == 0 || dm.D == 0) return 0;
+  const T* input = reinterpret_cast<const T*>(bank_in);
+  T* bank = reinterpret_cast<T*>(bank_out);
+  if (dm.streams() == 0 || dm.K == 0 || dm.D == 0) return 0;
+  if (dm.NC == 0 || dm.C == 0) return copy_whole(dm, input, bank, stream);  // no steps: the result is the input
   switch (vec_of(dm.D)) {
-    case 8: return forward_loop<8>(dm, p1, io, bank, workspace, stream, segments);
-    case 4: return forward_loop<4>(dm, p1, io, bank, workspace, stream, segments);
-    default: return forward_loop<1>(dm, p1, io, bank, workspace, stream, segments);
+    case 8: return forward_loop<8>(dm, p1, io, input, bank, workspace, stream, segments);
+    case 4: return forward_loop<4>(dm, p1, io, input, bank, workspace, stream, segments);
+    default: return forward_loop<1>(dm, p1, io, input, bank, workspace, stream, segments);
   }
 }
 
 template <typename BankT, typename GradT>
-int backward_cuda(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, BankT* bank_in, GradT* dbank_in,
-                  float* workspace, CUstream_st* stream, const StepSegments* segments) {
+int backward_cuda(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, BankT* bank_io,
+                  const GradT* dbank_cot, GradT* dbank_out, float* workspace, CUstream_st* stream,
+                  const StepSegments* segments) {
   using T = typename Device<BankT>::type;
   using GT = typename Device<GradT>::type;
-  T* bank = reinterpret_cast<T*>(bank_in);
-  GT* dbank = reinterpret_cast<GT*>(dbank_in);
+  T* bank = reinterpret_cast<T*>(bank_io);
+  const GT* dbank_in = reinterpret_cast<const GT*>(dbank_cot);
+  GT* dbank = reinterpret_cast<GT*>(dbank_out);
   int rc = 0;
   // Entries in no group (out-of-range ids, padding) get zero gradients.
   for (auto [p, n] : {std::pair{io.dk_eff, dm.W}, std::pair{io.dw, dm.W}, std::pair{io.dcpe, dm.W},
                       std::pair{io.dq_w, dm.R}}) {
     if (!rc) rc = static_cast<int>(cudaMemsetAsync(p, 0, dm.units() * dm.C * n * sizeof(float), stream));
   }
-  if (dm.streams() == 0 || dm.NC == 0 || dm.C == 0 || dm.D == 0 || rc) return rc;
+  if (dm.streams() == 0 || dm.K == 0 || dm.D == 0 || rc) return rc;
+  if (dm.NC == 0 || dm.C == 0) return copy_whole(dm, dbank_in, dbank, stream);  // no steps: dbank is the cotangent
   switch (vec_of(dm.D)) {
-    case 8: return backward_loop<8>(dm, p1, io, bank, dbank, workspace, stream, segments);
-    case 4: return backward_loop<4>(dm, p1, io, bank, dbank, workspace, stream, segments);
-    default: return backward_loop<1>(dm, p1, io, bank, dbank, workspace, stream, segments);
+    case 8: return backward_loop<8>(dm, p1, io, bank, dbank_in, dbank, workspace, stream, segments);
+    case 4: return backward_loop<4>(dm, p1, io, bank, dbank_in, dbank, workspace, stream, segments);
+    default: return backward_loop<1>(dm, p1, io, bank, dbank_in, dbank, workspace, stream, segments);
   }
 }
 
-template int forward_cuda<float>(const StepDims&, const StepPhase1&, const ForwardIO&, float*, float*, CUstream_st*,
-                                 const StepSegments*);
-template int forward_cuda<bf16>(const StepDims&, const StepPhase1&, const ForwardIO&, bf16*, float*, CUstream_st*,
-                                const StepSegments*);
-template int backward_cuda<float, float>(const StepDims&, const StepPhase1&, const BackwardIO&, float*, float*,
-                                         float*, CUstream_st*, const StepSegments*);
-template int backward_cuda<bf16, float>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, float*,
-                                        float*, CUstream_st*, const StepSegments*);
-template int backward_cuda<bf16, bf16>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, bf16*,
-                                       float*, CUstream_st*, const StepSegments*);
+template int forward_cuda<float>(const StepDims&, const StepPhase1&, const ForwardIO&, const float*, float*,
+                                 float*, CUstream_st*, const StepSegments*);
+template int forward_cuda<bf16>(const StepDims&, const StepPhase1&, const ForwardIO&, const bf16*, bf16*, float*,
+                                CUstream_st*, const StepSegments*);
+template int backward_cuda<float, float>(const StepDims&, const StepPhase1&, const BackwardIO&, float*,
+                                         const float*, float*, float*, CUstream_st*, const StepSegments*);
+template int backward_cuda<bf16, float>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, const float*,
+                                        float*, float*, CUstream_st*, const StepSegments*);
+template int backward_cuda<bf16, bf16>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, const bf16*,
+                                       bf16*, float*, CUstream_st*, const StepSegments*);
 
 }  // namespace sdm

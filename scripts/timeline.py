@@ -35,7 +35,7 @@ def split_calls(events, calls):
 
 
 def short(name, width=48):
-    name = name.split("(")[0].replace("void ", "")
+    name = name.replace("(anonymous namespace)::", "").split("(")[0].replace("void ", "")
     return name if len(name) <= width else name[:width - 3] + "..."
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jax_sdm import sdm_write_read
-from jax_sdm.testing import (FLOAT_ARGS, check_against_reference, cotangents, ffi_calls,
+from jax_sdm.testing import (FLOAT_ARGS, check_against_reference, cotangents, entry_ops_of_shape, ffi_calls,
                              outputs_and_grads, random_problem, rel_err)
 
 ffi_op = functools.partial(sdm_write_read, impl="ffi")
@@ -57,6 +57,67 @@ def test_no_grad_forward_saves_nothing():
     trained = jax.make_jaxpr(lambda a: jax.vjp(lambda b: ffi_op(**dict(a, bank=b), chunk_size=8), a["bank"]))(args)
     (fwd,) = ffi_calls(trained.jaxpr, "sdm_forward")
     assert all(int(np.prod(v.aval.shape)) > 0 for v in fwd.outvars[2:5])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_forward_makes_no_copy_of_a_kept_bank(dtype):
+    """The final bank is a result of its own: with the bank not donated (the caller keeps it), the compiled forward
+    copies no whole bank before the kernels (the kernels read each row from the initial bank until its first
+    write), and the initial bank is left as it was."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    args = random_problem(seed, B=2, T=20, H=2, K=512, D=8, W=3, R=2, dtype=dtype)
+    bank = jnp.asarray(args["bank"])
+    kept = np.asarray(bank, np.float32).copy()
+    op = jax.jit(lambda bank, a: ffi_op(bank=bank, **a, chunk_size=8))
+    rest = {k: v for k, v in args.items() if k != "bank"}
+    hlo = op.lower(bank, rest).compile().as_text()
+    B, H, K, D = bank.shape
+    # Of the bank's shape, and of the kernels' [B*H, K, D]: views only (a copy may also come as a fusion).
+    ops = entry_ops_of_shape(hlo, bank.shape) + entry_ops_of_shape(hlo, (B * H, K, D))
+    assert set(ops) <= {"parameter", "bitcast", "get-tuple-element"}, ops
+    y, final = op(bank, rest)
+    np.testing.assert_array_equal(np.asarray(bank, np.float32), kept)
+    y_ref, final_ref = sdm_write_read(**args, impl="reference")
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    assert rel_err(y, y_ref) < tol and rel_err(final, final_ref) < tol
+
+
+def test_grad_makes_no_copy_of_the_bank_or_its_cotangent():
+    """With a loss on the final bank too (its cotangent an array XLA must keep), the compiled forward + backward
+    copies neither the bank nor the cotangent: the backward's gradient bank is a result of its own, read from the
+    cotangent until each row's first write, and the gradients match the token loop's."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    args = random_problem(seed, B=2, T=20, H=2, K=512, D=8, W=3, R=2, distinct=False, repeats=True)
+    names = ("bank", "k_idx", "k_val", "v", "beta", "g", "q_idx", "q_val")
+    rng = np.random.default_rng(seed)
+    dy = jnp.asarray(rng.standard_normal(args["v"].shape), jnp.float32)
+    dbank = jnp.asarray(rng.standard_normal(args["bank"].shape), jnp.float32)
+
+    def loss(impl, bank, v, dy, dbank):
+        a = dict(args, bank=bank, v=v)
+        y, final = sdm_write_read(*(a[n] for n in names), chunk_size=8, impl=impl)
+        return jnp.sum(y * dy) + (0.0 if dbank is None else jnp.sum(final * dbank))
+
+    grad = jax.jit(jax.grad(functools.partial(loss, "ffi"), argnums=(0, 1)))
+    hlo = grad.lower(args["bank"], args["v"], dy, dbank).compile().as_text()
+    B, H, K, D = args["bank"].shape
+    ops = entry_ops_of_shape(hlo, (B, H, K, D)) + entry_ops_of_shape(hlo, (B * H, K, D))
+    assert set(ops) <= {"parameter", "bitcast", "get-tuple-element"}, ops
+    got = grad(args["bank"], args["v"], dy, dbank)
+    want = jax.grad(functools.partial(loss, "reference"), argnums=(0, 1))(args["bank"], args["v"], dy, dbank)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-5, rel_err(g, w)
+    # A loss of the readings only: the final bank's cotangent is a symbolic zero, which the backward reads as zero
+    # rows: no bank-sized buffer of zeros is made (nor copied), and the gradients still match.
+    grad = jax.jit(jax.grad(lambda bank, v, dy: loss("ffi", bank, v, dy, None), argnums=(0, 1)))
+    hlo = grad.lower(args["bank"], args["v"], dy).compile().as_text()
+    ops = entry_ops_of_shape(hlo, (B, H, K, D)) + entry_ops_of_shape(hlo, (B * H, K, D))
+    assert set(ops) <= {"parameter", "bitcast", "get-tuple-element"}, ops
+    got = grad(args["bank"], args["v"], dy)
+    reference = jax.grad(lambda bank, v, dy: loss("reference", bank, v, dy, None), argnums=(0, 1))
+    want = reference(args["bank"], args["v"], dy)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-5, rel_err(g, w)
 
 
 def _digest(*trees):

@@ -30,14 +30,20 @@ def kernel_inputs(seed, chunk, **kw):
 
 def run_steps(device, bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank):
     put = lambda t: jax.device_put(t, device)
+    kept, kept_dbank = np.asarray(bank), np.asarray(dbank)
     bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank = map(put, (bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank))
     poison_allocator(device)
     fwd = jax.jit(lambda *a: ffi_ops.forward_ffi(*a, save=True))
-    final, y, delta, G, snap = fwd(bank, k_idx, q_idx, v, beta, p1, minv)
+    final, y, delta, vg, snap = fwd(bank, k_idx, q_idx, v, beta, p1, minv)
     no_grad = jax.jit(lambda *a: ffi_ops.forward_ffi(*a, save=False))(bank, k_idx, q_idx, v, beta, p1, minv)
+    # The final bank is a buffer of its own (rows read from the initial bank until their first write): the
+    # initial bank stays as it was.
+    np.testing.assert_array_equal(np.asarray(bank, np.float32), np.asarray(kept, np.float32))
     poison_allocator(device)
-    bwd = jax.jit(ffi_ops.backward_ffi)(final, dbank, dy, k_idx, q_idx, v, beta, p1, minv, delta, G, snap)
-    return (final, y, delta, G, snap), no_grad[:2], bwd
+    bwd = jax.jit(ffi_ops.backward_ffi)(final, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snap)
+    # and the gradient bank is a buffer of its own too: the cotangent stays as it was
+    np.testing.assert_array_equal(np.asarray(dbank), np.asarray(kept_dbank))
+    return (final, y, delta, vg, snap), no_grad[:2], bwd
 
 
 CASES = [
@@ -45,11 +51,13 @@ CASES = [
     dict(T=37, K=8, D=5, W=5, R=4, distinct=False, repeats=True, per_write_gates=True),
     dict(B=2, H=3, T=70, K=16, D=40, W=3, R=2, distinct=False),
     dict(T=33, K=40, D=130, W=9, R=7, distinct=False, repeats=True, dtype=jnp.bfloat16),
+    # most rows written by no chunk (copied from the initial bank), the others first written in every chunk
+    dict(B=2, H=2, T=150, K=2048, D=64, W=4, R=4, dtype=jnp.bfloat16),
 ]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("chunk", [16, 64])
+@pytest.mark.parametrize("chunk", [16, 64, 128])
 def test_gpu_steps_match_cpu(case, chunk):
     seed = case * 100 + chunk + int(np.random.SeedSequence().entropy % 1000) * 1000
     inputs = kernel_inputs(seed, chunk, **CASES[case])
@@ -66,7 +74,7 @@ def test_gpu_steps_match_cpu(case, chunk):
     used = (group[..., 1:] > group[..., :-1])[..., None]
     gpu_fwd = gpu_fwd[:4] + (np.where(used, np.asarray(gpu_fwd[4], np.float32), 0),)
     cpu_fwd = cpu_fwd[:4] + (np.where(used, np.asarray(cpu_fwd[4], np.float32), 0),)
-    names = ["final", "y", "delta", "G", "snapshot"]
+    names = ["final", "y", "delta", "vg", "snapshot"]
     for name, a, b in zip(names, gpu_fwd, cpu_fwd):
         assert np.all(np.isfinite(np.asarray(a, np.float32))), name
         assert rel_err(a, b) < tol, (name, rel_err(a, b))

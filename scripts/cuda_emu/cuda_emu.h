@@ -7,6 +7,7 @@
 // bits) and the few runtime calls the launchers make. Only what the kernels' logic needs: nothing about speed.
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <bit>
 #include <cmath>
@@ -58,6 +59,19 @@ inline int cudaGetLastError() { return std::exchange(emu::last_error, 0); }
 inline int cudaMemsetAsync(void* p, int v, size_t bytes, cudaStream_t) {
   if (bytes) std::memset(p, v, bytes);
   return 0;
+}
+enum cudaMemcpyKind { cudaMemcpyDeviceToDevice = 3 };
+inline int cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind, cudaStream_t) {
+  if (bytes) std::memcpy(dst, src, bytes);
+  return 0;
+}
+// Integer atomics: the threads of a block run at once here too.
+inline unsigned atomicMin(unsigned* p, unsigned v) {
+  std::atomic_ref<unsigned> a(*p);
+  unsigned old = a.load();
+  while (v < old && !a.compare_exchange_weak(old, v)) {
+  }
+  return old;
 }
 // CUDA's integer min/max, for mixed widths too (int with int64_t: the common type).
 template <typename A, typename B>
@@ -154,7 +168,8 @@ void launch(K kernel, dim3 grid, dim3 block, size_t shmem, cudaStream_t, A... ar
 
 // cudaLaunchKernelEx with its launch attributes (programmatic dependent launch: the order of launches is all the
 // host has, so the attribute changes nothing here), and the device queries the launcher makes.
-constexpr int cudaLaunchAttributeProgrammaticStreamSerialization = 4, cudaDevAttrComputeCapabilityMajor = 75;
+constexpr int cudaLaunchAttributeProgrammaticStreamSerialization = 4, cudaDevAttrComputeCapabilityMajor = 75,
+              cudaDevAttrMaxSharedMemoryPerBlockOptin = 97;
 struct cudaLaunchAttribute {
   int id = 0;
   struct {
@@ -178,7 +193,7 @@ inline int cudaGetDevice(int* device) {
   return 0;
 }
 inline int cudaDeviceGetAttribute(int* value, int attr, int) {
-  *value = attr == cudaDevAttrComputeCapabilityMajor ? 9 : 0;
+  *value = attr == cudaDevAttrComputeCapabilityMajor ? 9 : attr == cudaDevAttrMaxSharedMemoryPerBlockOptin ? emu::kMaxDynSmem : 0;
   return 0;
 }
 

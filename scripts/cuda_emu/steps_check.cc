@@ -212,7 +212,7 @@ struct Phase1Out {
 };
 
 struct ForwardOut {
-  std::vector<float> y, delta, G;
+  std::vector<float> y, delta, vg;
   std::vector<float> bank;  // as float32 (bf16 banks widened) for the comparisons
   std::vector<float> snapshot;
   std::vector<int32_t> stamp, stamp_snapshot;  // packed sequences only
@@ -295,7 +295,7 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
       longest = std::max(longest, grp[g + 1] - grp[g]);
     }
 
-  const int64_t ws_floats = step_workspace_floats(dm);
+  const int64_t fwd_ws_floats = forward_workspace_floats(dm), bwd_ws_floats = backward_workspace_floats(dm);
   const size_t ncd = size_t(N * C * D), nsnap = size_t(N * C * W * D), nstamp = size_t(dm.streams() * K);
   // The packed sequences' arguments of one pass (null without packed sequences).
   auto segments_of = [&](StepSegments& sg, const std::vector<BankT>& initial, std::vector<int32_t>& stamp,
@@ -305,10 +305,11 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
     return packed ? &sg : nullptr;
   };
   // One forward; save: with residuals. cuda: the emulated CUDA kernels (the CPU ones under cpu-both), else the
-  // CPU ones.
+  // CPU ones; the CUDA forward with residuals gets the result as a second buffer (filled with NaN: a fresh output
+  // bank must write every row), the one without them the bank in place.
   std::vector<BankT> final_cpu, snap_cpu;
   auto forward = [&](bool cuda, bool save, int* rc) {
-    std::vector<BankT> bank = bank0, initial = bank0;
+    std::vector<BankT> bank = bank0, initial = bank0, input = bank0;
     std::vector<BankT> snap(save ? nsnap : 0, from_float<BankT>(kNaN));
     ForwardOut o{std::vector<float>(ncd, kNaN), std::vector<float>(save ? ncd : 0, kNaN),
                  std::vector<float>(save ? ncd : 0, kNaN), {}, {}};
@@ -317,10 +318,16 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
     StepSegments sg;
     const StepSegments* segments = segments_of(sg, initial, o.stamp, o.stamp_snapshot, nullptr);
     const ForwardIO io{v.data(), beta.data(), o.y.data(), save ? o.delta.data() : nullptr,
-                       save ? o.G.data() : nullptr, save ? snap.data() : nullptr};
+                       save ? o.vg.data() : nullptr, save ? snap.data() : nullptr};
     if (cuda && !cpu_both) {
-      std::vector<float> ws(size_t(ws_floats), kNaN);
-      *rc = forward_cuda<BankT>(dm, p1, io, bank.data(), ws.data(), nullptr, segments);
+      std::vector<float> ws(size_t(fwd_ws_floats), kNaN);
+      if (save) std::fill(bank.begin(), bank.end(), from_float<BankT>(kNaN));
+      *rc = forward_cuda<BankT>(dm, p1, io, save ? input.data() : bank.data(), bank.data(), ws.data(), nullptr,
+                                segments);
+      if (save && !same_bits(input, bank0)) {
+        std::printf("  FAIL forward_cuda changed its input bank\n");
+        *rc = -1;
+      }
     } else {
       forward_cpu<BankT>(dm, p1, io, bank.data(), segments);
     }
@@ -330,10 +337,12 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
     o.initial_kept = same_bits(initial, bank0);
     return o;
   };
-  // One backward on the CPU forward's working bank, stamps and residuals (res).
-  auto backward = [&](bool cuda, const ForwardOut& res, int* rc) {
+  // One backward on the CPU forward's working bank, stamps and residuals (res); zero_cotangent: the final bank's
+  // cotangent is zero (the CUDA loops get no buffer for it, the CPU loops zeros).
+  auto backward = [&](bool cuda, const ForwardOut& res, int* rc, bool zero_cotangent = false) {
     std::vector<BankT> bank = final_cpu, initial = bank0;
     std::vector<GradT> dbank = dbank0, dinitial(packed ? dbank0.size() : 0, from_float<GradT>(0.f));
+    if (zero_cotangent) std::fill(dbank.begin(), dbank.end(), from_float<GradT>(0.f));
     std::vector<int32_t> stamp = res.stamp, stamp_snapshot = res.stamp_snapshot;
     // kernel_path.py: the final bank's rows of the stream's last segment are the working bank's, the others the
     // initial bank's; the cotangent goes to the one the row came from.
@@ -346,12 +355,21 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
     BackwardOut o{std::vector<float>(cw, kNaN),  std::vector<float>(cw, kNaN),        std::vector<float>(cw, kNaN),
                   std::vector<float>(cr, kNaN),  std::vector<float>(ncc, kNaN),       std::vector<float>(ncc, kNaN),
                   std::vector<float>(size_t(N * C), kNaN), std::vector<float>(ncd, kNaN), {}};
-    const BackwardIO io{v.data(), beta.data(), dy.data(), res.delta.data(), res.G.data(), snap_cpu.data(),
+    const BackwardIO io{beta.data(), dy.data(), res.delta.data(), res.vg.data(), snap_cpu.data(),
                         o.dk_eff.data(), o.dw.data(), o.dcpe.data(), o.dq_w.data(), o.dA.data(), o.dQK.data(),
                         o.dbeta.data(), o.dv.data()};
     if (cuda && !cpu_both) {
-      std::vector<float> ws(size_t(ws_floats), kNaN);
-      *rc = backward_cuda<BankT, GradT>(dm, p1, io, bank.data(), dbank.data(), ws.data(), nullptr, segments);
+      // Without packed sequences the gradient bank comes back in a second buffer (filled with NaN: every row must
+      // be written), as kernel_path.py calls it; with them in place.
+      std::vector<float> ws(size_t(bwd_ws_floats), kNaN);
+      const std::vector<GradT> cotangent = dbank;
+      if (!packed) std::fill(dbank.begin(), dbank.end(), from_float<GradT>(kNaN));
+      const GradT* in = packed ? dbank.data() : zero_cotangent ? nullptr : cotangent.data();
+      *rc = backward_cuda<BankT, GradT>(dm, p1, io, bank.data(), in, dbank.data(), ws.data(), nullptr, segments);
+      if (!packed && !zero_cotangent && !same_bits(cotangent, dbank0)) {
+        std::printf("  FAIL backward_cuda changed the cotangent\n");
+        *rc = -1;
+      }
     } else {
       backward_cpu<BankT, GradT>(dm, p1, io, bank.data(), dbank.data(), segments);
     }
@@ -390,7 +408,7 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
   if (fg_ran) {
     fails += compare("y", fg.y, fc.y, bf, verbose);
     fails += compare("delta", fg.delta, fc.delta, bf, verbose);
-    fails += compare("G", fg.G, fc.G, bf, verbose);
+    fails += compare("vg", fg.vg, fc.vg, bf, verbose);
     fails += compare("snapshot", fg.snapshot, fc.snapshot, bf, verbose);
     fails += compare("bank", fg.bank, fc.bank, bf, verbose);
     fails += compare_ints("stamp", fg.stamp, fc.stamp, verbose && packed);
@@ -409,24 +427,29 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
       ++fails;
     }
   }
+  // The backward reads the CPU forward's bank and residuals: a bfloat16 step can come from the gradient bank only.
+  const bool gbf = sizeof(GradT) == 2;
+  auto compare_backward = [&](const BackwardOut& bg, const BackwardOut& bc, const std::string& what) {
+    fails += compare(("dk_eff" + what).c_str(), bg.dk_eff, bc.dk_eff, gbf, verbose);
+    fails += compare(("dw" + what).c_str(), bg.dw, bc.dw, gbf, verbose);
+    fails += compare(("dcpe" + what).c_str(), bg.dcpe, bc.dcpe, gbf, verbose);
+    fails += compare(("dq_w" + what).c_str(), bg.dq_w, bc.dq_w, gbf, verbose);
+    fails += compare(("dA" + what).c_str(), bg.dA, bc.dA, gbf, verbose);
+    fails += compare(("dQK" + what).c_str(), bg.dQK, bc.dQK, false, verbose);
+    fails += compare(("dbeta" + what).c_str(), bg.dbeta, bc.dbeta, gbf, verbose);
+    fails += compare(("dv" + what).c_str(), bg.dv, bc.dv, gbf, verbose);
+    fails += compare(("dbank" + what).c_str(), bg.dbank, bc.dbank, gbf, verbose);
+    if (packed) fails += compare(("dinitial" + what).c_str(), bg.dinitial, bc.dinitial, gbf, verbose);
+    restored(("backward_cuda" + what).c_str(), bg);
+  };
   if (verbose) std::printf("  backward (on the CPU forward's residuals)\n");
   const BackwardOut bc = backward(false, fc, &rc), bg = backward(true, fc, &rc);
   restored("backward_cpu", bc);
-  if (ran("backward_cuda")) {
-    // The backward reads the CPU forward's bank and residuals: a bfloat16 step can come from the gradient bank
-    // only.
-    const bool gbf = sizeof(GradT) == 2;
-    fails += compare("dk_eff", bg.dk_eff, bc.dk_eff, gbf, verbose);
-    fails += compare("dw", bg.dw, bc.dw, gbf, verbose);
-    fails += compare("dcpe", bg.dcpe, bc.dcpe, gbf, verbose);
-    fails += compare("dq_w", bg.dq_w, bc.dq_w, gbf, verbose);
-    fails += compare("dA", bg.dA, bc.dA, gbf, verbose);
-    fails += compare("dQK", bg.dQK, bc.dQK, false, verbose);
-    fails += compare("dbeta", bg.dbeta, bc.dbeta, gbf, verbose);
-    fails += compare("dv", bg.dv, bc.dv, gbf, verbose);
-    fails += compare("dbank", bg.dbank, bc.dbank, gbf, verbose);
-    if (packed) fails += compare("dinitial", bg.dinitial, bc.dinitial, gbf, verbose);
-    restored("backward_cuda", bg);
+  if (ran("backward_cuda")) compare_backward(bg, bc, "");
+  if (!packed) {  // a zero cotangent: no buffer on the CUDA side
+    if (verbose) std::printf("  backward (zero cotangent)\n");
+    const BackwardOut bc0 = backward(false, fc, &rc, true), bg0 = backward(true, fc, &rc, true);
+    if (ran("backward_cuda (zero cotangent)")) compare_backward(bg0, bc0, " (zero cotangent)");
   }
   std::printf("%s V%lld NC%lld P%lld C%lld W%lld R%lld K%lld D%lld bank=%s grad=%s invalid=%.2f pad=%d "
               "longest_group=%d seed=%u",
@@ -486,6 +509,9 @@ int main(int argc, char** argv) {
       {1, 3, 3, 8, 1, 1, 1, 20, false, false, 0.0, 0, 1.0},   // K = 1
       {1, 2, 1, 5, 3, 3, 3, 264, true, true, 0.1, 0, 1.5},    // several segments per lane (VEC 8), bf16
       {1, 3, 2, 12, 3, 3, 4, 16, true, false, 0.1, 4, 0.5},   // few segments: long groups across chunks
+      // 26-27, no packed sequences: 64 < C <= 128, the in-loop solves staged (the dy part not)
+      {1, 2, 2, 100, 2, 2, 60, 16, true, true, 0.05, 2},
+      {1, 2, 1, 128, 3, 2, 90, 12, false, false, 0.05, 0},
   };
   if (argc > 1 && std::string(argv[1]) == "shape") {  // shape V NC P C W R K D BANK GRAD INVALID PAD [SEED [SEGS]]
     if (argc < 14) {
