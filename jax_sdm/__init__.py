@@ -2,11 +2,11 @@
 import importlib
 from importlib import metadata as _metadata
 
-from .ops import sdm_write_read
+from .ops import default_chunk_size, sdm_write_read
 from .reference import sdm_reference
 from .step import sdm_step
 
-__all__ = ["sdm_write_read", "sdm_step", "sdm_reference"]
+__all__ = ["sdm_write_read", "sdm_step", "sdm_reference", "default_chunk_size"]
 
 try:  # one version number: pyproject.toml's, read from the installed package's metadata
     __version__ = _metadata.version("jax_sdm")

@@ -392,19 +392,28 @@ struct StepOf {
 };
 constexpr StepOf kForwardStep{1, 0, false}, kPhaseAStep{2, 0, true}, kReadSideStep{2, 1, true};
 
+// The call-wide passes over a map's entries (first writes, lane tags, group tables) run units along y and a unit's n
+// entries along x, both grid-strided (unit_grid), so that the unit's stream, chunk and step are worked out once per
+// unit rather than by 64-bit divisions per entry (which made these passes instruction-bound: 14-26 us each at the
+// flagship).
+__device__ __forceinline__ int64_t entry_start() { return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; }
+__device__ __forceinline__ int64_t entry_stride() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
+
 // first[s * K + slot] = min(first, the step of each lane of stream s on the slot) over a map's lanes (`lanes` per
 // token, ids `idx`); first is filled with kUntouched before the first map. An integer minimum: the same result in
 // any order of the atomics.
 __global__ void first_touch_kernel(StepDims dm, const int32_t* __restrict__ idx, int64_t lanes, StepOf step,
                                    uint32_t* __restrict__ first) {
   chain_start();
-  const int64_t n = dm.C * lanes, total = dm.V * dm.NC * dm.P * n;
-  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total;
-       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int32_t slot = idx[k];
-    if (slot < 0 || slot >= dm.K) continue;
-    const int64_t u = k / n;
-    atomicMin(first + stream_of_unit(dm, u) * dm.K + slot, step(dm, u));
+  const int64_t n = dm.C * lanes, units = dm.V * dm.NC * dm.P;
+  for (int64_t u = blockIdx.y; u < units; u += gridDim.y) {
+    const int32_t* ids = idx + u * n;
+    uint32_t* f = first + stream_of_unit(dm, u) * dm.K;
+    const uint32_t at = step(dm, u);
+    for (int64_t e = entry_start(); e < n; e += entry_stride()) {
+      const int32_t slot = ids[e];
+      if (slot >= 0 && slot < dm.K) atomicMin(f + slot, at);
+    }
   }
 }
 
@@ -414,15 +423,14 @@ __global__ void first_touch_kernel(StepDims dm, const int32_t* __restrict__ idx,
 __global__ void lane_tags_kernel(StepDims dm, const int32_t* __restrict__ idx, int64_t lanes, StepOf step,
                                  const uint32_t* __restrict__ first, int32_t* __restrict__ tags) {
   chain_start();
-  const int64_t n = dm.C * lanes, total = dm.V * dm.NC * dm.P * n;
-  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total;
-       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int32_t slot = idx[k];
-    const int64_t u = k / n;
-    int32_t tag = -1;
-    if (slot >= 0 && slot < dm.K)
-      tag = first[stream_of_unit(dm, u) * dm.K + slot] >= step(dm, u) ? -2 - slot : slot;
-    tags[k] = tag;
+  const int64_t n = dm.C * lanes, units = dm.V * dm.NC * dm.P;
+  for (int64_t u = blockIdx.y; u < units; u += gridDim.y) {
+    const uint32_t* f = first + stream_of_unit(dm, u) * dm.K;
+    const uint32_t at = step(dm, u);
+    for (int64_t e = entry_start(); e < n; e += entry_stride()) {
+      const int32_t slot = idx[u * n + e];
+      tags[u * n + e] = slot < 0 || slot >= dm.K ? -1 : f[slot] >= at ? -2 - slot : slot;
+    }
   }
 }
 
@@ -828,24 +836,27 @@ __global__ void group_table_kernel(StepDims dm, const int32_t* __restrict__ orde
                                    const int32_t* __restrict__ idx, int64_t lanes, int64_t units, bool by_first,
                                    const uint32_t* __restrict__ first, StepOf step, GroupEntry* __restrict__ table) {
   chain_start();
-  const int64_t n = dm.C * lanes, total = units * n;
-  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total;
-       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t u = k / n, g = k % n;
-    GroupEntry e{-1, group[u * (n + 1) + g], group[u * (n + 1) + g + 1], -1};
-    if (e.lo < e.hi) {
-      const int32_t first = order[u * n + e.lo];
-      const int32_t slot = first >= 0 ? idx[u * n + first] : -1;
-      if (slot >= 0 && slot < dm.K) {
-        e.slot = slot;
-        e.first = first;
+  const int64_t n = dm.C * lanes;
+  for (int64_t u = blockIdx.y; u < units; u += gridDim.y) {
+    const int32_t* bounds = group + u * (n + 1);
+    const uint32_t* f = first ? first + stream_of_unit(dm, u) * dm.K : nullptr;
+    const uint32_t at = step(dm, u);
+    for (int64_t g = entry_start(); g < n; g += entry_stride()) {
+      GroupEntry e{-1, bounds[g], bounds[g + 1], -1};
+      if (e.lo < e.hi) {
+        const int32_t head = order[u * n + e.lo];
+        const int32_t slot = head >= 0 ? idx[u * n + head] : -1;
+        if (slot >= 0 && slot < dm.K) {
+          e.slot = slot;
+          e.first = head;
+        }
       }
-    }
-    if (!by_first) {
-      table[k] = e;
-    } else if (e.slot >= 0) {
-      const bool from_input = first && first[stream_of_unit(dm, u) * dm.K + e.slot] >= step(dm, u);
-      table[u * n + e.first] = GroupEntry{e.slot, e.lo, e.hi | (from_input ? kFromInput : 0), static_cast<int32_t>(g)};
+      if (!by_first) {
+        table[u * n + g] = e;
+      } else if (e.slot >= 0) {
+        const bool from_input = f && f[e.slot] >= at;
+        table[u * n + e.first] = GroupEntry{e.slot, e.lo, e.hi | (from_input ? kFromInput : 0), static_cast<int32_t>(g)};
+      }
     }
   }
 }
@@ -1717,6 +1728,13 @@ inline GroupEntry* group_tables_at(const StepDims& dm, float* workspace) {
 // Blocks of a grid-stride launch of 256 threads over `total` items.
 inline int stride_blocks(int64_t total) { return static_cast<int>(std::min<int64_t>((total + 255) / 256, 4096)); }
 
+// Blocks of a launch of 256 threads over `units` units of n entries each (the passes over a map's entries): units
+// along y, entries along x, each grid-strided.
+inline dim3 unit_grid(int64_t units, int64_t n) {
+  return dim3(static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 64)),
+              static_cast<unsigned>(std::min<int64_t>(units, 65535)));
+}
+
 inline int build_group_table(bool pdl, const StepDims& dm, const int32_t* order, const int32_t* group,
                              const int32_t* idx, int64_t lanes, bool by_first, const uint32_t* first, StepOf step,
                              GroupEntry* table, cudaStream_t stream) {
@@ -1726,7 +1744,7 @@ inline int build_group_table(bool pdl, const StepDims& dm, const int32_t* order,
     const int rc = static_cast<int>(cudaMemsetAsync(table, 0xff, total * sizeof(GroupEntry), stream));
     if (rc) return rc;
   }
-  return launch(pdl, group_table_kernel, dim3(stride_blocks(total)), dim3(256), 0, stream, dm, order, group, idx,
+  return launch(pdl, group_table_kernel, unit_grid(dm.units(), dm.C * lanes), dim3(256), 0, stream, dm, order, group, idx,
                 lanes, dm.units(), by_first, first, step, table);
 }
 
@@ -1765,15 +1783,15 @@ int prepare_fresh(bool pdl, const StepDims& dm, const TouchMap (&maps)[2], uint3
                   T* result, cudaStream_t stream) {
   int rc = static_cast<int>(cudaMemsetAsync(first, 0xff, dm.streams() * dm.K * sizeof(uint32_t), stream));
   for (const TouchMap& m : maps) {
-    const int64_t lanes = dm.units() * dm.C * m.lanes;
-    if (!rc && lanes && m.writes)
-      rc = launch(pdl, first_touch_kernel, dim3(stride_blocks(lanes)), dim3(256), 0, stream, dm, m.idx, m.lanes,
+    const int64_t n = dm.C * m.lanes;
+    if (!rc && dm.units() && n && m.writes)
+      rc = launch(pdl, first_touch_kernel, unit_grid(dm.units(), n), dim3(256), 0, stream, dm, m.idx, m.lanes,
                   m.step, first);
   }
   for (const TouchMap& m : maps) {
-    const int64_t lanes = dm.units() * dm.C * m.lanes;
-    if (!rc && lanes && m.tags)
-      rc = launch(pdl, lane_tags_kernel, dim3(stride_blocks(lanes)), dim3(256), 0, stream, dm, m.idx, m.lanes,
+    const int64_t n = dm.C * m.lanes;
+    if (!rc && dm.units() && n && m.tags)
+      rc = launch(pdl, lane_tags_kernel, unit_grid(dm.units(), n), dim3(256), 0, stream, dm, m.idx, m.lanes,
                   m.step, static_cast<const uint32_t*>(first), m.tags);
   }
   const int64_t rows = dm.streams() * dm.K;  // a thread per row: a warp per 32 rows

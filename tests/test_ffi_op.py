@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_sdm import sdm_write_read
+from jax_sdm import default_chunk_size, sdm_write_read
 from jax_sdm.testing import (FLOAT_ARGS, check_against_reference, cotangents, entry_ops_of_shape, ffi_calls,
                              outputs_and_grads, random_problem, rel_err)
 
@@ -24,6 +24,22 @@ def test_ffi_chunk_sizes(chunk_size):
     seed = chunk_size + int(np.random.SeedSequence().entropy % 10_000) * 1000
     args = random_problem(seed, B=1, T=300, H=2, K=24, D=8, W=4, R=3, distinct=False, repeats=True)
     check_against_reference(ffi_op, args, chunk_size, 1e-5, seed)
+
+
+def test_default_chunk_size_is_the_platforms():
+    """chunk_size=None runs the chunk size default_chunk_size picks: 128 where the CUDA kernels run, else 64."""
+    assert default_chunk_size() == (128 if jax.default_backend() == "gpu" else 64)
+    assert default_chunk_size("xla") == default_chunk_size("reference") == 64
+    seed = int(np.random.SeedSequence().entropy % 10_000)
+    args = random_problem(seed, B=1, T=300, H=2, K=24, D=8, W=4, R=3, distinct=False, repeats=True)
+    for impl in ("auto", "xla"):
+        default = sdm_write_read(**args, impl=impl)
+        chosen = sdm_write_read(**args, chunk_size=default_chunk_size(impl), impl=impl)
+        other = sdm_write_read(**args, chunk_size=16, impl=impl)
+        for a, b in zip(default, chosen):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=impl)
+        # another chunk size rounds differently: the equality above picked out the chunk size
+        assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(default, other)), impl
 
 
 @pytest.mark.parametrize("W,R", [(256, 1), (1, 256), (256, 256)])

@@ -71,7 +71,7 @@ class SparseDeltaMemory(nnx.Module):
     """
 
     def __init__(self, d_model, *, num_heads, slots_per_head, num_writes, num_reads, head_dim=None,
-                 addressing="product_key", num_factors=2, key_dim=None, chunk_size=64, impl="auto",
+                 addressing="product_key", num_factors=2, key_dim=None, chunk_size=None, impl="auto",
                  initial_bank="learned", softmax_weights=True, score_scale=None, gate="token", output_gate=True,
                  readout_norm=True, dtype=jnp.float32, param_dtype=jnp.float32, rngs):
         def choice(name, value, options):
