@@ -121,7 +121,8 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=N
         (no positive range is served exactly), and `check=True` reports it.
       q_idx, q_val: `[B, T, H, R]` read slot ids and weights.
       chunk_size: tokens per chunk of the chunked form (changes results only by rounding); None (the default)
-        for `default_chunk_size(impl)`: 128 where the CUDA kernels run, else 64.
+        for `default_chunk_size(impl)`: 128 where the CUDA kernels run, else 64 (and 64 with `segment_ids` where
+        128 would break the limit on `K` below).
       impl: "auto" | "ffi" | "xla" | "reference". "ffi" runs the FFI kernels (C++ on CPU, CUDA on GPU) and
         raises NotImplementedError where this build has none; "xla" the chunked form in pure JAX; "reference" the
         token loop. "auto" runs the kernels where this build has them for the platform, else "xla" (on a
@@ -154,10 +155,12 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=N
     """
     if impl not in IMPLS:
         raise ValueError(f"sdm_write_read: `impl` must be one of {IMPLS}, got {impl!r}")
-    if chunk_size is None:
-        chunk_size = default_chunk_size(impl)
     bank = jnp.asarray(bank)
     num_slots = bank.shape[-2] if bank.ndim >= 2 else 0
+    if chunk_size is None:
+        chunk_size = default_chunk_size(impl)
+        if segment_ids is not None and segments.virtual_slot_count(num_slots, chunk_size) >= 2**31:
+            chunk_size = 64  # packed sequences' virtual slot ids must fit int32
     k_idx, q_idx = (i if isinstance(i, jax.Array) else layout.slot_ids(i, num_slots) for i in (k_idx, q_idx))
     k_idx, k_val, v, beta, g, q_idx, q_val = map(jnp.asarray, (k_idx, k_val, v, beta, g, q_idx, q_val))
     dims = layout.validate(bank, k_idx, k_val, v, beta, g, q_idx, q_val, chunk_size,
