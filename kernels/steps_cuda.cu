@@ -1689,6 +1689,17 @@ inline bool use_pdl() {
          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
 }
 
+// Whether a result the caller hands as a buffer of its own is filled fresh (first writes read the input; see
+// prepare_fresh), unless SDM_CUDA_FRESH=0: then the whole input is copied into it first and updated in place (for
+// measuring the difference; the results are the same bit for bit).
+inline bool use_fresh() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("SDM_CUDA_FRESH");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  return enabled;
+}
+
 // One kernel launch of a call on `stream`, with programmatic dependent launch when `pdl`; the launch's error.
 template <typename... Params, typename... Args>
 int launch(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
@@ -1832,13 +1843,13 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   GroupEntry* w_table = group_tables_at(dm, workspace);
   const GroupTables tables{w_table, nullptr};
   const bool pdl = use_pdl();
-  const bool fresh = segments == nullptr && input != bank;
+  const bool fresh = segments == nullptr && input != bank && use_fresh();
   const FreshArrays fa = fresh_arrays_at(dm, w_table + dm.units() * dm.C * dm.W, true);
   const bool staged = solve_staged(dm.C, kStagedLoopMaxC, kFwdSolveSmem);
   const auto fwd_solve = staged ? fwd_solve_kernel<true> : fwd_solve_kernel<false>;
   const size_t smem = kFwdSolveSmem.bytes(dm.C, staged);
   int rc = 0;
-  if (segments) rc = copy_whole(dm, input, bank, stream);
+  if (!fresh) rc = copy_whole(dm, input, bank, stream);  // none when input is bank
   if (!rc && fresh) {
     const TouchMap maps[2] = {{p1.k_idx, dm.W, kForwardStep, true, fa.w_tag},
                               {p1.q_idx, dm.R, kForwardStep, false, fa.r_tag}};
@@ -1909,11 +1920,11 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const bool by_first = segments == nullptr;
   // A fresh gradient bank: the cotangent's rows are read until the first Phase A or read side (in the loop's
   // order, the last chunk first) that writes them.
-  const bool fresh = segments == nullptr && dbank_in != dbank;
+  const bool fresh = segments == nullptr && dbank_in != dbank && use_fresh();
   const FreshArrays fa = fresh_arrays_at(dm, r_table + dm.units() * dm.C * dm.R, false);
   const GT* zero_row = reinterpret_cast<const GT*>(fa.zero_row);
   int rc = 0;
-  if (segments) rc = copy_whole(dm, dbank_in, dbank, stream);
+  if (!fresh) rc = copy_whole(dm, dbank_in, dbank, stream);  // none when dbank_in is dbank
   if (!rc && fresh && dbank_in == nullptr)
     rc = static_cast<int>(cudaMemsetAsync(fa.zero_row, 0, dm.D * sizeof(GT), stream));
   if (!rc && fresh) {
