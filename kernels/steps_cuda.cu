@@ -396,7 +396,9 @@ constexpr StepOf kForwardStep{1, 0, false}, kPhaseAStep{2, 0, true}, kReadSideSt
 // entries along x, both grid-strided (unit_grid), so that the unit's stream, chunk and step are worked out once per
 // unit rather than by 64-bit divisions per entry (which made these passes instruction-bound: 14-26 us each at the
 // flagship).
-__device__ __forceinline__ int64_t entry_start() { return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; }
+__device__ __forceinline__ int64_t entry_start() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
 __device__ __forceinline__ int64_t entry_stride() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
 
 // first[s * K + slot] = min(first, the step of each lane of stream s on the slot) over a map's lanes (`lanes` per
@@ -1755,8 +1757,8 @@ inline int build_group_table(bool pdl, const StepDims& dm, const int32_t* order,
     const int rc = static_cast<int>(cudaMemsetAsync(table, 0xff, total * sizeof(GroupEntry), stream));
     if (rc) return rc;
   }
-  return launch(pdl, group_table_kernel, unit_grid(dm.units(), dm.C * lanes), dim3(256), 0, stream, dm, order, group, idx,
-                lanes, dm.units(), by_first, first, step, table);
+  return launch(pdl, group_table_kernel, unit_grid(dm.units(), dm.C * lanes), dim3(256), 0, stream, dm, order, group,
+                idx, lanes, dm.units(), by_first, first, step, table);
 }
 
 // A fresh result's arrays in the workspace, after the group tables (kernels/steps.h): each slot's first writing
