@@ -857,7 +857,8 @@ __global__ void group_table_kernel(StepDims dm, const int32_t* __restrict__ orde
         table[u * n + g] = e;
       } else if (e.slot >= 0) {
         const bool from_input = f && f[e.slot] >= at;
-        table[u * n + e.first] = GroupEntry{e.slot, e.lo, e.hi | (from_input ? kFromInput : 0), static_cast<int32_t>(g)};
+        table[u * n + e.first] =
+            GroupEntry{e.slot, e.lo, e.hi | (from_input ? kFromInput : 0), static_cast<int32_t>(g)};
       }
     }
   }
