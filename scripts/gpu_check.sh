@@ -2,7 +2,7 @@
 # The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
 #
 #   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,memory,profile,
-#                                          timeline,sanitize,rowbw (default: build,tests,determinism,bench)
+#                                          timeline,sanitize,rowbw,fresh_ab (default: build,tests,determinism,bench)
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
 # metadata, so the commit the logs name is taken from SDM_COMMIT when set.
@@ -77,6 +77,23 @@ if has bench; then
     > "$OUT/bench_decode.log" 2>&1
   summary "bench_decode rc=$?"
   grep "^|" "$OUT/bench_decode.log" | tee -a "$OUT/summary.txt"
+fi
+if has fresh_ab; then
+  # The fresh result against a whole copy (SDM_CUDA_FRESH=0) in one build: the bench rows and the flagship grad's
+  # per-kernel times (chunk PROFILE_CHUNKS, default 128) both ways, one process each.
+  chunk=${PROFILE_CHUNKS:-128}
+  for fresh in 1 0; do
+    for shape in ${BENCH_SHAPES:-mid flagship}; do
+      SDM_CUDA_FRESH=$fresh timeout 300 python3 "$REPO/benchmarks/bench.py" --impls ffi --shape "$shape" \
+        --chunk "$chunk" --detail --repeats ${BENCH_REPEATS:-10} ${BENCH_ARGS:-} >> "$OUT/fresh_ab_$fresh.log" 2>&1
+      summary "fresh=$fresh bench $shape rc=$?: $(grep "^| ffi" "$OUT/fresh_ab_$fresh.log" | tail -1)"
+    done
+    SDM_CUDA_FRESH=$fresh XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 \
+    timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes.sum --csv \
+      python3 "$REPO/scripts/profile_steps.py" flagship "$chunk" grad > "$OUT/ncu_fresh_$fresh.csv" 2>> "$OUT/ncu_err.log"
+    summary "fresh=$fresh profile flagship C$chunk grad rc=$?"
+    python3 "$REPO/scripts/ncu_summary.py" "$OUT/ncu_fresh_$fresh.csv" | tee "$OUT/ncu_fresh_$fresh.txt" | head -20
+  done
 fi
 if has sanitize; then
   # compute-sanitizer on every jax_sdm kernel (kernel names in namespace sdm), one tool per process
