@@ -32,7 +32,9 @@ def test_default_chunk_size_is_the_platforms():
     assert default_chunk_size("xla") == default_chunk_size("reference") == 64
     seed = int(np.random.SeedSequence().entropy % 10_000)
     args = random_problem(seed, B=1, T=300, H=2, K=24, D=8, W=4, R=3, distinct=False, repeats=True)
-    for impl in ("auto", "xla"):
+    # Bitwise equality needs a reproducible path: the kernels everywhere, the pure-JAX form on the CPU only (XLA's
+    # GPU scatter-add sums in no fixed order).
+    for impl in ("auto", "xla") if jax.default_backend() == "cpu" else ("auto",):
         default = sdm_write_read(**args, impl=impl)
         chosen = sdm_write_read(**args, chunk_size=default_chunk_size(impl), impl=impl)
         other = sdm_write_read(**args, chunk_size=16, impl=impl)
