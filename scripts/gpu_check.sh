@@ -10,7 +10,7 @@
 # "--pipeline 20"), GPU_TEST_FILES (replaces the GPU test list), BENCH_SHAPES, BENCH_CHUNKS, BENCH_REPEATS,
 # BENCH_DECODE (0 skips bench_decode.py), BENCH_DECODE_ARGS (bench_decode.py's arguments, default "--impls ffi";
 # e.g. "--impls ffi,noop --device-time" adds the device's kernel time per step), PROFILE_SHAPES, PROFILE_CHUNKS,
-# PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections), PROFILE_MODES,
+# PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections), PROFILE_DETAIL_CHUNK, PROFILE_MODES,
 # SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT, SANITIZE_PRINT_LIMIT.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -138,11 +138,11 @@ if has profile; then
   done
   if [ -n "${PROFILE_KERNELS:-}" ]; then
     # Stall reasons, occupancy and memory throughput of one launch (the PROFILE_INVOCATION-th, default 30) of each
-    # kernel whose name matches (flagship chunk 64).
+    # kernel whose name matches (flagship, chunk PROFILE_DETAIL_CHUNK, default 64).
     XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 \
     timeout 300 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \
       --section MemoryWorkloadAnalysis --section LaunchStats --kernel-id "::regex:$PROFILE_KERNELS:${PROFILE_INVOCATION:-30}" \
-      python3 "$REPO/scripts/profile_steps.py" flagship 64 \
+      python3 "$REPO/scripts/profile_steps.py" flagship ${PROFILE_DETAIL_CHUNK:-64} \
       > "$OUT/ncu_detail.txt" 2>> "$OUT/ncu_err.log"
     summary "profile detail rc=$?"
   fi
