@@ -266,14 +266,25 @@ struct BankRows {
 // out_row = sum over lanes of weight * rows[idx] for one token; one block per (stream, token). Threads are
 // (column, part): blockDim.x threads cover the columns VEC at a time, and the lanes are split into blockDim.y
 // contiguous parts whose partial sums are added in part order (a fixed order): more rows in flight per token.
-// `partial` is dynamic shared memory of blockDim.y * blockDim.x * VEC floats. Used for the gathers G, Q0 (bank
-// rows) and the GWR gather (gradient rows). `row_of(id)` is the row of a lane's id and `row_of.has(id)` whether it
-// has one (BankRows; with packed sequences SegmentRows, the working or the initial bank's row; FreshRows for the
-// row tags of a fresh output bank).
+// `partial` is dynamic shared memory of blockDim.y * blockDim.x * VEC floats, then room for `lanes` ids and weights
+// (gather_smem). Used for the gathers G, Q0 (bank rows) and the GWR gather (gradient rows). `row_of(id)` is the row
+// of a lane's id and `row_of.has(id)` whether it has one (BankRows; with packed sequences SegmentRows, the working
+// or the initial bank's row; FreshRows for the row tags of a fresh output bank).
+// The block stages the token's ids and weights in shared memory first: read from global memory in each batch,
+// they put an L2 round trip before every batch's row loads (the kernel is bound by the latency of its chains of
+// loads, not by bandwidth).
 template <int VEC, typename T, typename RowOf>
 __device__ __forceinline__ void gather_row(RowOf row_of, const int32_t* idx, const float* weight,
                                            int64_t lanes, int64_t D, float* __restrict__ out, float* partial) {
-  constexpr int kInFlight = sizeof(T) == 2 ? 6 : 4;  // independent row loads issued before the first is used
+  constexpr int kInFlight = sizeof(T) == 2 ? 8 : 4;  // independent row loads issued before the first is used
+  const int threads = blockDim.x * blockDim.y, tid = threadIdx.y * blockDim.x + threadIdx.x;
+  int32_t* sid = reinterpret_cast<int32_t*>(partial + threads * VEC);
+  float* sw = reinterpret_cast<float*>(sid + lanes);
+  for (int64_t k = tid; k < lanes; k += threads) {
+    sid[k] = idx[k];
+    sw[k] = weight[k];
+  }
+  __syncthreads();
   const int64_t per_part = (lanes + blockDim.y - 1) / blockDim.y;
   const int64_t n_lo = threadIdx.y * per_part, n_hi = min(lanes, n_lo + per_part);
   const int64_t tile = static_cast<int64_t>(blockDim.x) * VEC;
@@ -287,20 +298,20 @@ __device__ __forceinline__ void gather_row(RowOf row_of, const int32_t* idx, con
         bool ok[kInFlight];
 #pragma unroll
         for (int j = 0; j < kInFlight; ++j) {
-          const int32_t id = n0 + j < n_hi ? idx[n0 + j] : -1;
+          const int32_t id = n0 + j < n_hi ? sid[n0 + j] : -1;
           ok[j] = row_of.has(id);
           if (ok[j]) x[j].load(row_of(id) + d);
         }
 #pragma unroll
         for (int j = 0; j < kInFlight; ++j) {  // lanes in order within the part
           if (!ok[j]) continue;
-          const float wgt = weight[n0 + j];
+          const float wgt = sw[n0 + j];
 #pragma unroll
           for (int i = 0; i < VEC; ++i) acc[i] += wgt * x[j][i];
         }
       }
     }
-    float* mine = partial + (threadIdx.y * blockDim.x + threadIdx.x) * VEC;
+    float* mine = partial + tid * VEC;
 #pragma unroll
     for (int i = 0; i < VEC; ++i) mine[i] = acc[i];
     __syncthreads();
@@ -642,17 +653,18 @@ __device__ __forceinline__ void stage_quads(int C, float* out, Quad quad) {
   }
 }
 
-// Rows per tile of the solve kernels' products. Unstaged (global memory) and in the dy part (one launch with many
-// blocks per SM, throughput-bound): 4 x 4 tiles, one 16-byte load of M feeds 16 multiply-adds. The in-loop solves,
-// staged, run one block per SM and take the tile's rows as a template argument (loop_tile_rows): 1-row tiles give
-// the most warps (512 threads at C = 64, with 4 x 4 tiles only 4 warps), taller tiles fewer shared-memory loads
-// per multiply-add (at C = 128 a 1-row tile's 16 multiply-adds per 4 steps wait on 5 16-byte loads, a 4-row
-// tile's 64 on 8).
-constexpr int kTileRows = 4;
+// Rows per tile of the solve kernels' products. The in-loop solves (forward, backward), staged: a tile is one row
+// and 4 columns, a thread per tile (512 at C = 64): one block per SM, and with 4 x 4 tiles its 4 warps (one per
+// scheduler) issued about every 4 cycles. Otherwise 4 x 4 tiles: one 16-byte load of M feeds 16 multiply-adds,
+// which suits the dy part (one launch with many blocks per SM, throughput-bound) and the global-memory path.
+template <bool kStaged, bool kInLoop>
+constexpr int kTileRows = kStaged && kInLoop ? 1 : 4;
 
-// Threads per block of a solve kernel with `rows`-row tiles: one per tile of a slice, whole warps, at most
-// kSolveThreadsMax (more tiles take turns).
-inline int solve_threads(int64_t C, int rows) {
+// Threads per block of a solve kernel (in the loop or the dy part; staged or not): one per tile of a slice, whole
+// warps, at most kSolveThreadsMax (more tiles take turns).
+inline int solve_threads(int64_t C, bool in_loop, bool staged) {
+  const int rows = staged ? (in_loop ? kTileRows<true, true> : kTileRows<true, false>)
+                          : (in_loop ? kTileRows<false, true> : kTileRows<false, false>);
   return std::min(kSolveThreadsMax, (tile_rows(C) / rows * kQuads + 31) / 32 * 32);
 }
 
@@ -739,11 +751,12 @@ __device__ __forceinline__ void tri_tile(const float* __restrict__ M, int ms, co
   }
 }
 
-// One block per (stream, kSlice-column slice), one thread per tile (kRows rows, 4 columns) and turn. Shared
+// One block per (stream, kSlice-column slice), one thread per tile (kTileRows rows, 4 columns) and turn. Shared
 // memory: u and delta slices; staged, also the G and Q0 slices and Minv, QK.
-template <bool kStaged, int kRows>
+template <bool kStaged>
 __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64_t c, ChunkRows rows) {
   chain_start();
+  constexpr int kRows = kTileRows<kStaged, true>;
   extern __shared__ __align__(16) float sh[];
   const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
   const int64_t D = dm.D;
@@ -1083,7 +1096,7 @@ struct BackRows {
 template <bool kStaged>
 __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
   chain_start();
-  constexpr int kRows = kTileRows;
+  constexpr int kRows = kTileRows<kStaged, false>;
   extern __shared__ __align__(16) float sh[];
   const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
   const int64_t D = dm.D;
@@ -1152,9 +1165,10 @@ __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) bwd_gwr_kerne
 
 // In the loop: du += Minv^T gwr (the bank-dependent part), dG = -beta du. Shared memory: the gwr slice; staged,
 // also the du slice and Minv.
-template <bool kStaged, int kRows>
+template <bool kStaged>
 __global__ void bwd_solve_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackRows rows) {
   chain_start();
+  constexpr int kRows = kTileRows<kStaged, true>;
   extern __shared__ __align__(16) float sh[];
   const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
   const int64_t D = dm.D;
@@ -1676,26 +1690,6 @@ inline bool solve_staged(int64_t C, int max_c, const SolveSmem& smem) {
   return smem.bytes(C, true) <= static_cast<size_t>(limit);
 }
 
-// Rows per tile of the in-loop solves (kTileRows): 4 unstaged; staged, SDM_CUDA_SOLVE_ROWS (1, 2 or 4) when set,
-// for measuring the difference (the results are the same bit for bit: each column's sum runs in one order whatever
-// the tile), else 1.
-inline int loop_tile_rows(bool staged) {
-  static const int chosen = [] {
-    const char* env = std::getenv("SDM_CUDA_SOLVE_ROWS");
-    const int rows = env ? std::atoi(env) : 1;
-    return rows == 2 || rows == 4 ? rows : 1;
-  }();
-  return staged ? chosen : kTileRows;
-}
-
-// The in-loop solve kernel `pick(std::integral_constant<int, R>{})` for R = `rows` (1, 2 or 4).
-template <typename Pick>
-auto by_tile_rows(int rows, Pick pick) {
-  return rows == 1 ? pick(std::integral_constant<int, 1>{})
-         : rows == 2 ? pick(std::integral_constant<int, 2>{})
-                     : pick(std::integral_constant<int, 4>{});
-}
-
 // Whether the kernels of a call are launched with programmatic stream serialization (chain_start): on devices of
 // compute capability 9.0 and later, unless SDM_CUDA_PDL=0 (for measuring the difference; results are the same
 // either way, only the scheduling changes).
@@ -1738,16 +1732,18 @@ int launch(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t sm
 }
 
 // Block of a per-token gather: x threads, one per VEC columns (a whole number of warps, at most
-// kRowThreadsMax), times y parts of the lanes (up to 4, at most 512 threads in all); and its shared memory.
+// kRowThreadsMax), times y parts of the lanes (up to 4, at most 512 threads in all); and its shared memory (the
+// parts' partial sums, then the token's `lanes` ids and weights).
 struct RowBlock {
   dim3 threads;
   size_t smem;
 };
-inline RowBlock row_block(int64_t D, int vec) {
+inline RowBlock row_block(int64_t D, int vec, int64_t lanes) {
   const int64_t t = (D + vec - 1) / vec;
   const int x = static_cast<int>(std::min<int64_t>(kRowThreadsMax, std::max<int64_t>(32, (t + 31) / 32 * 32)));
   const int y = std::max(1, std::min(4, kRowThreadsCap / x));
-  return RowBlock{dim3(x, y), static_cast<size_t>(x) * y * vec * sizeof(float)};
+  return RowBlock{dim3(x, y), static_cast<size_t>(x) * y * vec * sizeof(float) +
+                                  static_cast<size_t>(lanes) * (sizeof(int32_t) + sizeof(float))};
 }
 
 // The call's group tables after the per-chunk rows of the workspace (kernels/steps.h): the write groups' of every
@@ -1866,9 +1862,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   const bool fresh = segments == nullptr && input != bank && use_fresh();
   const FreshArrays fa = fresh_arrays_at(dm, w_table + dm.units() * dm.C * dm.W, true);
   const bool staged = solve_staged(dm.C, kStagedLoopMaxC, kFwdSolveSmem);
-  const int solve_rows = loop_tile_rows(staged);
-  const auto fwd_solve = staged ? by_tile_rows(solve_rows, [](auto r) { return fwd_solve_kernel<true, decltype(r)::value>; })
-                                : fwd_solve_kernel<false, kTileRows>;
+  const auto fwd_solve = staged ? fwd_solve_kernel<true> : fwd_solve_kernel<false>;
   const size_t smem = kFwdSolveSmem.bytes(dm.C, staged);
   int rc = 0;
   if (!fresh) rc = copy_whole(dm, input, bank, stream);  // none when input is bank
@@ -1883,7 +1877,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   if (!rc) rc = smem_attribute(fwd_solve, smem);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
   const dim3 group_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
-  const RowBlock rb = row_block(dm.D, VEC);
+  const RowBlock rb = row_block(dm.D, VEC, std::max(dm.W, dm.R));
   const dim3 gather_grid(dm.streams(), dm.C, 2);
   // The chunk steps: gather, solve, write (with packed sequences the gathers pick each row's bank, and the write
   // kernel stores the last segment's groups and stamps their rows; with a fresh output bank the gathers and the
@@ -1894,7 +1888,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
       rc = launch(pdl, gather, gather_grid, rb.threads, rb.smem, stream, dm, p1, static_cast<const T*>(bank), c,
                   rows, seg);
       if (!rc)
-        rc = launch(pdl, fwd_solve, slice_grid, dim3(solve_threads(dm.C, solve_rows)), smem, stream, dm, p1, io, c,
+        rc = launch(pdl, fwd_solve, slice_grid, dim3(solve_threads(dm.C, true, staged)), smem, stream, dm, p1, io, c,
                     rows);
       if (!rc) rc = write(c);
     }
@@ -1937,9 +1931,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const bool dy_staged = solve_staged(dm.C, kStagedDyMaxC, kDySmem);
   const bool staged = solve_staged(dm.C, kStagedLoopMaxC, kBwdSolveSmem);
   const auto bwd_dy = dy_staged ? bwd_dy_kernel<true> : bwd_dy_kernel<false>;
-  const int solve_rows = loop_tile_rows(staged);
-  const auto bwd_solve = staged ? by_tile_rows(solve_rows, [](auto r) { return bwd_solve_kernel<true, decltype(r)::value>; })
-                                : bwd_solve_kernel<false, kTileRows>;
+  const auto bwd_solve = staged ? bwd_solve_kernel<true> : bwd_solve_kernel<false>;
   const size_t dy_smem = kDySmem.bytes(dm.C, dy_staged), solve_smem_bytes = kBwdSolveSmem.bytes(dm.C, staged);
   const bool by_first = segments == nullptr;
   // A fresh gradient bank: the cotangent's rows are read until the first Phase A or read side (in the loop's
@@ -1970,14 +1962,14 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const dim3 write_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
   const dim3 read_grid(dm.streams(), (dm.C * dm.R + kGroupWarps - 1) / kGroupWarps);
   constexpr int kGVec = kGVecOf<VEC, GT>;
-  const RowBlock rb = row_block(dm.D, kGVec);
+  const RowBlock rb = row_block(dm.D, kGVec, dm.W);
   const auto gwr = segments ? bwd_gwr_kernel<kGVec, GT, true, false>
                    : fresh  ? bwd_gwr_kernel<kGVec, GT, false, true>
                             : bwd_gwr_kernel<kGVec, GT, false, false>;
   if (!rc) rc = smem_attribute(gwr, rb.smem);
   if (!rc) {
     rc = launch(pdl, bwd_dy, dim3(dm.units(), (dm.D + kSlice - 1) / kSlice),
-                dim3(solve_threads(dm.C, kTileRows)), dy_smem, stream, dm, p1, io);
+                dim3(solve_threads(dm.C, false, dy_staged)), dy_smem, stream, dm, p1, io);
   }
   const dim3 group_block(kGroupWarps * 32);
   const OwnerLaunch phase_a = owner_launch(dm, 2), read_side = owner_launch(dm, 1);
@@ -1990,7 +1982,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
     rc = launch(pdl, gwr, row_grid, rb.threads, rb.smem, stream, dm, p1, static_cast<const GT*>(dbank), dbank_in,
                 static_cast<const int32_t*>(fa.w_tag), c, rows, sv.local);
     if (!rc)
-      rc = launch(pdl, bwd_solve, slice_grid, dim3(solve_threads(dm.C, solve_rows)), solve_smem_bytes, stream, dm, p1,
+      rc = launch(pdl, bwd_solve, slice_grid, dim3(solve_threads(dm.C, true, staged)), solve_smem_bytes, stream, dm, p1,
                   io, c, rows);
     if (segments) {  // Phase A (the stored groups, then the earlier segments' groups) and the read side
       if (!rc)

@@ -2,7 +2,7 @@
 # The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
 #
 #   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,memory,profile,
-#                                          timeline,sanitize,rowbw,fresh_ab,solve_rows (default: build,tests,determinism,bench)
+#                                          timeline,sanitize,rowbw,fresh_ab (default: build,tests,determinism,bench)
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
 # metadata, so the commit the logs name is taken from SDM_COMMIT when set.
@@ -12,7 +12,7 @@
 # e.g. "--impls ffi,noop --device-time" adds the device's kernel time per step), PROFILE_SHAPES, PROFILE_CHUNKS,
 # PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections), PROFILE_DETAIL_CHUNK, PROFILE_MODES,
 # SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT, SANITIZE_PRINT_LIMIT,
-# SOLVE_ROWS (the solve_rows stage's settings, default "1 2 4"), ROWBW_ARGS (row_bandwidth's arguments: D K P rows; rows = P * K reads every row once per launch, past the L2).
+# ROWBW_ARGS (row_bandwidth's arguments: D K P rows per launch).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/sdm_out}
@@ -155,23 +155,6 @@ if has timeline; then
       name=timeline_${shape}_${PROFILE_CHUNKS:-64}_$mode${TIMELINE_TAG:-}
       timeout 200 python3 "$REPO/scripts/timeline.py" "$shape" ${PROFILE_CHUNKS:-64} "$mode" > "$OUT/$name.txt" 2>&1
       summary "timeline $shape $mode${TIMELINE_TAG:-} rc=$?: $(grep -E "^span" "$OUT/$name.txt" | head -1)"
-    done
-  done
-fi
-if has solve_rows; then
-  # The in-loop solves' tile rows (SDM_CUDA_SOLVE_ROWS, each of SOLVE_ROWS): the same bits at each (the determinism
-  # digests of the first setting), then each one's device timeline of the flagship at chunk PROFILE_CHUNKS (128).
-  export SDM_DIGEST_FILE=$(mktemp -d)
-  for r in ${SOLVE_ROWS:-1 2 4}; do
-    SDM_CUDA_SOLVE_ROWS=$r run_pytest determinism_rows$r "$REPO"/tests/test_gpu_determinism.py
-  done
-  for r in ${SOLVE_ROWS:-1 2 4}; do
-    for mode in ${PROFILE_MODES:-grad nograd}; do
-      name=timeline_rows${r}_$mode
-      SDM_CUDA_SOLVE_ROWS=$r timeout 200 python3 "$REPO/scripts/timeline.py" flagship ${PROFILE_CHUNKS:-128} "$mode" \
-        > "$OUT/$name.txt" 2>&1
-      summary "rows=$r $mode: $(grep -E "^span" "$OUT/$name.txt" | head -1 | cut -c1-40) |$(grep -E "solve_kernel" \
-        "$OUT/$name.txt" | awk '{printf " %s %s us /%s;", $NF, $1, $3}')"
     done
   done
 fi
