@@ -13,7 +13,10 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/row_bandwidth.cu -o /tmp/row_bandwidth && /tmp/row_bandwidth [D K P rows]
 //
-// Times: CUDA events around 20 launches after 3 warm-up launches, the median of 5 such runs.
+// Times: CUDA events around 20 launches after 3 warm-up launches, the median of 5 such runs. `rows` per launch
+// (default 16384: one chunk of the flagship's groups) are a window of a table that holds every row of the bank once,
+// in random order; successive launches take successive windows, so none finds its rows in the L2 (with one fixed
+// window, 32 MiB, every launch after the first hit the L2 and "read" 5.5 TB/s).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -85,18 +88,21 @@ __global__ void rows_kernel(uint4* bank, uint4* bank2, const int32_t* rows, int6
 }
 
 template <Mode kMode, int kInFlight>
-float time_rows(uint4* bank, uint4* bank2, const int32_t* rows, int64_t n_rows, int row_vecs, float* sink, int blocks,
-                int threads) {
+float time_rows(uint4* bank, uint4* bank2, const int32_t* rows, int64_t windows, int64_t n_rows, int row_vecs,
+                float* sink, int blocks, int threads) {
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
   std::vector<float> ms;
-  for (int i = 0; i < 3; ++i) rows_kernel<kMode, kInFlight><<<blocks, threads>>>(bank, bank2, rows, n_rows, row_vecs, sink);
+  // Launch i reads window i % windows of the row table: no launch finds the rows of the one before in the L2.
+  const auto window = [&](int i) { return rows + (i % windows) * n_rows; };
+  for (int i = 0; i < 3; ++i)
+    rows_kernel<kMode, kInFlight><<<blocks, threads>>>(bank, bank2, window(i), n_rows, row_vecs, sink);
   CHECK(cudaGetLastError());
   for (int run = 0; run < 5; ++run) {
     CHECK(cudaEventRecord(a));
     for (int i = 0; i < 20; ++i)
-      rows_kernel<kMode, kInFlight><<<blocks, threads>>>(bank, bank2, rows, n_rows, row_vecs, sink);
+      rows_kernel<kMode, kInFlight><<<blocks, threads>>>(bank, bank2, window(i), n_rows, row_vecs, sink);
     CHECK(cudaEventRecord(b));
     CHECK(cudaEventSynchronize(b));
     float t = 0.f;
@@ -128,25 +134,28 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&bank, bank_bytes));
   CHECK(cudaMalloc(&bank2, bank_bytes));
   CHECK(cudaMalloc(&copy, bank_bytes));
-  CHECK(cudaMalloc(&rows, n_rows * sizeof(int32_t)));
+  // Windows of n_rows rows over every row of the bank once (at least one window).
+  const int64_t windows = std::max<int64_t>(1, P * K / n_rows), table = windows * n_rows;
+  CHECK(cudaMalloc(&rows, table * sizeof(int32_t)));
   CHECK(cudaMalloc(&sink, sizeof(float)));
   CHECK(cudaMemset(bank, 1, bank_bytes));
   CHECK(cudaMemset(bank2, 2, bank_bytes));
   // Distinct random rows, each stream's share in its own K rows (as a chunk's groups: distinct slots per stream).
   std::mt19937_64 rng(1);
-  std::vector<int32_t> host(n_rows);
+  std::vector<int32_t> host(table);
   std::vector<int32_t> perm(K);
   for (int64_t p = 0; p < P; ++p) {
     for (int64_t k = 0; k < K; ++k) perm[k] = static_cast<int32_t>(k);
     std::shuffle(perm.begin(), perm.end(), rng);
-    for (int64_t i = p; i < n_rows; i += P) host[i] = static_cast<int32_t>(p * K + perm[(i / P) % K]);
+    for (int64_t i = p; i < table; i += P) host[i] = static_cast<int32_t>(p * K + perm[(i / P) % K]);
   }
-  CHECK(cudaMemcpy(rows, host.data(), n_rows * sizeof(int32_t), cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(rows, host.data(), table * sizeof(int32_t), cudaMemcpyHostToDevice));
 
-  std::printf("%s, %d SMs; bank %lld x %lld x %lld bf16 (%.0f MiB), %lld random rows of %lld bytes per launch\n",
+  std::printf("%s, %d SMs; bank %lld x %lld x %lld bf16 (%.0f MiB), %lld random rows of %lld bytes per launch, "
+              "%lld windows\n",
               prop.name, prop.multiProcessorCount, static_cast<long long>(P), static_cast<long long>(K),
               static_cast<long long>(D), bank_bytes / 1048576.0, static_cast<long long>(n_rows),
-              static_cast<long long>(D * 2));
+              static_cast<long long>(D * 2), static_cast<long long>(windows));
   {
     cudaEvent_t a, b;
     CHECK(cudaEventCreate(&a));
@@ -179,7 +188,7 @@ int main(int argc, char** argv) {
       const int blocks = prop.multiProcessorCount * per_sm, threads = warps * 32;
 #define RUN(MODE, NAME, MOVED, F)                                                                           \
   report(NAME, (MOVED) * row_bytes, warps, per_sm, resident(rows_kernel<MODE, F>, threads), F,              \
-         time_rows<MODE, F>(bank, bank2, rows, n_rows, row_vecs, sink, blocks, threads))
+         time_rows<MODE, F>(bank, bank2, rows, windows, n_rows, row_vecs, sink, blocks, threads))
       RUN(kRead, "read", 1, 1);
       RUN(kRead, "read", 1, 2);
       RUN(kRead, "read", 1, 4);

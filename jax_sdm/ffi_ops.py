@@ -70,24 +70,34 @@ def _phase1_dims(op, k_idx, k_val, x, q_idx, q_val, num_slots):
     return shape_w[:-2], shape_w[-2], shape_w[-1], shape_r[-1], K
 
 
-# kernels/phase1.h: kPhase1CudaSharedBytes, kPhase1CudaGlobalBlocks, kPhase1CudaWarps, phase1_cuda_scratch_bytes.
-_PHASE1_CUDA_SHARED_BYTES = 200 * 1024
+# kernels/phase1.h: kPhase1CudaSharedBytes, kPhase1CudaGlobalBlocks, kPhase1CudaWarps and the scratch formulas.
+_PHASE1_CUDA_SHARED_BYTES = 226 * 1024
 _PHASE1_CUDA_GLOBAL_BLOCKS = 128
 _PHASE1_CUDA_WARPS = 32
+
+
+def _round_up_256(n):
+    return (n + 255) // 256 * 256
 
 
 def _phase1_workspace(batch, C, W, R, backward):
     """The trailing workspace result of ``sdm_phase1`` / ``sdm_phase1_bwd`` (uint8, bytes).
 
-    The CUDA kernels keep each unit's sort buffers and runs in shared memory when
-    they fit, else in this workspace (one slice per block); the size mirrors
-    ``sdm::phase1_cuda_workspace_bytes`` in kernels/phase1.h. The CPU handlers ignore it.
+    The CUDA kernels keep each unit's sort buffers and runs in shared memory when they fit; else the run arrays
+    go to this workspace (one slice per block), or, when the rest does not fit either, all of it. The size
+    mirrors ``sdm::phase1_cuda_workspace_bytes`` in kernels/phase1.h. The CPU handlers ignore it.
     """
     E = C * (W + R)
-    scratch = 4 * (_PHASE1_CUDA_WARPS * max(256, 2 * C) + (5 if backward else 4) * E)
-    scratch = (scratch + 255) // 256 * 256
+    base = _round_up_256(4 * (_PHASE1_CUDA_WARPS * max(256, 2 * C) + 3 * E))
+    runs = _round_up_256(4 * (2 if backward else 1) * E)
+    if base + runs <= _PHASE1_CUDA_SHARED_BYTES:
+        slice_bytes = 0
+    elif base <= _PHASE1_CUDA_SHARED_BYTES:
+        slice_bytes = runs
+    else:
+        slice_bytes = base + runs
     n = math.prod(batch)
-    size = 0 if n <= 0 or scratch <= _PHASE1_CUDA_SHARED_BYTES else min(n, _PHASE1_CUDA_GLOBAL_BLOCKS) * scratch
+    size = 0 if n <= 0 or slice_bytes == 0 else min(n, _PHASE1_CUDA_GLOBAL_BLOCKS) * slice_bytes
     return jax.ShapeDtypeStruct((size,), jnp.uint8)
 
 

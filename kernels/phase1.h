@@ -128,32 +128,58 @@ struct CUstream_st;
 namespace sdm {
 
 // Per-unit scratch of the CUDA kernels (kernels/phase1_cuda.cu: the entries' slots, the sort buffers, the run
-// sums and links, per-warp counters and rows): in dynamic shared memory when it is at most
-// kPhase1CudaSharedBytes, else in a global workspace with one slice per block, at most kPhase1CudaGlobalBlocks
-// blocks. Decided from the shapes only. jax_sdm/ffi_ops.py (_phase1_workspace) mirrors these formulas to size the
-// workspace result: keep them in sync.
-constexpr int64_t kPhase1CudaSharedBytes = 200 * 1024;
+// sums and links, per-warp counters and rows), placed from the shapes only (Phase1ScratchPlace): all of it in
+// dynamic shared memory when it is at most kPhase1CudaSharedBytes; else, when the rest fits there, the run arrays
+// (the run sums, and in the backward the runs' log gradients) in a global workspace and the rest in shared
+// memory; else all of it in the workspace. With a workspace the kernels run at most kPhase1CudaGlobalBlocks
+// blocks, one slice each. jax_sdm/ffi_ops.py (_phase1_workspace) mirrors these formulas to size the workspace
+// result: keep them in sync.
+constexpr int64_t kPhase1CudaSharedBytes = 226 * 1024;  // sm_90 gives a block 227 KB, less the kernels' static 512 B
 constexpr int64_t kPhase1CudaGlobalBlocks = 128;
 // Warps per block of the CUDA kernels (32 * kPhase1CudaWarps threads).
 constexpr int64_t kPhase1CudaWarps = 32;
 // Largest C * (W + R) the CUDA kernels take.
 constexpr int64_t kPhase1CudaMaxEntries = int64_t{1} << 22;
 
-// 4 bytes per warp and max(256, 2 C) (radix counters, then rows of A and QK), plus 16 bytes per entry
-// (E = C * (W + R): slot, two sort buffers, run sum) in the forward, 20 in the backward (and the run's log
-// gradient); rounded up to 256.
-inline int64_t phase1_cuda_scratch_bytes(int64_t C, int64_t W, int64_t R, bool backward) {
-  const int64_t E = C * (W + R);
+enum Phase1ScratchPlace : int { kScratchShared = 0, kScratchRunsGlobal = 1, kScratchGlobal = 2 };
+
+inline int64_t phase1_round_up(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// 4 bytes per warp and max(256, 2 C) (radix counters, then rows of A and QK), plus 12 bytes per entry
+// (E = C * (W + R): slot, two sort buffers), rounded up to 256: the part that always lives with the rest.
+inline int64_t phase1_cuda_base_bytes(int64_t C, int64_t W, int64_t R) {
   const int64_t per_warp = 2 * C > 256 ? 2 * C : 256;
-  const int64_t bytes = 4 * (kPhase1CudaWarps * per_warp + (backward ? 5 : 4) * E);
-  return (bytes + 255) / 256 * 256;
+  return phase1_round_up(4 * (kPhase1CudaWarps * per_warp + 3 * C * (W + R)));
+}
+
+// The run arrays: 4 bytes per entry in the forward (run sum), 8 in the backward (and the run's log gradient).
+inline int64_t phase1_cuda_run_bytes(int64_t C, int64_t W, int64_t R, bool backward) {
+  return phase1_round_up(4 * (backward ? 2 : 1) * C * (W + R));
+}
+
+inline int64_t phase1_cuda_scratch_bytes(int64_t C, int64_t W, int64_t R, bool backward) {
+  return phase1_cuda_base_bytes(C, W, R) + phase1_cuda_run_bytes(C, W, R, backward);
+}
+
+inline Phase1ScratchPlace phase1_cuda_scratch_place(int64_t C, int64_t W, int64_t R, bool backward) {
+  if (phase1_cuda_scratch_bytes(C, W, R, backward) <= kPhase1CudaSharedBytes) return kScratchShared;
+  return phase1_cuda_base_bytes(C, W, R) <= kPhase1CudaSharedBytes ? kScratchRunsGlobal : kScratchGlobal;
+}
+
+// Bytes of a block's slice of the workspace: 0, the run arrays, or the whole scratch.
+inline int64_t phase1_cuda_slice_bytes(int64_t C, int64_t W, int64_t R, bool backward) {
+  switch (phase1_cuda_scratch_place(C, W, R, backward)) {
+    case kScratchShared: return 0;
+    case kScratchRunsGlobal: return phase1_cuda_run_bytes(C, W, R, backward);
+    default: return phase1_cuda_scratch_bytes(C, W, R, backward);
+  }
 }
 
 // Bytes of the workspace the CUDA kernels need for N units: 0 when the scratch fits in shared memory.
 inline int64_t phase1_cuda_workspace_bytes(int64_t N, int64_t C, int64_t W, int64_t R, bool backward) {
-  const int64_t scratch = phase1_cuda_scratch_bytes(C, W, R, backward);
-  if (N <= 0 || scratch <= kPhase1CudaSharedBytes) return 0;
-  return (N < kPhase1CudaGlobalBlocks ? N : kPhase1CudaGlobalBlocks) * scratch;
+  const int64_t slice = phase1_cuda_slice_bytes(C, W, R, backward);
+  if (N <= 0 || slice == 0) return 0;
+  return (N < kPhase1CudaGlobalBlocks ? N : kPhase1CudaGlobalBlocks) * slice;
 }
 
 // phase1_cpu and phase1_bwd_cpu on the GPU: the same arrays (to float32 rounding; the integer maps exactly),

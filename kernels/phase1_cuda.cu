@@ -40,10 +40,12 @@
 // Scratch (per unit, int32 / float32 arrays sized from the shapes only, kernels/phase1.h
 // phase1_cuda_scratch_bytes): a per-warp area (radix counters, then the rows of A / QK being summed), slot_of,
 // two sort buffers (the second then holds the links), run_sum and, in the backward, the runs' log gradients. In
-// dynamic shared memory when it fits kPhase1CudaSharedBytes, else in a global workspace, one slice per block. The
-// same kernel code serves both (a template flag picks the base pointer). 1024 threads per block: one block per
-// SM either way at the anchor shapes (shared memory), and the walks are latency-bound, so more warps per block
-// hide more of it. scripts/cuda_emu runs these kernels on the CPU against the CPU kernels.
+// dynamic shared memory when it fits kPhase1CudaSharedBytes; else the run arrays, the least used, in a global
+// workspace (one slice per block) and the rest in shared memory when that fits (chunk 128 at W = R = 64: the
+// sort and its walks from global memory took 2.5x as long); else all of it in the workspace. The same kernel
+// code serves all three (a template argument, Phase1ScratchPlace, picks the base pointers). 1024 threads per
+// block: one block per SM either way at the anchor shapes (shared memory), and the walks are latency-bound, so
+// more warps per block hide more of it. scripts/cuda_emu runs these kernels on the CPU against the CPU kernels.
 //
 // Every sum runs in an order fixed by the input, every output element has one writer, no atomics: the results
 // are bitwise reproducible. Built with -fmad=false (CMakeLists.txt) to round like the CPU kernel.
@@ -231,8 +233,10 @@ struct Scratch {
   float* run_dlog; // [E] backward: the gradient of the run's log value, at its head's seq
 };
 
-__device__ __forceinline__ Scratch carve(unsigned char* base, const Shape& s) {
-  int* p = reinterpret_cast<int*>(base);
+// The scratch of this block: `shared` is the dynamic shared memory, `global` the block's workspace slice.
+template <int kPlace>
+__device__ __forceinline__ Scratch carve(unsigned char* shared, unsigned char* global, const Shape& s) {
+  int* p = reinterpret_cast<int*>(kPlace == kScratchGlobal ? global : shared);
   Scratch sc;
   sc.warp_area = p;
   p += kWarps * max(256, 2 * s.C);
@@ -242,6 +246,7 @@ __device__ __forceinline__ Scratch carve(unsigned char* base, const Shape& s) {
   p += s.E;
   sc.buf1 = p;
   p += s.E;
+  if (kPlace == kScratchRunsGlobal) p = reinterpret_cast<int*>(global);
   sc.run_sum = reinterpret_cast<float*>(p);
   p += s.E;
   sc.run_dlog = reinterpret_cast<float*>(p);
@@ -401,13 +406,12 @@ __device__ __forceinline__ bool group_start(int p, const int* sorted, const int*
 // Forward
 // ---------------------------------------------------------------------------
 
-template <bool kShared>
+template <int kPlace>
 __global__ void __launch_bounds__(kThreads, 1)
-    phase1_fwd_kernel(Phase1Arrays all, Shape s, int64_t N, unsigned char* workspace, int64_t scratch_bytes) {
+    phase1_fwd_kernel(Phase1Arrays all, Shape s, int64_t N, unsigned char* workspace, int64_t slice_bytes) {
   extern __shared__ __align__(16) unsigned char dyn_smem[];
   __shared__ int scan_sh[32 * 4];
-  unsigned char* base = kShared ? dyn_smem : workspace + static_cast<int64_t>(blockIdx.x) * scratch_bytes;
-  const Scratch sc = carve(base, s);
+  const Scratch sc = carve<kPlace>(dyn_smem, workspace + static_cast<int64_t>(blockIdx.x) * slice_bytes, s);
   const int* slot_of = sc.slot_of;
   float* run_sum = sc.run_sum;
 
@@ -589,13 +593,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 // Backward
 // ---------------------------------------------------------------------------
 
-template <bool kShared>
+template <int kPlace>
 __global__ void __launch_bounds__(kThreads, 1)
-    phase1_bwd_kernel(Phase1GradArrays all, Shape s, int64_t N, unsigned char* workspace, int64_t scratch_bytes) {
+    phase1_bwd_kernel(Phase1GradArrays all, Shape s, int64_t N, unsigned char* workspace, int64_t slice_bytes) {
   extern __shared__ __align__(16) unsigned char dyn_smem[];
   __shared__ int scan_sh[32 * 4];
-  unsigned char* base = kShared ? dyn_smem : workspace + static_cast<int64_t>(blockIdx.x) * scratch_bytes;
-  const Scratch sc = carve(base, s);
+  const Scratch sc = carve<kPlace>(dyn_smem, workspace + static_cast<int64_t>(blockIdx.x) * slice_bytes, s);
   const int* slot_of = sc.slot_of;
   float* run_sum = sc.run_sum;
   float* run_dlog = sc.run_dlog;
@@ -790,29 +793,33 @@ bool fits(int64_t N, int64_t C, int64_t W, int64_t R) {
          C <= kPhase1CudaMaxEntries;
 }
 
-// Launches kernel<true> (scratch in shared memory) or kernel<false> (scratch in the workspace), from the shapes.
+// Launches the kernel for the scratch's place (kernels/phase1.h phase1_cuda_scratch_place), from the shapes:
+// one block per unit with all of it in shared memory, else at most kPhase1CudaGlobalBlocks blocks with a
+// workspace slice each.
 template <typename Args>
-int launch(void (*shared_kernel)(Args, Shape, int64_t, unsigned char*, int64_t),
-           void (*global_kernel)(Args, Shape, int64_t, unsigned char*, int64_t), const Args& args,
-           const Shape& s, int64_t N, int64_t scratch, void* workspace, int64_t workspace_bytes,
-           cudaStream_t stream) {
-  if (scratch <= kPhase1CudaSharedBytes) {
+int launch(void (*const (&kernels)[3])(Args, Shape, int64_t, unsigned char*, int64_t), const Args& args,
+           const Shape& s, int64_t N, bool backward, void* workspace, int64_t workspace_bytes, cudaStream_t stream) {
+  const Phase1ScratchPlace place = phase1_cuda_scratch_place(s.C, s.W, s.R, backward);
+  const auto kernel = kernels[place];
+  const int64_t smem = place == kScratchShared      ? phase1_cuda_scratch_bytes(s.C, s.W, s.R, backward)
+                       : place == kScratchRunsGlobal ? phase1_cuda_base_bytes(s.C, s.W, s.R)
+                                                     : 0;
+  const int64_t slice = phase1_cuda_slice_bytes(s.C, s.W, s.R, backward);
+  const int64_t blocks = place == kScratchShared ? std::min<int64_t>(N, int64_t{1} << 30)
+                                                 : std::min<int64_t>(N, kPhase1CudaGlobalBlocks);
+  if (slice > 0 && (workspace == nullptr || workspace_bytes < blocks * slice ||
+                    reinterpret_cast<uintptr_t>(workspace) % 16 != 0)) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  if (smem > 0) {
     // Dynamic plus static shared memory may pass 48 KB even when the scratch alone does not: always raise the
     // limit to the scratch (idempotent).
-    const cudaError_t e = cudaFuncSetAttribute(shared_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(scratch));
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (e != cudaSuccess) return static_cast<int>(e);
-    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(N, int64_t{1} << 30));
-    shared_kernel<<<blocks, kThreads, static_cast<size_t>(scratch), stream>>>(args, s, N, nullptr, 0);
-  } else {
-    const int64_t blocks = std::min<int64_t>(N, kPhase1CudaGlobalBlocks);
-    if (workspace == nullptr || workspace_bytes < blocks * scratch ||
-        reinterpret_cast<uintptr_t>(workspace) % 16 != 0) {
-      return static_cast<int>(cudaErrorInvalidValue);
-    }
-    global_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        args, s, N, static_cast<unsigned char*>(workspace), scratch);
   }
+  kernel<<<static_cast<unsigned>(blocks), kThreads, static_cast<size_t>(smem), stream>>>(
+      args, s, N, static_cast<unsigned char*>(workspace), slice);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -822,18 +829,18 @@ int phase1_cuda(const Phase1Arrays& a, const Phase1Dims& d, void* workspace, int
                 CUstream_st* stream) {
   if (!fits(d.N, d.C, d.W, d.R)) return static_cast<int>(cudaErrorInvalidValue);
   if (d.N == 0) return static_cast<int>(cudaSuccess);
-  return launch<Phase1Arrays>(phase1_fwd_kernel<true>, phase1_fwd_kernel<false>, a, make_shape(d),
-                              d.N, phase1_cuda_scratch_bytes(d.C, d.W, d.R, false), workspace, workspace_bytes,
-                              stream);
+  static void (*const kernels[3])(Phase1Arrays, Shape, int64_t, unsigned char*, int64_t) = {
+      phase1_fwd_kernel<kScratchShared>, phase1_fwd_kernel<kScratchRunsGlobal>, phase1_fwd_kernel<kScratchGlobal>};
+  return launch<Phase1Arrays>(kernels, a, make_shape(d), d.N, false, workspace, workspace_bytes, stream);
 }
 
 int phase1_bwd_cuda(const Phase1GradArrays& a, const Phase1Dims& d, void* workspace, int64_t workspace_bytes,
                     CUstream_st* stream) {
   if (!fits(d.N, d.C, d.W, d.R)) return static_cast<int>(cudaErrorInvalidValue);
   if (d.N == 0) return static_cast<int>(cudaSuccess);
-  return launch<Phase1GradArrays>(phase1_bwd_kernel<true>, phase1_bwd_kernel<false>, a,
-                                  make_shape(d), d.N, phase1_cuda_scratch_bytes(d.C, d.W, d.R, true),
-                                  workspace, workspace_bytes, stream);
+  static void (*const kernels[3])(Phase1GradArrays, Shape, int64_t, unsigned char*, int64_t) = {
+      phase1_bwd_kernel<kScratchShared>, phase1_bwd_kernel<kScratchRunsGlobal>, phase1_bwd_kernel<kScratchGlobal>};
+  return launch<Phase1GradArrays>(kernels, a, make_shape(d), d.N, true, workspace, workspace_bytes, stream);
 }
 
 }  // namespace sdm

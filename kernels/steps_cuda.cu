@@ -266,14 +266,25 @@ struct BankRows {
 // out_row = sum over lanes of weight * rows[idx] for one token; one block per (stream, token). Threads are
 // (column, part): blockDim.x threads cover the columns VEC at a time, and the lanes are split into blockDim.y
 // contiguous parts whose partial sums are added in part order (a fixed order): more rows in flight per token.
-// `partial` is dynamic shared memory of blockDim.y * blockDim.x * VEC floats. Used for the gathers G, Q0 (bank
-// rows) and the GWR gather (gradient rows). `row_of(id)` is the row of a lane's id and `row_of.has(id)` whether it
-// has one (BankRows; with packed sequences SegmentRows, the working or the initial bank's row; FreshRows for the
-// row tags of a fresh output bank).
+// `partial` is dynamic shared memory of blockDim.y * blockDim.x * VEC floats, then room for `lanes` ids and weights
+// (gather_smem). Used for the gathers G, Q0 (bank rows) and the GWR gather (gradient rows). `row_of(id)` is the row
+// of a lane's id and `row_of.has(id)` whether it has one (BankRows; with packed sequences SegmentRows, the working
+// or the initial bank's row; FreshRows for the row tags of a fresh output bank).
+// The block stages the token's ids and weights in shared memory first: read from global memory in each batch,
+// they put an L2 round trip before every batch's row loads (the kernel is bound by the latency of its chains of
+// loads, not by bandwidth).
 template <int VEC, typename T, typename RowOf>
 __device__ __forceinline__ void gather_row(RowOf row_of, const int32_t* idx, const float* weight,
                                            int64_t lanes, int64_t D, float* __restrict__ out, float* partial) {
-  constexpr int kInFlight = sizeof(T) == 2 ? 6 : 4;  // independent row loads issued before the first is used
+  constexpr int kInFlight = sizeof(T) == 2 ? 8 : 4;  // independent row loads issued before the first is used
+  const int threads = blockDim.x * blockDim.y, tid = threadIdx.y * blockDim.x + threadIdx.x;
+  int32_t* sid = reinterpret_cast<int32_t*>(partial + threads * VEC);
+  float* sw = reinterpret_cast<float*>(sid + lanes);
+  for (int64_t k = tid; k < lanes; k += threads) {
+    sid[k] = idx[k];
+    sw[k] = weight[k];
+  }
+  __syncthreads();
   const int64_t per_part = (lanes + blockDim.y - 1) / blockDim.y;
   const int64_t n_lo = threadIdx.y * per_part, n_hi = min(lanes, n_lo + per_part);
   const int64_t tile = static_cast<int64_t>(blockDim.x) * VEC;
@@ -287,20 +298,20 @@ __device__ __forceinline__ void gather_row(RowOf row_of, const int32_t* idx, con
         bool ok[kInFlight];
 #pragma unroll
         for (int j = 0; j < kInFlight; ++j) {
-          const int32_t id = n0 + j < n_hi ? idx[n0 + j] : -1;
+          const int32_t id = n0 + j < n_hi ? sid[n0 + j] : -1;
           ok[j] = row_of.has(id);
           if (ok[j]) x[j].load(row_of(id) + d);
         }
 #pragma unroll
         for (int j = 0; j < kInFlight; ++j) {  // lanes in order within the part
           if (!ok[j]) continue;
-          const float wgt = weight[n0 + j];
+          const float wgt = sw[n0 + j];
 #pragma unroll
           for (int i = 0; i < VEC; ++i) acc[i] += wgt * x[j][i];
         }
       }
     }
-    float* mine = partial + (threadIdx.y * blockDim.x + threadIdx.x) * VEC;
+    float* mine = partial + tid * VEC;
 #pragma unroll
     for (int i = 0; i < VEC; ++i) mine[i] = acc[i];
     __syncthreads();
@@ -1721,16 +1732,18 @@ int launch(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t sm
 }
 
 // Block of a per-token gather: x threads, one per VEC columns (a whole number of warps, at most
-// kRowThreadsMax), times y parts of the lanes (up to 4, at most 512 threads in all); and its shared memory.
+// kRowThreadsMax), times y parts of the lanes (up to 4, at most 512 threads in all); and its shared memory (the
+// parts' partial sums, then the token's `lanes` ids and weights).
 struct RowBlock {
   dim3 threads;
   size_t smem;
 };
-inline RowBlock row_block(int64_t D, int vec) {
+inline RowBlock row_block(int64_t D, int vec, int64_t lanes) {
   const int64_t t = (D + vec - 1) / vec;
   const int x = static_cast<int>(std::min<int64_t>(kRowThreadsMax, std::max<int64_t>(32, (t + 31) / 32 * 32)));
   const int y = std::max(1, std::min(4, kRowThreadsCap / x));
-  return RowBlock{dim3(x, y), static_cast<size_t>(x) * y * vec * sizeof(float)};
+  return RowBlock{dim3(x, y), static_cast<size_t>(x) * y * vec * sizeof(float) +
+                                  static_cast<size_t>(lanes) * (sizeof(int32_t) + sizeof(float))};
 }
 
 // The call's group tables after the per-chunk rows of the workspace (kernels/steps.h): the write groups' of every
@@ -1864,7 +1877,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   if (!rc) rc = smem_attribute(fwd_solve, smem);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
   const dim3 group_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
-  const RowBlock rb = row_block(dm.D, VEC);
+  const RowBlock rb = row_block(dm.D, VEC, std::max(dm.W, dm.R));
   const dim3 gather_grid(dm.streams(), dm.C, 2);
   // The chunk steps: gather, solve, write (with packed sequences the gathers pick each row's bank, and the write
   // kernel stores the last segment's groups and stamps their rows; with a fresh output bank the gathers and the
@@ -1949,7 +1962,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const dim3 write_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
   const dim3 read_grid(dm.streams(), (dm.C * dm.R + kGroupWarps - 1) / kGroupWarps);
   constexpr int kGVec = kGVecOf<VEC, GT>;
-  const RowBlock rb = row_block(dm.D, kGVec);
+  const RowBlock rb = row_block(dm.D, kGVec, dm.W);
   const auto gwr = segments ? bwd_gwr_kernel<kGVec, GT, true, false>
                    : fresh  ? bwd_gwr_kernel<kGVec, GT, false, true>
                             : bwd_gwr_kernel<kGVec, GT, false, false>;

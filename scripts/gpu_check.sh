@@ -6,12 +6,14 @@
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
 # metadata, so the commit the logs name is taken from SDM_COMMIT when set.
-# Environment: PYTEST_ARGS (extra pytest arguments, e.g. "-k golden"), BENCH_ARGS (extra bench.py arguments, e.g.
+# Environment: PYTEST_ARGS (extra pytest arguments, split at spaces, e.g. "-x"), PYTEST_K (a pytest -k expression,
+# kept whole: "run_arrays or workspace_path"), BENCH_ARGS (extra bench.py arguments, e.g.
 # "--pipeline 20"), GPU_TEST_FILES (replaces the GPU test list), BENCH_SHAPES, BENCH_CHUNKS, BENCH_REPEATS,
 # BENCH_DECODE (0 skips bench_decode.py), BENCH_DECODE_ARGS (bench_decode.py's arguments, default "--impls ffi";
 # e.g. "--impls ffi,noop --device-time" adds the device's kernel time per step), PROFILE_SHAPES, PROFILE_CHUNKS,
 # PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections), PROFILE_DETAIL_CHUNK, PROFILE_MODES,
-# SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT, SANITIZE_PRINT_LIMIT.
+# SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT, SANITIZE_PRINT_LIMIT,
+# ROWBW_ARGS (row_bandwidth's arguments: D K P rows per launch).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/sdm_out}
@@ -41,6 +43,7 @@ cd /tmp
 run_pytest() {  # name, then pytest arguments
   local name=$1; shift
   python3 -m pytest -q -p no:cacheprovider --import-mode=importlib --rootdir "$REPO" "$@" ${PYTEST_ARGS:-} \
+    ${PYTEST_K:+-k "$PYTEST_K"} \
     > "$OUT/$name.log" 2>&1
   local rc=$?
   summary "$name rc=$rc: $(grep -E "[0-9]+ (passed|failed|error)" "$OUT/$name.log" | tail -1)"
@@ -161,7 +164,7 @@ if has rowbw; then
   # The ceiling of the row kernels: random-row read, write and read-modify-write bandwidth of this GPU at the
   # steps' access pattern (benchmarks/row_bandwidth.cu, standalone).
   nvcc -O3 -std=c++17 -arch=sm_90 "$REPO/benchmarks/row_bandwidth.cu" -o /tmp/row_bandwidth > "$OUT/row_bandwidth.txt" 2>&1 \
-    && timeout 200 /tmp/row_bandwidth >> "$OUT/row_bandwidth.txt" 2>&1
+    && timeout 200 /tmp/row_bandwidth ${ROWBW_ARGS:-} >> "$OUT/row_bandwidth.txt" 2>&1
   summary "rowbw rc=$?"
   grep -E "^copy|^\| (read|write|rmw)" "$OUT/row_bandwidth.txt" | sort -t'|' -k8 -n -r | head -12 | tee -a "$OUT/summary.txt"
 fi

@@ -1,7 +1,7 @@
 """A small workload that runs every CUDA kernel of jax_sdm once, for compute-sanitizer (`gpu_check.sh sanitize`):
 the op's forward and backward (float32 and bfloat16 banks, both gradient-bank dtypes, per-token and per-write
-gates, repeated and out-of-range slot ids, packed sequences), Phase 1's workspace path (a unit too large for shared
-memory), and the decode step (`--cases` picks some). Exits non-zero if a result is not finite."""
+gates, repeated and out-of-range slot ids, packed sequences), Phase 1's workspace paths (a unit's run arrays, or
+all of its scratch, in the workspace: too large for shared memory), and the decode step (`--cases` picks some). Exits non-zero if a result is not finite."""
 import argparse
 import functools
 import sys
@@ -47,17 +47,20 @@ CASES = [
     lambda: op_case(0, np.float32, T=40, K=64, D=24, W=3, R=2, distinct=False, repeats=True),  # partial last chunk
     lambda: op_case(1, jnp.bfloat16, T=40, K=64, D=64, W=4, R=4, per_write_gates=True),
     lambda: op_case(2, jnp.bfloat16, jnp.float32, T=40, K=64, D=64, W=4, R=4),
-    lambda: op_case(3, np.float32, chunk=128, B=1, H=1, T=128, K=4096, D=8, W=64, R=64),  # Phase 1 workspace
+    # Phase 1: the run arrays in the workspace (the flagship's unit)
+    lambda: op_case(3, np.float32, chunk=128, B=1, H=1, T=128, K=4096, D=8, W=64, R=64),
     step_case,
     lambda: op_case(0, np.float32, T=48, K=64, D=24, W=3, R=2, distinct=False, repeats=True),  # case 0, whole chunks
     lambda: op_case(5, jnp.bfloat16, B=2, T=40, K=16, D=64, W=4, R=4, distinct=False, repeats=True,  # packed
                     segment_ids=np.array([[0] * 5 + [1] * 11 + [2] * 16 + [-1] * 8, [4] * 16 + [2] * 3 + [9] * 21])),
+    # Phase 1: all of the scratch in the workspace
+    lambda: op_case(6, np.float32, chunk=128, B=1, H=1, T=128, K=4096, D=8, W=100, R=60),
 ]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--cases", default="0,1,2,3,4,5,6", help="comma list of CASES indices")
+    parser.add_argument("--cases", default="0,1,2,3,4,5,6,7", help="comma list of CASES indices")
     cases = [int(i) for i in parser.parse_args().cases.split(",")]
     results = [r for i in cases for r in CASES[i]()]
     bad = [i for i, r in enumerate(results) if not np.all(np.isfinite(np.asarray(r, np.float32)))]

@@ -22,12 +22,12 @@ CASES = {
 }
 
 
-def results(name):
+def results(name, chunk_size):
     """Outputs and gradients by name, as float32 NumPy arrays."""
     args = random_problem(7, **CASES[name])
     dy, dbank = cotangents(7, args)
     op = functools.partial(sdm_write_read, impl="ffi")
-    y, final, grads = outputs_and_grads(op, args, dy, dbank, chunk_size=64)
+    y, final, grads = outputs_and_grads(op, args, dy, dbank, chunk_size=chunk_size)
     out = dict(y=y, final_bank=final, **{f"grad_{k}": v for k, v in grads.items()})
     return {k: np.asarray(v, np.float32) for k, v in out.items()}
 
@@ -37,11 +37,12 @@ def differences(a, b):
     return {k: float(np.max(np.abs(a[k] - b[k]))) for k in a if a[k].tobytes() != b[k].tobytes()}
 
 
+@pytest.mark.parametrize("chunk_size", [64, 128])  # 128: the GPU default; the in-loop solves staged at both
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_gpu_bitwise(name):
-    first = results(name)
-    assert differences(results(name), first) == {}  # same process, second call
-    path = pathlib.Path(os.environ.get("SDM_DIGEST_FILE", "/tmp/sdm_digests")) / f"{name}.npz"
+def test_gpu_bitwise(name, chunk_size):
+    first = results(name, chunk_size)
+    assert differences(results(name, chunk_size), first) == {}  # same process, second call
+    path = pathlib.Path(os.environ.get("SDM_DIGEST_FILE", "/tmp/sdm_digests")) / f"{name}_c{chunk_size}.npz"
     if path.exists():
         diff = differences(first, dict(np.load(path)))
         assert diff == {}, f"differs from an earlier process ({path}): {diff}"

@@ -182,6 +182,16 @@ GLOBAL_CASES = [
 ]
 
 
+# Units whose scratch fits shared memory but for the run arrays, which live in the workspace (in the forward, the
+# backward or both).
+MIXED_CASES = [
+    (2, 128, 64, 64, 65536, 0.02, 3, "lane"),  # the flagship's unit (chunk 128, W = R = 64), both directions
+    (2, 128, 64, 64, 4096, 0.02, 3, "extreme"),
+    (1, 64, 200, 8, 8, 0.05, 0, "extreme"),    # collision-heavy, both directions
+    (130, 64, 128, 64, 1000, 0.05, 0, "lane"),  # the backward only, more units than workspace slices (128)
+]
+
+
 def _ids(cases):
     return [f"N{c[0]}C{c[1]}W{c[2]}R{c[3]}K{c[4]}-{c[7]}" for c in cases]
 
@@ -199,6 +209,18 @@ def test_gpu_phase1_matches_cpu(case):
 def test_gpu_phase1_workspace_path_matches_cpu(case):
     N, C, W, R, K, invalid, pad, gate = case
     assert workspace_bytes(N, C, W, R, False) > 0 and workspace_bytes(N, C, W, R, True) > 0
+    seed = seed_of(case)
+    args = make_inputs(seed, N, C, W, R, K, invalid=invalid, pad_tokens=pad, gate=gate)
+    compare_phase1(args, K, f"seed={seed} {case}")
+
+
+@pytest.mark.parametrize("case", MIXED_CASES, ids=_ids(MIXED_CASES))
+def test_gpu_phase1_run_arrays_in_workspace_match_cpu(case):
+    N, C, W, R, K, invalid, pad, gate = case
+    E, slices = C * (W + R), min(N, 128)
+    # Only the run arrays' slices (4 bytes per entry forward, 8 backward, rounded up to 256) where not all fits.
+    assert workspace_bytes(N, C, W, R, True) == slices * ((8 * E + 255) // 256 * 256)
+    assert workspace_bytes(N, C, W, R, False) in (0, slices * ((4 * E + 255) // 256 * 256))
     seed = seed_of(case)
     args = make_inputs(seed, N, C, W, R, K, invalid=invalid, pad_tokens=pad, gate=gate)
     compare_phase1(args, K, f"seed={seed} {case}")

@@ -138,8 +138,10 @@ int main(int argc, char** argv) {
       {2, 16, 4, 3, 1, 0.1, 0, "lane"},
       {1, 8, 5, 5, int64_t(1) << 30, 0.1, 0, "lane"},
       {1, 8, 5, 5, 2147483647, 0.1, 0, "lane"},
-      {2, 64, 128, 64, 4096, 0.02, 3, "lane"},   // workspace path
-      {1, 64, 200, 8, 8, 0.05, 0, "extreme"},    // workspace path, collision-heavy
+      {2, 64, 128, 64, 4096, 0.02, 3, "lane"},   // forward in shared memory, backward's run arrays in the workspace
+      {1, 64, 200, 8, 8, 0.05, 0, "extreme"},    // run arrays in the workspace, collision-heavy
+      {2, 128, 64, 64, 65536, 0.02, 3, "lane"},  // the flagship's unit: run arrays in the workspace
+      {1, 128, 100, 60, 5000, 0.05, 0, "lane"},  // all of the scratch in the workspace
   };
   if (argc > 1 && std::string(argv[1]) == "random") {
     std::mt19937 r(std::atoi(argv[2]));

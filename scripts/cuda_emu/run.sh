@@ -63,7 +63,7 @@ build() {
   ${CXX:-g++} $FLAGS "${objs[@]}" -o "$WORK/${name}_check" -pthread
 }
 if [[ $CHECK == phase1 || $CHECK == all ]]; then
-  build phase1 phase1_cuda.cu 2 "$REPO/kernels/phase1_cpu.cc"
+  build phase1 phase1_cuda.cu 1 "$REPO/kernels/phase1_cpu.cc"
   "$WORK/phase1_check" "$@"
 fi
 if [[ $CHECK == decode || $CHECK == all ]]; then
