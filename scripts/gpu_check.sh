@@ -11,8 +11,8 @@
 # "--pipeline 20"), GPU_TEST_FILES (replaces the GPU test list), BENCH_SHAPES, BENCH_CHUNKS, BENCH_REPEATS,
 # BENCH_DECODE (0 skips bench_decode.py), BENCH_DECODE_ARGS (bench_decode.py's arguments, default "--impls ffi";
 # e.g. "--impls ffi,noop --device-time" adds the device's kernel time per step), PROFILE_SHAPES, PROFILE_CHUNKS,
-# PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections), PROFILE_DETAIL_CHUNK, PROFILE_MODES,
-# SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT, SANITIZE_PRINT_LIMIT,
+# PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections), PROFILE_DETAIL_CHUNK,
+# PROFILE_MODES, SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT, SANITIZE_PRINT_LIMIT,
 # ROWBW_ARGS (row_bandwidth's arguments: D K P rows per launch).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -93,7 +93,8 @@ if has fresh_ab; then
     done
     SDM_CUDA_FRESH=$fresh XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 \
     timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes.sum --csv \
-      python3 "$REPO/scripts/profile_steps.py" flagship "$chunk" grad > "$OUT/ncu_fresh_$fresh.csv" 2>> "$OUT/ncu_err.log"
+      python3 "$REPO/scripts/profile_steps.py" flagship "$chunk" grad > "$OUT/ncu_fresh_$fresh.csv" \
+      2>> "$OUT/ncu_err.log"
     summary "fresh=$fresh profile flagship C$chunk grad rc=$?"
     python3 "$REPO/scripts/ncu_summary.py" "$OUT/ncu_fresh_$fresh.csv" | tee "$OUT/ncu_fresh_$fresh.txt" | head -20
   done

@@ -1,7 +1,8 @@
 """A small workload that runs every CUDA kernel of jax_sdm once, for compute-sanitizer (`gpu_check.sh sanitize`):
 the op's forward and backward (float32 and bfloat16 banks, both gradient-bank dtypes, per-token and per-write
 gates, repeated and out-of-range slot ids, packed sequences), Phase 1's workspace paths (a unit's run arrays, or
-all of its scratch, in the workspace: too large for shared memory), and the decode step (`--cases` picks some). Exits non-zero if a result is not finite."""
+all of its scratch, in the workspace: too large for shared memory), and the decode step (`--cases` picks some).
+Exits non-zero if a result is not finite."""
 import argparse
 import functools
 import sys
