@@ -12,8 +12,8 @@
 # BENCH_DECODE (0 skips bench_decode.py), BENCH_DECODE_ARGS (bench_decode.py's arguments, default "--impls ffi";
 # e.g. "--impls ffi,noop --device-time" adds the device's kernel time per step), PROFILE_SHAPES, PROFILE_CHUNKS,
 # PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections), PROFILE_DETAIL_CHUNK,
-# PROFILE_MODES, SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT, SANITIZE_PRINT_LIMIT,
-# ROWBW_ARGS (row_bandwidth's arguments: D K P rows per launch).
+# PROFILE_MODES, SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT,
+# SANITIZE_PRINT_LIMIT, ROWBW_ARGS (row_bandwidth's arguments: D K P rows per launch).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/sdm_out}
