@@ -2,7 +2,7 @@
 # The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
 #
 #   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,memory,profile,
-#                                          timeline,sanitize,rowbw,fresh_ab (default: build,tests,determinism,bench)
+#                                          timeline,sanitize,rowbw,ab (default: build,tests,determinism,bench)
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
 # metadata, so the commit the logs name is taken from SDM_COMMIT when set.
@@ -13,7 +13,8 @@
 # e.g. "--impls ffi,noop --device-time" adds the device's kernel time per step), PROFILE_SHAPES, PROFILE_CHUNKS,
 # PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections), PROFILE_DETAIL_CHUNK,
 # PROFILE_MODES, SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT,
-# SANITIZE_PRINT_LIMIT, ROWBW_ARGS (row_bandwidth's arguments: D K P rows per launch).
+# SANITIZE_PRINT_LIMIT, ROWBW_ARGS (row_bandwidth's arguments: D K P rows per launch), AB_VAR, AB_VALUES (the ab
+# stage), PACK_LOGS (1: one archive of the logs; the device tool brings back at most 8 files).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/sdm_out}
@@ -81,22 +82,23 @@ if has bench; then
   summary "bench_decode rc=$?"
   grep "^|" "$OUT/bench_decode.log" | tee -a "$OUT/summary.txt"
 fi
-if has fresh_ab; then
-  # The fresh result against a whole copy (SDM_CUDA_FRESH=0) in one build: the bench rows and the flagship grad's
-  # per-kernel times (chunk PROFILE_CHUNKS, default 128) both ways, one process each.
+if has ab; then
+  # An in-build A/B of a kernel switch: AB_VAR (e.g. SDM_CUDA_L2_ORDER, SDM_CUDA_FRESH, SDM_CUDA_GATHER_PARTS) at
+  # each of AB_VALUES (default "1 0"): the bench rows of BENCH_SHAPES (default mid flagship) at chunk PROFILE_CHUNKS
+  # (default 128) and device timelines of the flagship (PROFILE_MODES, default grad and nograd), one process each.
   chunk=${PROFILE_CHUNKS:-128}
-  for fresh in 1 0; do
+  for value in ${AB_VALUES:-1 0}; do
+    tag=${AB_VAR:?AB_VAR names the switch}_$value
     for shape in ${BENCH_SHAPES:-mid flagship}; do
-      SDM_CUDA_FRESH=$fresh timeout 300 python3 "$REPO/benchmarks/bench.py" --impls ffi --shape "$shape" \
-        --chunk "$chunk" --detail --repeats ${BENCH_REPEATS:-10} ${BENCH_ARGS:-} >> "$OUT/fresh_ab_$fresh.log" 2>&1
-      summary "fresh=$fresh bench $shape rc=$?: $(grep "^| ffi" "$OUT/fresh_ab_$fresh.log" | tail -1)"
+      env "$AB_VAR=$value" timeout 300 python3 "$REPO/benchmarks/bench.py" --impls ffi --shape "$shape" \
+        --chunk "$chunk" --detail --repeats ${BENCH_REPEATS:-10} ${BENCH_ARGS:-} >> "$OUT/ab_$tag.log" 2>&1
+      summary "$tag bench $shape rc=$?: $(grep "^| ffi" "$OUT/ab_$tag.log" | tail -1)"
     done
-    SDM_CUDA_FRESH=$fresh XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 \
-    timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes.sum --csv \
-      python3 "$REPO/scripts/profile_steps.py" flagship "$chunk" grad > "$OUT/ncu_fresh_$fresh.csv" \
-      2>> "$OUT/ncu_err.log"
-    summary "fresh=$fresh profile flagship C$chunk grad rc=$?"
-    python3 "$REPO/scripts/ncu_summary.py" "$OUT/ncu_fresh_$fresh.csv" | tee "$OUT/ncu_fresh_$fresh.txt" | head -20
+    for mode in ${PROFILE_MODES:-grad nograd}; do
+      env "$AB_VAR=$value" timeout 200 python3 "$REPO/scripts/timeline.py" flagship "$chunk" "$mode" \
+        > "$OUT/timeline_ab_${tag}_$mode.txt" 2>&1
+      summary "$tag timeline flagship $mode rc=$?: $(grep -E "^span" "$OUT/timeline_ab_${tag}_$mode.txt" | head -1)"
+    done
   done
 fi
 if has sanitize; then
