@@ -249,7 +249,6 @@ struct ChunkRows {
   float* Q0;     // forward: the read gathers
   float* delta;  // forward: the write vectors (the delta residual when saving)
   bool per_unit; // residual layout (per unit) or scratch layout (per stream)
-  bool g_last;   // the gather's G blocks run after its Q0 blocks (use_l2_order)
   __device__ __forceinline__ int64_t at(const StepDims& dm, int64_t u, int64_t s) const {
     return (per_unit ? u : s) * dm.C * dm.D;
   }
@@ -497,10 +496,8 @@ __global__ void copy_untouched_kernel(StepDims dm, const uint32_t* __restrict__ 
   }
 }
 
-// One block per (stream, token, side): one side gathers the write lanes' G row, the other the read lanes' Q0 row (two
-// blocks rather than one doing both in turn: twice the rows in flight per chunk). The G side is z = 1 when
-// rows.g_last (use_l2_order): blocks start in z order, so the G rows, those the write kernel reads next, are the
-// last this kernel reads, and more of them are still in the L2 when the write starts. Seg is NoSegments; SegView<T>
+// One block per (stream, token, side): side 0 gathers the write lanes' G row, side 1 the read lanes' Q0 row (two
+// blocks rather than one doing both in turn: twice the rows in flight per chunk). Seg is NoSegments; SegView<T>
 // with packed sequences (each lane's row from the working or the initial bank); or FreshView<T> for a fresh
 // output bank (each lane's row from the result or the input bank, by its tag).
 template <int VEC, typename T, typename Seg>
@@ -511,7 +508,7 @@ __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) fwd_gather_ke
   const int64_t u = unit_of(dm, s, c);
   const T* S = bank + s * dm.K * dm.D;
   const auto side = [&](auto row_of, const int32_t* w_ids, const int32_t* r_ids) {
-    if (blockIdx.z == (rows.g_last ? 1u : 0u)) {
+    if (blockIdx.z == 0) {
       gather_row<VEC, T>(row_of, w_ids + (u * dm.C + t) * dm.W, p1.k_eff + (u * dm.C + t) * dm.W, dm.W, dm.D,
                          rows.G + rows.at(dm, u, s) + t * dm.D, partial);
     } else {
@@ -909,15 +906,7 @@ __device__ __forceinline__ bool warp_group(const StepDims& dm, int64_t c, const 
 struct GroupTables {
   const GroupEntry* w;
   const GroupEntry* r;
-  bool last_token_first;  // the forward write and Phase A take their tokens last first (use_l2_order)
 };
-
-// The token of an owner block (for_owned_groups): blockIdx.y, or counted from the chunk's end when `last_first`.
-// Blocks start in blockIdx order, and the row gather before the forward write (G) and before Phase A (gwr) walks
-// the tokens first to last: the rows it read last, the likeliest still in the L2, are then the first taken here.
-__device__ __forceinline__ int64_t owner_token(bool last_first) {
-  return last_first ? gridDim.y - 1 - blockIdx.y : blockIdx.y;
-}
 
 // The unpacked group kernels take each slot group at its first sorted entry (the table by first entry): one block
 // per (stream s, token t of unit u), whose warps take the token's entries in turn, each the group it heads, if any.
@@ -928,12 +917,12 @@ __device__ __forceinline__ int64_t owner_token(bool last_first) {
 // Floats per staged vector: D rounded up to whole quads (16-byte aligned rows; a partial quad's zeros stay inside).
 __host__ __device__ constexpr int64_t owner_stride(int64_t D) { return (D + 3) / 4 * 4; }
 
-// Row t of each of the NV vectors `vecs` into shared memory `staged` when NV * D <= kOwnerStageFloats
+// Row t = blockIdx.y of each of the NV vectors `vecs` into shared memory `staged` when NV * D <= kOwnerStageFloats
 // (else pre points at them in global memory); pre[i] is where row t of vecs[i] is read. Ends with a block barrier.
 template <int NV>
-__device__ __forceinline__ void stage_token(int64_t D, int64_t t, const float* const (&vecs)[NV], float* staged,
+__device__ __forceinline__ void stage_token(int64_t D, const float* const (&vecs)[NV], float* staged,
                                             const float* (&pre)[NV]) {
-  const int64_t stride = owner_stride(D);
+  const int64_t t = blockIdx.y, stride = owner_stride(D);
   const bool stage = NV * stride <= kOwnerStageFloats;
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
@@ -946,7 +935,7 @@ __device__ __forceinline__ void stage_token(int64_t D, int64_t t, const float* c
   if (stage) staged_wait();
 }
 
-// The groups one warp takes: the entries w = base + warp + k * kOwnerWarps (k < 32) of the block's token t, lane k
+// The groups one warp takes: the entries w = base + warp + k * kOwnerWarps (k < 32) of the block's token, lane k
 // holding entry k's table row, loaded up front in one round (not one dependent load per group); next() hands out
 // the groups these entries head, in increasing w, through shuffles. Warp-uniform.
 struct OwnedGroups {
@@ -956,9 +945,9 @@ struct OwnedGroups {
   int4 e;
   unsigned todo;
   Group gr;
-  __device__ __forceinline__ OwnedGroups(const StepDims& dm, int64_t s, int64_t u, int64_t t_,
-                                         const GroupEntry* table, int64_t lanes_)
-      : mine(table + (u * dm.C + t_) * lanes_), lanes(lanes_), t(t_) {
+  __device__ __forceinline__ OwnedGroups(const StepDims& dm, int64_t s, int64_t u, const GroupEntry* table,
+                                         int64_t lanes_)
+      : mine(table + (u * dm.C + blockIdx.y) * lanes_), lanes(lanes_), t(blockIdx.y) {
     gr.s = s;
     gr.u = u;
     gr.lane = threadIdx.x % 32;
@@ -991,14 +980,14 @@ struct OwnedGroups {
   }
 };
 
-// body(group, vectors) for every group the warp takes of token t, the token's vectors staged first.
+// body(group, vectors) for every group the warp takes, the token's vectors staged first.
 template <int NV, typename Body>
-__device__ __forceinline__ void for_owned_groups(const StepDims& dm, int64_t s, int64_t u, int64_t t,
-                                                 const GroupEntry* table, int64_t lanes,
-                                                 const float* const (&vecs)[NV], float* staged, Body body) {
-  OwnedGroups owned(dm, s, u, t, table, lanes);
+__device__ __forceinline__ void for_owned_groups(const StepDims& dm, int64_t s, int64_t u, const GroupEntry* table,
+                                                 int64_t lanes, const float* const (&vecs)[NV], float* staged,
+                                                 Body body) {
+  OwnedGroups owned(dm, s, u, table, lanes);
   const float* pre[NV];
-  stage_token(dm.D, t, vecs, staged, pre);
+  stage_token(dm.D, vecs, staged, pre);
   while (owned.next()) body(owned.gr, pre);
 }
 
@@ -1060,12 +1049,11 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   // The group table and the rows this kernel reads were final before the solve it follows started (that solve
   // waited for the gather, which waited for the previous chunk's write): the table rows and the first group's
   // row are loaded before chain_start waits for the solve, so those loads overlap its end; delta after.
-  const int64_t t = owner_token(tables.last_token_first);
-  OwnedGroups owned(dm, s, u, t, tables.w, dm.W);
+  OwnedGroups owned(dm, s, u, tables.w, dm.W);
   const int64_t d0 = static_cast<int64_t>(owned.gr.lane) * VEC;
   if (D > S * 32 * VEC) {  // rows of several batches: one group at a time
     chain_start();
-    stage_token(D, t, vecs, staged, pre);
+    stage_token(D, vecs, staged, pre);
     while (owned.next()) {
       const T* row = row_of(owned.gr);
       for (int64_t d = d0; d < D; d += S * 32 * VEC) {
@@ -1082,7 +1070,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   Cols<VEC, T> x[S];
   if (any) load_batch(row_of(cur), d0, D, x);
   chain_start();
-  stage_token(D, t, vecs, staged, pre);
+  stage_token(D, vecs, staged, pre);
   if (!any) return;
   for (;;) {
     const bool more = owned.next();
@@ -1346,7 +1334,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   const float* delta = io.delta + u * C * D;
   const float* dG = rows.dG + s * C * D;
   const float* const vecs[2] = {delta, dG};
-  for_owned_groups(dm, s, u, owner_token(tables.last_token_first), tables.w, W, vecs, staged, [&](const Group& gr, const float* const (&pre)[2]) {
+  for_owned_groups(dm, s, u, tables.w, W, vecs, staged, [&](const Group& gr, const float* const (&pre)[2]) {
     const int lane = gr.lane;
     const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
     const int32_t* order = p1.w_order + u * C * W;
@@ -1429,7 +1417,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   const int64_t C = dm.C, R = dm.R, D = dm.D, K = dm.K, s = blockIdx.x, u = unit_of(dm, s, c);
   const float* dy = io.dy + u * C * D;
   const float* const vecs[1] = {dy};
-  for_owned_groups(dm, s, u, owner_token(false), tables.r, R, vecs, staged, [&](const Group& gr, const float* const (&pre)[1]) {
+  for_owned_groups(dm, s, u, tables.r, R, vecs, staged, [&](const Group& gr, const float* const (&pre)[1]) {
     const int lane = gr.lane;
     const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
     const int32_t* order = p1.r_order + u * C * R;
@@ -1711,7 +1699,6 @@ inline bool env_switch(const char* name) {
 // Whether the kernels of a call are launched with programmatic stream serialization (chain_start): on devices of
 // compute capability 9.0 and later, unless SDM_CUDA_PDL=0 (for measuring the difference; results are the same
 // either way, only the scheduling changes).
-
 inline bool use_pdl() {
   static const bool enabled = env_switch("SDM_CUDA_PDL");
   int device = 0, major = 0;
@@ -1724,14 +1711,6 @@ inline bool use_pdl() {
 // measuring the difference; the results are the same bit for bit).
 inline bool use_fresh() {
   static const bool enabled = env_switch("SDM_CUDA_FRESH");
-  return enabled;
-}
-
-// Whether the kernels that follow a row gather take their blocks in the order that meets the gather's last rows
-// first (ChunkRows::g_last, GroupTables::last_token_first), unless SDM_CUDA_L2_ORDER=0. Only the order of the
-// blocks changes: the results are the same bit for bit.
-inline bool use_l2_order() {
-  static const bool enabled = env_switch("SDM_CUDA_L2_ORDER");
   return enabled;
 }
 
@@ -1752,13 +1731,15 @@ int launch(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t sm
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...));
 }
 
-// Lane parts per block of the row gathers (row_block): 4, or 1 or 2 when SDM_CUDA_GATHER_PARTS says so (for
-// measuring; the parts' partial sums are added in part order, so the rounding changes with their number).
+// Lane parts per block of the row gathers (row_block): 2, or what SDM_CUDA_GATHER_PARTS sets (1, 2 or 4; for
+// measuring: the parts' partial sums are added in part order, so the rounding changes with their number). Measured
+// on the H200 (flagship, chunk 128, NOTES v15): 2 parts of 32 lanes in blocks of 256 threads beat 4 of 16 in
+// blocks of 512, the same threads per SM in more, smaller blocks.
 inline int gather_parts() {
   static const int parts = [] {
     const char* env = std::getenv("SDM_CUDA_GATHER_PARTS");
-    const int p = env ? std::atoi(env) : 4;
-    return p == 1 || p == 2 ? p : 4;
+    const int p = env ? std::atoi(env) : 2;
+    return p == 1 || p == 4 ? p : 2;
   }();
   return parts;
 }
@@ -1887,11 +1868,9 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
                  float* workspace, cudaStream_t stream, const StepSegments* segments) {
   const int64_t n = dm.streams() * dm.C * dm.D;
   const bool save = io.delta != nullptr;
-  const bool l2_order = use_l2_order();
-  const ChunkRows rows{save ? io.vg : workspace, workspace + n, save ? io.delta : workspace + 2 * n, save,
-                       l2_order};
+  const ChunkRows rows{save ? io.vg : workspace, workspace + n, save ? io.delta : workspace + 2 * n, save};
   GroupEntry* w_table = group_tables_at(dm, workspace);
-  const GroupTables tables{w_table, nullptr, l2_order};
+  const GroupTables tables{w_table, nullptr};
   const bool pdl = use_pdl();
   const bool fresh = segments == nullptr && input != bank && use_fresh();
   const FreshArrays fa = fresh_arrays_at(dm, w_table + dm.units() * dm.C * dm.W, true);
@@ -1960,7 +1939,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const BackRows rows{workspace, workspace + n};
   GroupEntry* w_table = group_tables_at(dm, workspace);
   GroupEntry* r_table = w_table + dm.units() * dm.C * dm.W;
-  const GroupTables tables{w_table, r_table, use_l2_order()};
+  const GroupTables tables{w_table, r_table};
   const bool pdl = use_pdl();
   const bool dy_staged = solve_staged(dm.C, kStagedDyMaxC, kDySmem);
   const bool staged = solve_staged(dm.C, kStagedLoopMaxC, kBwdSolveSmem);

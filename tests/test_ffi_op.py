@@ -175,8 +175,8 @@ def test_ffi_bitwise_across_processes():
     dy, dbank = cotangents(41, args)
     here = _digest(*outputs_and_grads(ffi_op, args, dy, dbank, chunk_size=16))
     # SDM_CUDA_FRESH=0: the CUDA steps copy the whole input bank into the result and update it in place instead
-    # of filling a fresh result; SDM_CUDA_L2_ORDER=0: their blocks in the other order. The same bits either way.
-    assert run() == run() == run(SDM_CUDA_FRESH="0") == run(SDM_CUDA_L2_ORDER="0") == here
+    # of filling a fresh result: the same bits
+    assert run() == run() == run(SDM_CUDA_FRESH="0") == here
 
 
 def test_ffi_under_vmap_folds_into_streams():
