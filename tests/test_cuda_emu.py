@@ -2,9 +2,10 @@
 the CPU kernels (kernels/steps_cpu.cc): a smoke run of three tiny cases of the steps check (a float32 bank with
 4-column rows, C = 5, V = 2; a bfloat16 bank and gradient bank with 16-byte rows and long write groups; packed
 sequences with several segments per chunk, some starting at a chunk's first token), so that
-the emulation keeps building as the CUDA source changes; and the decode step (kernels/decode_step_cuda.cu) against
-kernels/decode_step_cpu.cc, bitwise. The full checks are `bash scripts/cuda_emu/run.sh plain steps|decode` (developer
-tools: a few minutes). Skipped without a C++20 g++ or bash."""
+the emulation keeps building as the CUDA source changes; the decode step (kernels/decode_step_cuda.cu) against
+kernels/decode_step_cpu.cc, bitwise; and the solve (kernels/solve_cuda.cu, both of its kernels) against
+kernels/solve_cpu.cc, bitwise. The full checks are `bash scripts/cuda_emu/run.sh plain steps|decode|solve`
+(developer tools: a few minutes). Skipped without a C++20 g++ or bash."""
 import os
 import pathlib
 import shutil
@@ -47,4 +48,13 @@ def test_cuda_decode_step_on_cpu_matches_cpu_kernel():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert sum(line.startswith("ok ") for line in r.stdout.splitlines()) == 12, out[-4000:]
+    assert "0 failing cases" in r.stdout
+
+
+@pytest.mark.skipif(not RUN.exists() or not _has_cxx20_barrier(), reason="needs bash and g++ with C++20 <barrier>")
+def test_cuda_solve_on_cpu_matches_cpu_kernel():
+    r = subprocess.run(["bash", str(RUN), "plain", "solve"], capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert sum(line.startswith("ok ") for line in r.stdout.splitlines()) == 7, out[-4000:]
     assert "0 failing cases" in r.stdout

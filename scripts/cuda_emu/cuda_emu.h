@@ -86,6 +86,10 @@ inline float4 make_float4(float x, float y, float z, float w) { return float4{x,
 inline int4 make_int4(int x, int y, int z, int w) { return int4{x, y, z, w}; }
 template <typename T> inline T __ldg(const T* p) { return *p; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+// Separately rounded float operations (the host compiles in ISO C++ mode: no contraction into fused multiply-adds).
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
 
 // bfloat16: the high 16 bits of a float32, rounded to nearest even (NaN stays a quiet NaN).
 struct __nv_bfloat16 { uint16_t bits; };

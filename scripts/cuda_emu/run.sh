@@ -4,7 +4,7 @@
 # __syncthreads, __syncwarp and the warp collectives are barriers (cuda_emu.h). It says nothing about speed, and a
 # GPU run stays the final word.
 #
-#   bash scripts/cuda_emu/run.sh [plain|tsan|asan] [phase1|steps|decode|all] [CASE [SEED] | random SEED COUNT]
+#   bash scripts/cuda_emu/run.sh [plain|tsan|asan] [phase1|steps|decode|solve|all] [CASE [SEED] | random SEED COUNT]
 #   bash scripts/cuda_emu/run.sh [plain|tsan|asan] steps [cpu-both] [CASE [SEED] | random SEED COUNT]
 #   bash scripts/cuda_emu/run.sh [plain|tsan|asan] steps [cpu-both] shape V NC P C W R K D f32|bf16 f32|bf16 INVALID
 #        PAD [SEED [SEGS]]
@@ -36,7 +36,7 @@ MODE=${1:-plain}
 shift || true
 CHECK=phase1
 case "${1:-}" in
-  phase1|steps|decode|all) CHECK=$1; shift ;;
+  phase1|steps|decode|solve|all) CHECK=$1; shift ;;
 esac
 case "$MODE" in
   plain) FLAGS="${CUDA_EMU_OPT:--O1}" ;;
@@ -69,6 +69,10 @@ fi
 if [[ $CHECK == decode || $CHECK == all ]]; then
   build decode decode_step_cuda.cu 1 "$REPO/kernels/decode_step_cpu.cc"
   "$WORK/decode_check" "$@"
+fi
+if [[ $CHECK == solve || $CHECK == all ]]; then
+  build solve solve_cuda.cu 2 "$REPO/kernels/solve_cpu.cc"
+  "$WORK/solve_check"
 fi
 if [[ $CHECK == steps || $CHECK == all ]]; then
   build steps steps_cuda.cu "" "$REPO/kernels/steps_cpu.cc" "$REPO/kernels/phase1_cpu.cc" "$REPO/kernels/solve_cpu.cc"
