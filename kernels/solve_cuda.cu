@@ -9,8 +9,8 @@
 // separately (__fmul_rn / __fadd_rn, never fused), matching solve_cpu bitwise.
 //
 // Where the unit's C x C Minv fits the block's shared memory (C <= 240 on sm_90),
-// the block keeps it there, with row i of A beside it while row i is computed
-// (solve_shared_kernel), and writes each row to global memory once. Otherwise
+// the block keeps it there, with row i of A beside it while row i is computed and
+// row i + 1 on its way (solve_shared_kernel), and writes each row out once. Otherwise
 // every product reads Minv back from global memory (solve_global_kernel): a chain
 // of L1/L2 round trips per cell that took 230 us for 128 units at C = 128 on the
 // H200, where the sum's serial chain of C^2 / 2 adds is about 20 us.
@@ -28,6 +28,7 @@ namespace {
 __device__ __forceinline__ float minv_cell(const float* a_i, float b_i, const float* m, int i, int k, int C) {
   if (k >= i) return k == i ? 1.0f : 0.0f;
   float s = 0.0f;
+#pragma unroll 8
   for (int j = 0; j < i; ++j) s = __fadd_rn(s, __fmul_rn(a_i[j], m[static_cast<int64_t>(j) * C + k]));
   return __fsub_rn(0.0f, __fmul_rn(b_i, s));
 }
@@ -48,33 +49,40 @@ __global__ void solve_global_kernel(const float* __restrict__ A, const float* __
   }
 }
 
-// Dynamic shared memory: the unit's Minv [C, C], then row i of A [C].
+// Dynamic shared memory: the unit's Minv [C, C], then two rows of A [C] (row i in buffer i % 2). Thread j loads
+// A[i + 1, j] and beta[i + 1] into registers before it computes row i and stages them after: the global round trip
+// for the next row overlaps this row's sums, and one barrier per row orders both (row i of Minv whole, row i + 1
+// of A staged).
 __global__ void solve_shared_kernel(const float* __restrict__ A, const float* __restrict__ beta, int64_t N, int C,
                                     float* __restrict__ Minv) {
   extern __shared__ float sm[];
   float* ms = sm;
-  float* a_i = sm + static_cast<int64_t>(C) * C;
+  float* a_rows = sm + static_cast<int64_t>(C) * C;
+  const int j = threadIdx.x;  // blockDim.x >= C: one entry of A's row per thread
   for (int64_t u = blockIdx.x; u < N; u += gridDim.x) {
     const float* a = A + u * C * C;
     const float* b = beta + u * C;
     float* m = Minv + u * C * C;
-    for (int i = 0; i < C; ++i) {  // the same trip count in every thread: the barriers are safe
-      for (int j = threadIdx.x; j < i; j += blockDim.x) a_i[j] = a[static_cast<int64_t>(i) * C + j];
-      __syncthreads();
-      const float b_i = b[i];
-      for (int k = threadIdx.x; k < C; k += blockDim.x) {
-        const float out = minv_cell(a_i, b_i, ms, i, k, C);
-        ms[static_cast<int64_t>(i) * C + k] = out;
-        m[static_cast<int64_t>(i) * C + k] = out;
+    float b_i = b[0];  // row 0 reads no entry of A
+    for (int i = 0; i < C; ++i) {  // the same trip count in every thread: the barrier is safe
+      const bool more = i + 1 < C;
+      const float a_next = more && j < C ? a[static_cast<int64_t>(i + 1) * C + j] : 0.0f;
+      const float b_next = more ? b[i + 1] : 0.0f;
+      if (j < C) {
+        const float out = minv_cell(a_rows + (i % 2) * C, b_i, ms, i, j, C);
+        ms[static_cast<int64_t>(i) * C + j] = out;
+        m[static_cast<int64_t>(i) * C + j] = out;
+        a_rows[((i + 1) % 2) * C + j] = a_next;  // that buffer held row i - 1, done at the last barrier
       }
-      __syncthreads();  // row i is whole before row i + 1 reads it, and a_i is free again
+      b_i = b_next;
+      __syncthreads();
     }
   }
 }
 
 // Shared memory of solve_shared_kernel for C, and whether this device gives a block that much (0 when not).
 size_t shared_bytes(int64_t C) {
-  const size_t bytes = static_cast<size_t>(C * C + C) * sizeof(float);
+  const size_t bytes = static_cast<size_t>(C * C + 2 * C) * sizeof(float);
   int device = 0, limit = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
