@@ -14,7 +14,7 @@
 # PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections), PROFILE_DETAIL_CHUNK,
 # PROFILE_MODES, SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT,
 # SANITIZE_PRINT_LIMIT, ROWBW_ARGS (row_bandwidth's arguments: D K P rows per launch), AB_VAR, AB_VALUES (the ab
-# stage), PACK_LOGS (1: one archive of the logs; the device tool brings back at most 8 files).
+# stage), PACK_LOGS (1: one archive of the logs at the end), LOGS_TGZ (an archive after every stage).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/sdm_out}
@@ -24,6 +24,9 @@ export PYTHONUNBUFFERED=1
 status=0
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 summary() { echo "== $*" | tee -a "$OUT/summary.txt"; }
+# LOGS_TGZ: after every stage, all of $OUT archived into this file (the device tool brings back at most 8 files, and
+# a call killed at its time limit keeps what the stages before it wrote): `LOGS_TGZ=$OUT/logs.tgz OUT=/tmp/o`.
+pack() { [ -z "${LOGS_TGZ:-}" ] || tar czf "$LOGS_TGZ" -C "$OUT" --exclude="$(basename "$LOGS_TGZ")" . ; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv > "$OUT/device.txt" 2>&1
 python3 -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())" >> "$OUT/device.txt" 2>&1
@@ -38,6 +41,7 @@ if has build; then
   summary "build rc=$rc in $((SECONDS - start)) s"
   [ $rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
 fi
+pack
 
 # Tests import the installed package: run from outside the source tree.
 cd /tmp
@@ -59,6 +63,7 @@ if has tests; then
       "$REPO"/tests/test_grad_bank.py "$REPO"/tests/test_step.py "$REPO"/tests/test_nn.py ${GPU_TEST_EXTRA:-}
   fi
 fi
+pack
 if has determinism; then
   # Three processes must agree bit for bit: command buffers (CUDA graphs) on, on again, and off.
   export SDM_DIGEST_FILE=$(mktemp -d)
@@ -66,6 +71,7 @@ if has determinism; then
   run_pytest determinism_again "$REPO"/tests/test_gpu_determinism.py
   XLA_FLAGS=--xla_gpu_enable_command_buffer= run_pytest determinism_no_cmdbuf "$REPO"/tests/test_gpu_determinism.py
 fi
+pack
 if has bench; then
   # The GPU anchor shapes (benchmarks/bench.py SHAPES), one process each (the peak memory is per process).
   for shape in ${BENCH_SHAPES:-small mid flagship}; do
@@ -82,6 +88,7 @@ if has bench; then
   summary "bench_decode rc=$?"
   grep "^|" "$OUT/bench_decode.log" | tee -a "$OUT/summary.txt"
 fi
+pack
 if has ab; then
   # An in-build A/B of a kernel switch: AB_VAR (e.g. SDM_CUDA_L2_ORDER, SDM_CUDA_FRESH, SDM_CUDA_GATHER_PARTS) at
   # each of AB_VALUES (default "1 0"): the bench rows of BENCH_SHAPES (default mid flagship) at chunk PROFILE_CHUNKS
@@ -101,6 +108,7 @@ if has ab; then
     done
   done
 fi
+pack
 if has sanitize; then
   # compute-sanitizer on every jax_sdm kernel (kernel names in namespace sdm), one tool per process
   # (SANITIZE_TOOLS, default all four). No XLA preallocation, autotuning or command buffers under the tools.
@@ -125,6 +133,7 @@ if has sanitize; then
       | paste - - | sort | uniq -c | sort -rn | head -40 > "${log%.log}.counts"
   done
 fi
+pack
 if has profile; then
   # Per-kernel times of one jitted forward + backward (every kernel, ours and XLA's), then the wall times of the
   # same step at each chunk size. PROFILE_SHAPES: the shapes (default flagship).
@@ -153,6 +162,7 @@ if has profile; then
     summary "profile detail rc=$?"
   fi
 fi
+pack
 if has timeline; then
   # Where each call's device time goes: kernels, copies, idle gaps (a jax.profiler trace; nsys is absent).
   for shape in ${PROFILE_SHAPES:-flagship}; do
@@ -163,6 +173,7 @@ if has timeline; then
     done
   done
 fi
+pack
 if has rowbw; then
   # The ceiling of the row kernels: random-row read, write and read-modify-write bandwidth of this GPU at the
   # steps' access pattern (benchmarks/row_bandwidth.cu, standalone).
@@ -171,6 +182,7 @@ if has rowbw; then
   summary "rowbw rc=$?"
   grep -E "^copy|^\| (read|write|rmw)" "$OUT/row_bandwidth.txt" | sort -t'|' -k8 -n -r | head -12 | tee -a "$OUT/summary.txt"
 fi
+pack
 if has memory; then
   # XLA's buffer assignment for the no-grad forward and the one-jit forward + backward at each anchor shape.
   for shape in ${BENCH_SHAPES:-small mid flagship}; do
@@ -179,6 +191,7 @@ if has memory; then
   done
   grep -E "^ |on gpu|on cuda" "$OUT/memory.log" | tee -a "$OUT/summary.txt"
 fi
+pack
 cat "$OUT/summary.txt"
 if [ "${PACK_LOGS:-0}" = 1 ]; then  # the device tool brings back at most 8 files: one archive of the logs
   (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz --exclude=summary.txt . && find . -type f ! -name logs.tgz \
