@@ -11,7 +11,9 @@
 #
 # Checks: phase1 (the default, as before) runs kernels/phase1_cuda.cu against kernels/phase1_cpu.cc
 # (phase1_check.cc); steps runs the chunk steps of kernels/steps_cuda.cu (forward_cuda, backward_cuda) against
-# kernels/steps_cpu.cc (steps_check.cc), on Phase 1's outputs from the CPU kernels; all runs both (then without
+# kernels/steps_cpu.cc (steps_check.cc), on Phase 1's outputs from the CPU kernels; decode runs
+# kernels/decode_step_cuda.cu against kernels/decode_step_cpu.cc (decode_check.cc) and solve kernels/solve_cuda.cu
+# against kernels/solve_cpu.cc (solve_check.cc), both bitwise, on fixed cases; all runs every check (then without
 # further arguments). The check may be left out: `run.sh plain 3` is Phase 1's case 3.
 # tsan: ThreadSanitizer reports any shared- or global-memory race that the barriers do not order; asan: out-of-range
 # accesses (the block's dynamic shared memory is a buffer of exactly the launch's size) and undefined behaviour
