@@ -214,7 +214,8 @@ __device__ __forceinline__ int64_t unit_of(const StepDims& dm, int64_t s, int64_
 // kernel has completed and its writes are visible, then lets the next kernel launch. So a kernel's completion
 // implies its predecessors', and each kernel sees everything earlier kernels wrote. It is the first thing a kernel
 // does, except where a kernel loads, before it, data that was final before its predecessor started: when kernel
-// N starts, N - 1 has passed its chain_start, so N - 2 and everything before it have completed (fwd_write_kernel).
+// N starts, N - 1 has passed its chain_start, so N - 2 and everything before it have completed (fwd_write_kernel, the
+// staged in-loop solves).
 // A no-op before sm_90.
 __device__ __forceinline__ void chain_start() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -755,7 +756,6 @@ __device__ __forceinline__ void tri_tile(const float* __restrict__ M, int ms, co
 // memory: u and delta slices; staged, also the G and Q0 slices and Minv, QK.
 template <bool kStaged>
 __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64_t c, ChunkRows rows) {
-  chain_start();
   constexpr int kRows = kTileRows<kStaged, true>;
   extern __shared__ __align__(16) float sh[];
   const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
@@ -775,9 +775,12 @@ __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64
   const float* QK = p1.QK + u * C * C;
   const float* Q0 = rows.Q0 + s * C * D;
   if constexpr (kStaged) {
+    // Minv, QK and v were final before the chunk loop began: their copies are issued before chain_start waits for
+    // the gather (see chain_start), so they overlap its end; G and Q0 after.
     stage_matrix_async(minv, C, smi);
     stage_matrix_async(QK, C, sqk);
     stage_slice_async(v, C, D, d0, su);
+    chain_start();
     stage_slice_async(G, C, D, d0, sG);
     stage_slice_async(Q0, C, D, d0, sq0);
     staged_wait();
@@ -791,6 +794,7 @@ __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64
       x = make_float4(b * vg.x, b * vg.y, b * vg.z, b * vg.w);
     }
   } else {
+    chain_start();
     prefetch_matrix(minv, C);
     prefetch_matrix(QK, C);
     prefetch_slice(Q0, C, D, d0);
@@ -1167,7 +1171,6 @@ __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM) bwd_gwr_kerne
 // also the du slice and Minv.
 template <bool kStaged>
 __global__ void bwd_solve_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackRows rows) {
-  chain_start();
   constexpr int kRows = kTileRows<kStaged, true>;
   extern __shared__ __align__(16) float sh[];
   const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
@@ -1181,11 +1184,15 @@ __global__ void bwd_solve_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int6
   const float* gwr = rows.gwr + s * C * D;
   float* du = io.dv + u * C * D;
   if constexpr (kStaged) {
+    // Minv and du (the dy part's, written before the loop; only this kernel adds to it) are final before the
+    // previous kernel: staged before chain_start waits for the GWR gather, as in fwd_solve_kernel; gwr after.
     stage_matrix_async(minv, C, smi);
-    stage_slice_async(gwr, C, D, d0, sg);
     stage_slice_async(du, C, D, d0, sdu);
+    chain_start();
+    stage_slice_async(gwr, C, D, d0, sg);
     staged_wait();
   } else {
+    chain_start();
     prefetch_matrix(minv, C);
     prefetch_slice(du, C, D, d0);
     stage_quads(C, sg, [&](int t, int q) { return load_quad(gwr + t * D, d0 + 4 * q, D); });
