@@ -14,7 +14,7 @@
 # PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections), PROFILE_DETAIL_CHUNK,
 # PROFILE_MODES, SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT,
 # SANITIZE_PRINT_LIMIT, ROWBW_ARGS (row_bandwidth's arguments: D K P rows per launch), AB_VAR, AB_VALUES (the ab
-# stage), PACK_LOGS (1: one archive of the logs at the end), LOGS_TGZ (an archive after every stage).
+# stage), LOGS_TGZ (an archive of the logs after every stage: below).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/sdm_out}
@@ -193,8 +193,4 @@ if has memory; then
 fi
 pack
 cat "$OUT/summary.txt"
-if [ "${PACK_LOGS:-0}" = 1 ]; then  # the device tool brings back at most 8 files: one archive of the logs
-  (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz --exclude=summary.txt . && find . -type f ! -name logs.tgz \
-    ! -name summary.txt -delete)
-fi
 exit $status
