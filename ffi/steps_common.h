@@ -42,8 +42,9 @@ inline ffi::Error CheckWorkspace(const char* op, const ffi::Buffer<ffi::F32>& ws
                                      " floats, expected " + std::to_string(floats));
 }
 
-// The Phase-1 arrays every step reads, checked against the sizes.
-inline ffi::Error CheckPhase1(const char* op, const sdm::StepDims& dm, const F32& v, const F32& beta,
+// The Phase-1 arrays every step reads, checked against the sizes (`v`, or the backward's dy of its shape).
+template <typename VT>
+ffi::Error CheckPhase1(const char* op, const sdm::StepDims& dm, const VT& v, const F32& beta,
                               const F32& k_eff, const F32& w, const F32& cpe, const F32& q_w, const F32& QK,
                               const S32& w_order, const S32& w_group, const F32& minv) {
   const int64_t V = dm.V, NC = dm.NC, P = dm.P, C = dm.C, W = dm.W, R = dm.R;
@@ -61,9 +62,9 @@ inline ffi::Error CheckPhase1(const char* op, const sdm::StepDims& dm, const F32
 }
 
 // Results of the forward: y and (unless all empty, a no-grad call) the residuals.
-template <typename SnapshotT>
+template <typename YT, typename SnapshotT>
 ffi::Error CheckForwardResults(const char* op, const sdm::StepDims& dm, const ffi::AnyBuffer& bank,
-                               const ffi::AnyBuffer& bank_out, const F32& y, const F32& delta, const F32& vg,
+                               const ffi::AnyBuffer& bank_out, const YT& y, const F32& delta, const F32& vg,
                                const SnapshotT& snapshot, bool* save) {
   const int64_t V = dm.V, NC = dm.NC, P = dm.P, C = dm.C;
   SDM_RETURN_IF_ERROR(CheckShape(op, "bank (result)", bank_out, dm.V, {dm.P, dm.K, dm.D}));
@@ -100,7 +101,8 @@ inline sdm::StepPhase1 Phase1View(const S32& k_idx, const S32& q_idx, const F32&
   bank, k_idx, q_idx, v, beta, k_eff, w, cpe, q_w, QK, w_order, w_group, minv, bank_out, y, delta, vg, snapshot, workspace
 
 #define SDM_BACKWARD_PARAMS                                                                                    \
-  ::xla::ffi::AnyBuffer bank, ::xla::ffi::AnyBuffer dbank, ::sdm_ffi::F32 dy, ::sdm_ffi::S32 k_idx, ::sdm_ffi::S32 q_idx, \
+  ::xla::ffi::AnyBuffer bank, ::xla::ffi::AnyBuffer dbank, ::xla::ffi::AnyBuffer dy, ::sdm_ffi::S32 k_idx,   \
+      ::sdm_ffi::S32 q_idx,                                                                                  \
       ::sdm_ffi::F32 beta, ::sdm_ffi::F32 k_eff, ::sdm_ffi::F32 w, ::sdm_ffi::F32 cpe,         \
       ::sdm_ffi::F32 q_w, ::sdm_ffi::F32 A, ::sdm_ffi::F32 QK, ::sdm_ffi::S32 w_order, ::sdm_ffi::S32 w_group,   \
       ::sdm_ffi::S32 r_order, ::sdm_ffi::S32 r_group, ::sdm_ffi::F32 minv, ::sdm_ffi::F32 delta,                \
@@ -179,6 +181,8 @@ SDM_BACKWARD_PARAMS, BackwardCall* call) {
   SDM_RETURN_IF_ERROR(CheckPhase1(op, dm, dy, beta, k_eff, w, cpe, q_w, QK, w_order, w_group, minv));
   SDM_RETURN_IF_ERROR(CheckForwardResults(op, dm, bank, bank, dy, delta, vg, snapshot, &save));
   if (!save) return ffi::Error::InvalidArgument(std::string(op) + ": the forward residuals are empty");
+  if (dy.element_type() != bank.element_type())
+    return ffi::Error::InvalidArgument(std::string(op) + ": dy must have the bank's dtype");
   const int64_t V = dm.V, NC = dm.NC, P = dm.P, C = dm.C, W = dm.W, R = dm.R;
   // A zero cotangent comes as [..., P, 0, D]: no buffer, its rows read as zeros.
   const auto dbank_dims = dbank.dimensions();
@@ -203,7 +207,7 @@ SDM_BACKWARD_PARAMS, BackwardCall* call) {
   SDM_RETURN_IF_ERROR(CheckShape(op, "dv", *dv, V, {NC, P, C, dm.D}));
   SDM_RETURN_IF_ERROR(CheckWorkspace(op, *workspace, sdm::backward_workspace_floats(dm)));
   call->p1 = Phase1View(k_idx, q_idx, k_eff, w, cpe, q_w, &A, QK, w_order, w_group, &r_order, &r_group, minv);
-  call->io = sdm::BackwardIO{beta.typed_data(),    dy.typed_data(),
+  call->io = sdm::BackwardIO{beta.typed_data(),    dy.untyped_data(),
                              delta.typed_data(),   vg.typed_data(),     snapshot.untyped_data(),
                              dk_eff->typed_data(), dw->typed_data(),
                              dcpe->typed_data(),   dq_w->typed_data(),  dA->typed_data(),
@@ -330,7 +334,7 @@ inline ffi::Error PrepareBackwardPacked(SDM_BACKWARD_PARAMS, SDM_BACKWARD_SEGMEN
 #define SDM_BACKWARD_BUFFERS                                                                                 \
   Arg<::xla::ffi::AnyBuffer>() /* bank (final; aliased) */                                                     \
       .Arg<::xla::ffi::AnyBuffer>() /* dbank: the final bank's cotangent (float32 or the bank's dtype) */    \
-      .Arg<::sdm_ffi::F32>()  /* dy */                                                                       \
+      .Arg<::xla::ffi::AnyBuffer>() /* dy (the bank's dtype) */                                              \
       .Arg<::sdm_ffi::S32>()  /* k_idx */                                                                    \
       .Arg<::sdm_ffi::S32>()  /* q_idx */                                                                    \
       .Arg<::sdm_ffi::F32>()  /* beta */                                                                     \

@@ -291,6 +291,8 @@ def backward_ffi(bank, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snaps
     own, and `dbank` is left as it is (the CUDA kernels read each row of it until its first write: no whole-bank
     copy of a `dbank` the caller keeps). `dbank`'s dtype is the working
     gradient bank's: float32, or the bank's bfloat16 (float32 inside each step, rounded once per written row).
+    `dy`, the readings' cotangent `[..., NC, P, C, D]`, goes to the kernels in the bank's dtype (they widen it on
+    load): the readings leave the op in that dtype, so their cotangent is exact there at half float32's bytes.
 
     `segments`: None, or for packed sequences `(initial, local, seg0, stamp, stamp_snapshot, dinitial)`: those
     of `forward_ffi` (`bank` then is its working bank, `stamp` its final stamps) and `dinitial`, the cotangent of
@@ -303,9 +305,9 @@ def backward_ffi(bank, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snaps
     f32, i32 = jnp.float32, jnp.int32
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
     results = (like(bank), jax.ShapeDtypeStruct(bank.shape, dbank.dtype), like(p1.k_eff), like(p1.w), like(p1.cpe),
-               like(p1.q_w), like(p1.A), like(p1.QK), like(beta.astype(f32)), like(dy.astype(f32)),
+               like(p1.q_w), like(p1.A), like(p1.QK), like(beta.astype(f32)), jax.ShapeDtypeStruct(dy.shape, f32),
                _workspace(bank, k_idx, q_idx, forward=False))
-    args = (bank, dbank, dy.astype(f32), k_idx.astype(i32), q_idx.astype(i32),
+    args = (bank, dbank, dy.astype(bank.dtype), k_idx.astype(i32), q_idx.astype(i32),
             beta.astype(f32), p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.A, p1.QK, p1.w_order,
             p1.w_group, p1.r_order, p1.r_group, minv, delta, vg, snapshot)
     if segments is None:

@@ -193,7 +193,9 @@ def _local_forward(save, static, bank, *tokens):
     H = bank.shape[1]
     merged = [merge(a, at) for a, at in zip((bank,) + tokens, _input_axes(packed))]
     (y, final, repeats), (banks, units) = _sdm_kernels_fwd(*_kernel_inputs(merged, packed), num_slots, save=save)
-    out = (split(y, UNITS, H), split(final, BANK, H), split(repeats, UNITS, H))
+    # The readings leave in the bank's dtype (one rounding, as the op's result): their cotangent then comes in that
+    # dtype too, which the backward's kernels take as it is (half the bytes of float32 for a bfloat16 bank).
+    out = (split(y.astype(bank.dtype), UNITS, H), split(final, BANK, H), split(repeats, UNITS, H))
     if not save:
         return out
     return (out + tuple(split(b, BANK, H) for b in banks)
@@ -252,9 +254,10 @@ def stream_kernels(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_slo
     `(seg0 [NC, B, H], local [NC, B, H, C], last [B, H])` of `segments.chunk_segments` (int32). `grad_dtype` (a
     dtype name) is the backward's working gradient bank: "float32", or the bank's dtype.
 
-    Returns `(y [NC, B, H, C, D] float32, final_bank [B, H, K, D], repeats [NC, B, H])`. A call that is not
-    differentiated saves no residuals. Inside `shard_map` the inputs must vary along the same manual axes; the
-    results and the gradients are typed as varying along them (the FFI calls' results carry no such type).
+    Returns `(y [NC, B, H, C, D] in the bank's dtype, final_bank [B, H, K, D], repeats [NC, B, H])`. A call
+    that is not differentiated saves no residuals. Inside `shard_map` the inputs must vary along the same manual
+    axes; the results and the gradients are typed as varying along them (the FFI calls' results carry no such
+    type).
     """
     args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val) + (packed or ())
     static = (num_slots, packed is not None)
@@ -288,7 +291,7 @@ def _stream_kernels_bwd(num_slots, grad_dtype, residuals, cotangents):
         shape = dfinal.shape if packed else dfinal.shape[:-2] + (0, dfinal.shape[-1])
         dfinal = jnp.zeros(shape, grad_dtype)
     dy = jnp.zeros(dy.shape, dy.dtype) if isinstance(dy, SymbolicZero) else dy
-    args = (final, dfinal.astype(grad_dtype), dy.astype(jnp.float32)) + kept + saved
+    args = (final, dfinal.astype(grad_dtype), dy.astype(final.dtype)) + kept + saved
     n_banks = _saved_bank_count(packed)
     in_axes = ((BANK, BANK, UNITS) + _kept_axes(packed) + (BANK,) * n_banks
                + (UNITS,) * (len(saved) - n_banks))

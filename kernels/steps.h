@@ -51,7 +51,8 @@ struct ForwardIO {
 
 struct BackwardIO {
   const float* beta;      // [.., C]
-  const float* dy;        // [.., C, D]
+  const void* dy;         // [.., C, D] the bank's dtype (the readings leave the op in it, so it holds their
+                          // cotangent exactly at half the bytes of float32 for a bfloat16 bank)
   const float* delta;     // residuals of the forward
   const float* vg;
   const void* snapshot;

@@ -116,8 +116,8 @@ struct UnitSegments {
 };
 
 struct Scratch {
-  std::vector<float> a, b, c, d;
-  explicit Scratch(int64_t n) : a(n), b(n), c(n), d(n) {}
+  std::vector<float> a, b, c, d, e;
+  explicit Scratch(int64_t n) : a(n), b(n), c(n), d(n), e(n) {}
 };
 
 template <typename BankT>
@@ -189,7 +189,10 @@ void backward_unit(const StepDims& dm, const StepPhase1& p1, const BackwardIO& i
   const float* delta = io.delta + u * C * D;
   const float* vg = io.vg + u * C * D;
   const float* beta = io.beta + u * C;
-  const float* dy = io.dy + u * C * D;
+  // dy comes in the bank's dtype: the unit's rows as float32, once.
+  float* dy = sc.e.data();
+  const BankT* dy_in = static_cast<const BankT*>(io.dy) + u * C * D;
+  for (int64_t i = 0; i < C * D; ++i) dy[i] = to_float(dy_in[i]);
   float* dw = io.dw + u * C * W;
   float* dk_eff = io.dk_eff + u * C * W;
   float* dcpe = io.dcpe + u * C * W;

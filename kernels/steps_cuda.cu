@@ -79,8 +79,22 @@ __device__ __forceinline__ void load_cols(const T* p, float* out) {
   }
 }
 
-// load_cols for float32 rows that no kernel writes while it runs (delta, dG, dy): through the read-only path
-// (ld.global.nc), which also lets the compiler issue these loads ahead of the row stores before them.
+// load_cols for rows that no kernel writes while it runs (delta, dG: float32; dy: the bank's dtype): through the
+// read-only path (ld.global.nc), which also lets the compiler issue these loads ahead of the row stores before them.
+template <int VEC>
+__device__ __forceinline__ void load_cols_ro(const __nv_bfloat16* p, float* out) {
+  if constexpr (VEC % 8 == 0) {
+#pragma unroll
+    for (int k = 0; k < VEC / 8; ++k) {
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p) + k);
+      const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&raw);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out[8 * k + i] = to_f(e[i]);
+    }
+  } else {
+    load_cols<VEC>(p, out);
+  }
+}
 template <int VEC>
 __device__ __forceinline__ void load_cols_ro(const float* p, float* out) {
   if constexpr (VEC % 4 == 0) {
@@ -180,10 +194,10 @@ __device__ __forceinline__ void load_batch(const T* row, int64_t d0, int64_t D, 
 // A lane of a one-warp-per-row kernel walks two rows `a` and `b` (D columns each, dtypes A and B) in batches of S
 // segments of VEC columns (32 * VEC apart), all of a batch loaded before the first is used, and calls
 // body(d, a_cols, b_cols, pre_cols) per segment in increasing column order d (the order of the lane's partial sums),
-// with the same columns of NPRE float32 rows `pre` (the token's vectors, in shared memory when staged) read then:
+// with the same columns of NPRE rows `pre` (the token's vectors, float32 in shared memory when staged) read then:
 // they hold no registers while the rows are in flight.
-template <int VEC, int NPRE, typename A, typename B, typename Body>
-__device__ __forceinline__ void walk_two_rows(const A* a, const B* b, const float* const (&pre)[NPRE], int64_t D,
+template <int VEC, int NPRE, typename A, typename B, typename P, typename Body>
+__device__ __forceinline__ void walk_two_rows(const A* a, const B* b, const P* const (&pre)[NPRE], int64_t D,
                                               int lane, Body body) {
   constexpr int S = segs_for(kTwoRowLaneBytes, VEC * static_cast<int>(sizeof(A) + sizeof(B)));
   constexpr int64_t kStep = 32 * VEC;
@@ -607,6 +621,20 @@ __device__ __forceinline__ float4 load_quad(const float* row, int64_t d, int64_t
   return make_float4(v[0], v[1], v[2], v[3]);
 }
 
+// The same of a bfloat16 row, widened (one 8-byte access when D % 4 == 0).
+__device__ __forceinline__ float4 load_quad(const __nv_bfloat16* row, int64_t d, int64_t D) {
+  if (D % 4 == 0) {
+    if (d >= D) return make_float4(0.f, 0.f, 0.f, 0.f);
+    const uint2 raw = *reinterpret_cast<const uint2*>(row + d);
+    const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&raw);
+    return make_float4(to_f(e[0]), to_f(e[1]), to_f(e[2]), to_f(e[3]));
+  }
+  float v[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) v[k] = d + k < D ? to_f(row[d + k]) : 0.f;
+  return make_float4(v[0], v[1], v[2], v[3]);
+}
+
 __device__ __forceinline__ void store_quad(float* row, int64_t d, int64_t D, float4 x) {
   if (D % 4 == 0) {
     if (d < D) *reinterpret_cast<float4*>(row + d) = x;
@@ -984,24 +1012,46 @@ struct OwnedGroups {
   }
 };
 
-// body(group, vectors) for every group the warp takes, the token's vectors staged first.
-template <int NV, typename Body>
+// body(group, vectors) for every group the warp takes, the token's vectors staged first. Vectors in the bank's
+// dtype (V, the read side's dy) are widened to float32 on their way into shared memory (cp.async copies bytes as
+// they are); too long to stage, body gets them where they are, in their dtype (`pre` then has another type).
+template <int NV, typename V, typename Body>
 __device__ __forceinline__ void for_owned_groups(const StepDims& dm, int64_t s, int64_t u, const GroupEntry* table,
-                                                 int64_t lanes, const float* const (&vecs)[NV], float* staged,
+                                                 int64_t lanes, const V* const (&vecs)[NV], float* staged,
                                                  Body body) {
   OwnedGroups owned(dm, s, u, table, lanes);
-  const float* pre[NV];
-  stage_token(dm.D, vecs, staged, pre);
-  while (owned.next()) body(owned.gr, pre);
+  if constexpr (std::is_same_v<V, float>) {
+    const float* pre[NV];
+    stage_token(dm.D, vecs, staged, pre);
+    while (owned.next()) body(owned.gr, pre);
+  } else {
+    const int64_t D = dm.D, t = blockIdx.y, stride = owner_stride(D);
+    if (NV * stride > kOwnerStageFloats) {
+      const V* pre[NV];
+#pragma unroll
+      for (int i = 0; i < NV; ++i) pre[i] = vecs[i] + t * D;
+      while (owned.next()) body(owned.gr, pre);
+      return;
+    }
+    const float* pre[NV];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      for (int64_t d = 4 * static_cast<int64_t>(threadIdx.x); d < D; d += 4 * static_cast<int64_t>(blockDim.x))
+        *reinterpret_cast<float4*>(staged + i * stride + d) = load_quad(vecs[i] + t * D, d, D);
+      pre[i] = staged + i * stride;
+    }
+    __syncthreads();
+    while (owned.next()) body(owned.gr, pre);
+  }
 }
 
 // acc += sum over the sorted entries e = order[from..hi) of coef[e] * vecs[e / W][0, VEC) (vecs: rows of D floats,
 // offset to the columns of acc). With acc = scale * row first, the written row of the forward (cpe S0 + sum w
 // delta; it adds the first entry itself, whose vector is its block's token's, and passes from = lo + 1) and Phase A's
 // bank gradient of a long group (cpe dS1 + sum k_eff dG, from = lo) are this one sum.
-template <int VEC>
+template <int VEC, typename V>
 __device__ __forceinline__ void group_add(const int32_t* order, int32_t from, int32_t hi, const float* coef,
-                                          const float* vecs, int64_t W, int64_t D, float* acc) {
+                                          const V* vecs, int64_t W, int64_t D, float* acc) {
   for (int32_t k = from; k < hi; ++k) {
     const int32_t e = order[k];
     float x[VEC];
@@ -1097,7 +1147,7 @@ struct BackRows {
 
 // Before the loop, every unit at once: du = Minv^T (QK^T dy), the part of the adjoint that does not depend on
 // the bank; one block per (unit, column slice). Shared memory: the dy and QK^T dy slices; staged, QK and Minv.
-template <bool kStaged>
+template <typename T, bool kStaged>
 __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
   chain_start();
   constexpr int kRows = kTileRows<kStaged, false>;
@@ -1111,11 +1161,14 @@ __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
   float* smi = sqk + tile_rows(C) * ms;
   const float* QK = p1.QK + u * C * C;
   const float* minv = p1.minv + u * C * C;
-  const float* dy = io.dy + u * C * D;
+  const T* dy = static_cast<const T*>(io.dy) + u * C * D;
   if constexpr (kStaged) {
     stage_matrix_async(QK, C, sqk);
     stage_matrix_async(minv, C, smi);
-    stage_slice_async(dy, C, D, d0, sdy);
+    if constexpr (std::is_same_v<T, float>)
+      stage_slice_async(dy, C, D, d0, sdy);
+    else  // widened on the way (cp.async copies bytes as they are), while the matrices' copies fly
+      stage_quads(C, sdy, [&](int t, int q) { return load_quad(dy + t * D, d0 + 4 * q, D); });
     staged_wait();
   } else {
     prefetch_matrix(QK, C);
@@ -1230,8 +1283,10 @@ constexpr int kDotsPer = 4;                                     // cells per thr
 constexpr int kDotsThreads = kDotsTile * kDotsTile / kDotsPer;  // 256
 constexpr int kDotsParts = kDotsTile / kDotsPer;                // threads per tile row: 8
 
+template <typename T>  // dy's dtype, the bank's
 __global__ void __launch_bounds__(kDotsThreads) bwd_dots_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
   chain_start();
+  const T* dy = static_cast<const T*>(io.dy);
   __shared__ float sdu[kDotsTile][kDotsCols + 1], sdy[kDotsTile][kDotsCols + 1], sdl[kDotsTile][kDotsCols + 1];
   __shared__ float svg[kDotsTile][kDotsCols + 1];  // v - G on the diagonal tile
   __shared__ float red[kDotsTile][kDotsParts];
@@ -1254,7 +1309,7 @@ __global__ void __launch_bounds__(kDotsThreads) bwd_dots_kernel(StepDims dm, Ste
         const int64_t ki = base + (i0 + r) * D + d, kj = base + (j0 + r) * D + d;
         const float du = in_i ? io.dv[ki] : 0.f;  // du until written back as dv below
         sdu[r][dd] = du;
-        sdy[r][dd] = in_i ? io.dy[ki] : 0.f;
+        sdy[r][dd] = in_i ? to_f(dy[ki]) : 0.f;
         sdl[r][dd] = in_j ? io.delta[kj] : 0.f;
         if (diag) {
           svg[r][dd] = in_i ? io.vg[ki] : 0.f;
@@ -1422,9 +1477,9 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   chain_start();
   extern __shared__ __align__(16) float staged[];
   const int64_t C = dm.C, R = dm.R, D = dm.D, K = dm.K, s = blockIdx.x, u = unit_of(dm, s, c);
-  const float* dy = io.dy + u * C * D;
-  const float* const vecs[1] = {dy};
-  for_owned_groups(dm, s, u, tables.r, R, vecs, staged, [&](const Group& gr, const float* const (&pre)[1]) {
+  const T* dy = static_cast<const T*>(io.dy) + u * C * D;
+  const T* const vecs[1] = {dy};
+  for_owned_groups(dm, s, u, tables.r, R, vecs, staged, [&](const Group& gr, const auto& pre) {
     const int lane = gr.lane;
     const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
     const int32_t* order = p1.r_order + u * C * R;
@@ -1531,8 +1586,8 @@ __device__ __forceinline__ void slot_chain(const GroupEntry* table, int64_t n, c
 // The gradient of a group's gathers (a read group, or a write group of an earlier segment in Phase A): for each
 // entry x (sorted order), out[x] = <vecs_x, row> (warp_dot), and target += sum coef[x] vecs_x, where vecs_x is the
 // row of D floats of x's token ((x / lanes) * D): dy and q_w for reads, dG and k_eff for writes.
-template <int VEC, typename T, typename GT>
-__device__ __forceinline__ void gathers_gradient(const GroupEntry& e, const int32_t* order, const float* vecs,
+template <int VEC, typename V, typename T, typename GT>
+__device__ __forceinline__ void gathers_gradient(const GroupEntry& e, const int32_t* order, const V* vecs,
                                                  const float* coef, int64_t lanes, int64_t D, int lane, const T* row,
                                                  GT* target, float* out) {
   for (int32_t k = e.lo; k < e.hi; ++k) {
@@ -1654,7 +1709,13 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
   if (!kRead && l == last) return;  // a stored group: done by bwd_phase_a_packed_kernel
   const GroupEntry* table = (kRead ? tables.r : tables.w) + u * n;
   const int32_t* order = (kRead ? p1.r_order : p1.w_order) + u * n;
-  const float* vecs = kRead ? io.dy + u * C * D : rows.dG + s * C * D;
+  // The read side's vectors are dy (the bank's dtype), the write side's dG (float32).
+  using V = std::conditional_t<kRead, T, float>;
+  const V* vecs;
+  if constexpr (kRead)
+    vecs = static_cast<const T*>(io.dy) + u * C * D;
+  else
+    vecs = rows.dG + s * C * D;
   const float* coef = (kRead ? p1.q_w : p1.k_eff) + u * n;
   float* out = (kRead ? io.dq_w : io.dk_eff) + u * n;
   const int64_t at = (s * K + gr.slot) * D;
@@ -1950,7 +2011,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const bool pdl = use_pdl();
   const bool dy_staged = solve_staged(dm.C, kStagedDyMaxC, kDySmem);
   const bool staged = solve_staged(dm.C, kStagedLoopMaxC, kBwdSolveSmem);
-  const auto bwd_dy = dy_staged ? bwd_dy_kernel<true> : bwd_dy_kernel<false>;
+  const auto bwd_dy = dy_staged ? bwd_dy_kernel<T, true> : bwd_dy_kernel<T, false>;
   const auto bwd_solve = staged ? bwd_solve_kernel<true> : bwd_solve_kernel<false>;
   const size_t dy_smem = kDySmem.bytes(dm.C, dy_staged), solve_smem_bytes = kBwdSolveSmem.bytes(dm.C, staged);
   const bool by_first = segments == nullptr;
@@ -2024,7 +2085,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
                   p1, io, static_cast<const T*>(bank), dbank, dbank_in, zero_row, c, tables);
   }
   if (!rc) {
-    rc = launch(pdl, bwd_dots_kernel, dim3(dm.units(), (dm.C + kDotsTile - 1) / kDotsTile), dim3(kDotsThreads), 0,
+    rc = launch(pdl, bwd_dots_kernel<T>, dim3(dm.units(), (dm.C + kDotsTile - 1) / kDotsTile), dim3(kDotsThreads), 0,
                 stream, dm, p1, io);
   }
   return rc;

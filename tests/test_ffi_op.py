@@ -138,6 +138,53 @@ def test_grad_makes_no_copy_of_the_bank_or_its_cotangent():
         assert rel_err(g, w) < 1e-5, rel_err(g, w)
 
 
+
+def _ffi_eqns(jaxpr, target):
+    """The ffi_call equations of `target` anywhere in a closed jaxpr (nested jaxprs included)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.params.get("target_name") == target:
+            found.append(eqn)
+        for value in eqn.params.values():  # nested jaxprs (pjit, custom_vjp_call, ...), open or closed
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found += _ffi_eqns(sub, target)
+    return found
+
+
+def test_readings_cotangent_goes_to_the_kernels_in_the_bank_dtype(monkeypatch):
+    """The readings leave the op in the bank's dtype, so their cotangent is exact there: the backward's kernels
+    take it as it comes (half the bytes of float32 for a bfloat16 bank, which counts at the training peak), the
+    gradients still match the token loop's, and the handler refuses a dy of another dtype with a clear error."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    args = random_problem(seed, B=2, T=40, H=2, K=64, D=16, W=4, R=3, distinct=False, dtype=jnp.bfloat16)
+    dy = jnp.asarray(np.random.default_rng(seed).standard_normal(args["v"].shape), jnp.bfloat16)
+
+    def loss(impl, bank, v):
+        y, _ = sdm_write_read(**dict(args, bank=bank, v=v), chunk_size=16, impl=impl)
+        return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+
+    grad = jax.grad(functools.partial(loss, "ffi"), argnums=(0, 1))
+    (call,) = _ffi_eqns(jax.make_jaxpr(grad)(args["bank"], args["v"]).jaxpr, "sdm_backward")
+    assert call.invars[2].aval.dtype == jnp.bfloat16, call.invars[2].aval
+    got = jax.jit(grad)(args["bank"], args["v"])
+    want = jax.grad(functools.partial(loss, "reference"), argnums=(0, 1))(args["bank"], args["v"])
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 2e-2, rel_err(g, w)
+
+    real_ffi_call = jax.ffi.ffi_call
+
+    def float32_dy(target, *a, **kw):  # the backward's call, handed dy as float32
+        call = real_ffi_call(target, *a, **kw)
+        if target != "sdm_backward":
+            return call
+        return lambda *ops: call(*ops[:2], ops[2].astype(jnp.float32), *ops[3:])
+
+    monkeypatch.setattr(jax.ffi, "ffi_call", float32_dy)
+    with pytest.raises(Exception, match="dy must have the bank's dtype"):  # a new function: traced anew
+        jax.block_until_ready(jax.jit(lambda *a: grad(*a))(args["bank"], args["v"]))
+
 def _digest(*trees):
     h = hashlib.sha256()
     for leaf in jax.tree_util.tree_leaves(trees):

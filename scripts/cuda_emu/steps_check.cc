@@ -253,10 +253,11 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
   for (auto& v : k_val) v = nd(rng);
   for (auto& v : q_val) v = nd(rng);
   for (auto& v : x) v = -std::log1p(std::exp(nd(rng)));
-  std::vector<float> beta(size_t(N * C)), v(size_t(N * C * D)), dy(v.size());
+  std::vector<float> beta(size_t(N * C)), v(size_t(N * C * D));
+  std::vector<BankT> dy(v.size());  // the readings' cotangent, in the bank's dtype as the op passes it
   for (auto& b : beta) b = float(0.05 + 0.95 * ud(rng));
   for (auto& f : v) f = nd(rng);
-  for (auto& f : dy) f = nd(rng);
+  for (auto& f : dy) f = from_float<BankT>(nd(rng));
   std::vector<BankT> bank0(size_t(dm.streams() * K * D));
   for (auto& b : bank0) b = from_float<BankT>(nd(rng));
   std::vector<GradT> dbank0(bank0.size());  // the cotangent of the final bank
