@@ -60,56 +60,32 @@ __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float
 __device__ __forceinline__ void from_f(float* p, float x) { *p = x; }
 __device__ __forceinline__ void from_f(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
 
-// VEC consecutive columns starting at p (aligned to VEC elements), as floats: 16-byte loads where possible.
-template <int VEC, typename T>
+// VEC consecutive columns starting at p (aligned to VEC elements), as floats: 16-byte loads where possible. kRO:
+// through the read-only path (ld.global.nc), for rows no kernel writes while it runs (load_cols_ro).
+template <int VEC, typename T, bool kRO = false>
 __device__ __forceinline__ void load_cols(const T* p, float* out) {
   constexpr int kBytes = VEC * static_cast<int>(sizeof(T));
   if constexpr (kBytes % 16 == 0) {
     constexpr int kPer = 16 / sizeof(T);
 #pragma unroll
     for (int k = 0; k < kBytes / 16; ++k) {
-      const uint4 raw = reinterpret_cast<const uint4*>(p)[k];
+      const uint4* at = reinterpret_cast<const uint4*>(p) + k;
+      const uint4 raw = kRO ? __ldg(at) : *at;
       const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
       for (int i = 0; i < kPer; ++i) out[k * kPer + i] = to_f(e[i]);
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) out[i] = to_f(p[i]);
+    for (int i = 0; i < VEC; ++i) out[i] = to_f(kRO ? __ldg(p + i) : p[i]);
   }
 }
 
-// load_cols for rows that no kernel writes while it runs (delta, dG: float32; dy: the bank's dtype): through the
-// read-only path (ld.global.nc), which also lets the compiler issue these loads ahead of the row stores before them.
-template <int VEC>
-__device__ __forceinline__ void load_cols_ro(const __nv_bfloat16* p, float* out) {
-  if constexpr (VEC % 8 == 0) {
-#pragma unroll
-    for (int k = 0; k < VEC / 8; ++k) {
-      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p) + k);
-      const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&raw);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) out[8 * k + i] = to_f(e[i]);
-    }
-  } else {
-    load_cols<VEC>(p, out);
-  }
-}
-template <int VEC>
-__device__ __forceinline__ void load_cols_ro(const float* p, float* out) {
-  if constexpr (VEC % 4 == 0) {
-#pragma unroll
-    for (int k = 0; k < VEC / 4; ++k) {
-      const float4 x = __ldg(reinterpret_cast<const float4*>(p) + k);
-      out[4 * k] = x.x;
-      out[4 * k + 1] = x.y;
-      out[4 * k + 2] = x.z;
-      out[4 * k + 3] = x.w;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) out[i] = __ldg(p + i);
-  }
+// load_cols of rows that no kernel writes while it runs (delta, dG: float32; dy: the bank's dtype): the read-only
+// path also lets the compiler issue these loads ahead of the row stores before them.
+template <int VEC, typename T>
+__device__ __forceinline__ void load_cols_ro(const T* p, float* out) {
+  load_cols<VEC, T, true>(p, out);
 }
 
 template <int VEC, typename T>
