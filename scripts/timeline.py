@@ -43,6 +43,9 @@ def summarize(call):
     start, end = call[0][0], max(e[1] for e in call)
     busy = collections.Counter()
     per_name = collections.defaultdict(lambda: [0, 0.0])
+    # The span each kind of activity adds past the end of everything before it: under programmatic dependent
+    # launch a kernel starts before its predecessor ends, so its own duration overstates what it costs the call.
+    adds = collections.Counter()
     gaps = []
     frontier = start
     previous = "(start)"
@@ -51,6 +54,7 @@ def summarize(call):
             gaps.append((s - frontier, previous, name))
         # Busy time: the union of activities (overlapping streams count once).
         busy[kind] += max(0.0, e - max(s, frontier))
+        adds[short(name)] += max(0.0, e - frontier)
         frontier = max(frontier, e)
         previous = name
         per_name[short(name)][0] += 1
@@ -71,6 +75,9 @@ def summarize(call):
     lines.append("time by activity:")
     for name, (n, t) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:20]:
         lines.append(f"  {t:9.1f} us  {n:4d} x  {name}")
+    lines.append("span added by activity (past the end of all before it; idle gaps included):")
+    for name, t in adds.most_common(20):
+        lines.append(f"  {t:9.1f} us  {per_name[name][0]:4d} x  {name}")
     return end - start, "\n".join(lines)
 
 

@@ -54,6 +54,11 @@ def test_device_events_calls_and_summary():
     assert "kernels      25.0 us" in first and "copies/memsets     10.0 us" in first
     assert "idle      5.0 us in 2 gaps" in first
     assert "sdm::gather" in text and "MemcpyD2D -> sdm::gather" in text
+    # the span each activity adds past all before it (idle gaps with the activity after them): copy 10, gather
+    # 2 + 20, solve 3 (5 of its 8 us overlap the gather), write 3 + 2; together the span
+    added = text.split("span added by activity")[1].splitlines()[1:]
+    got = {line.split()[-1]: float(line.split()[0]) for line in added}
+    assert got == {"MemcpyD2D": 10.0, "sdm::gather": 22.0, "sdm::solve": 3.0, "sdm::write": 5.0}, got
 
 
 def _decode_trace(steps):
