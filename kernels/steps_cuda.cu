@@ -837,17 +837,18 @@ __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64
 // One slot group of a chunk (DESIGN.md "Phase 1": a run of sorted entries [lo, hi) with one slot): its slot
 // (-1 when the warp has nothing to do: an empty group, padding, an out-of-range slot), its entries and the first
 // of them in sorted order. A table of these for every unit and group is built before the chunks that read it
-// (group_table_kernel; table_unit) so that a group kernel's warp finds its row with one 16-byte load instead of a
-// chain of three dependent ones (group offsets, then the sorted order, then the slot id) before its first row load
-// can issue.
+// (group_table_kernel; the backward's per batch of chunks: table_unit) so that a group kernel's warp finds its row
+// with one 16-byte load instead of a chain of three dependent ones (group offsets, then the sorted order, then the
+// slot id) before its first row load can issue.
 struct alignas(16) GroupEntry {
   int32_t slot, lo, hi, first;
 };
 
-// A map's group table holds the groups of `chunks` chunks (all NC, built before the loop), each in a place of its
-// own: chunk c at place c % chunks, stream s's n = C * lanes entries at table unit table_unit(s, c) =
-// table_unit(0, c) + s. A kernel of chunk c takes the tables from its place on (ChunkTables::at), so that its
-// readers find stream s's entries at s * n, with no arithmetic of their own on places.
+// A map's group table holds the groups of `chunks` chunks: the forward's all NC, built before its loop; the
+// backward's a ring of table_chunks (kernels/steps.h), rebuilt per batch of that many chunks as its reverse loop
+// reaches them (backward_loop). Chunk c is at ring place c % chunks, stream s's n = C * lanes entries at table unit
+// table_unit(s, c) = table_unit(0, c) + s. A kernel of chunk c takes the tables from its place on (ChunkTables::at),
+// so that its readers find stream s's entries at s * n, with no ring arithmetic of their own.
 __host__ __device__ inline int64_t table_unit(const StepDims& dm, int64_t chunks, int64_t s, int64_t c) {
   return c % chunks * (dm.V * dm.P) + s;
 }
@@ -857,7 +858,8 @@ __host__ __device__ inline int64_t table_unit(const StepDims& dm, int64_t chunks
 // group, out[g] = {slot, lo, hi, first} for every group g < n (the packed kernels); or by first entry (the unpacked
 // kernels), out[first] = {slot, lo, hi, g} at the first sorted entry of every group with a slot in range, the rest
 // left as they are (filled with -1 before). With `first` (a fresh result's first steps; by first entry) `hi`
-// carries kFromInput when the group's kernel, at `step`, reads its row from the input.
+// carries kFromInput when the group's kernel, at `step`, reads its row from the input. Nothing is written before
+// chain_start (backward_loop's ring relies on it).
 __global__ void group_table_kernel(StepDims dm, const int32_t* __restrict__ order, const int32_t* __restrict__ group,
                                    const int32_t* __restrict__ idx, int64_t lanes, int64_t chunks, int64_t c0,
                                    int64_t c1, bool by_first, const uint32_t* __restrict__ first, StepOf step,
@@ -1991,7 +1993,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
                   GT* dbank, float* workspace, cudaStream_t stream, const StepSegments* segments) {
   const int64_t n = dm.streams() * dm.C * dm.D;
   const BackRows rows{workspace, workspace + n};
-  const ChunkTables group_tables(dm, workspace, dm.NC, true);
+  const ChunkTables ring(dm, workspace, table_chunks(dm), true);
   const bool pdl = use_pdl();
   const bool dy_staged = solve_staged(dm.C, kStagedDyMaxC, kDySmem);
   const bool staged = solve_staged(dm.C, kStagedLoopMaxC, kBwdSolveSmem);
@@ -2002,7 +2004,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   // A fresh gradient bank: the cotangent's rows are read until the first Phase A or read side (in the loop's
   // order, the last chunk first) that writes them.
   const bool fresh = segments == nullptr && dbank_in != dbank && use_fresh();
-  const FreshArrays fa = fresh_arrays_at(dm, group_tables.end(dm), false);
+  const FreshArrays fa = fresh_arrays_at(dm, ring.end(dm), false);
   const GT* zero_row = reinterpret_cast<const GT*>(fa.zero_row);
   int rc = 0;
   if (!fresh) rc = copy_whole(dm, dbank_in, dbank, stream);  // none when dbank_in is dbank
@@ -2013,10 +2015,24 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
                               {p1.q_idx, dm.R, kReadSideStep, true, nullptr}};
     rc = prepare_fresh<kGVecOf<VEC, GT>>(pdl, dm, maps, fa.first, dbank_in, dbank, stream);
   }
+  // The group tables hold ring.chunks chunks (table_unit): the batch of chunk c (c0 = c - c % ring.chunks up to
+  // c0 + ring.chunks) is built before the loop reaches its last chunk, the first the loop runs (the last batch's
+  // before the loop).
+  // Ordering, with PDL (chain_start): a build writes nothing until every kernel launched before it has completed,
+  // the previous batch's readers (the only ones of the places it reuses) included: the memset (by first entry) is no
+  // PDL launch and starts after them, and each table kernel writes after its chain_start. The batch's readers
+  // (Phase A, the read side, the packed group kernels) come after both table kernels and after GWR and the solve
+  // of the batch's first chunk, at least three launches after the last table kernel: they find its entries even
+  // where they load them before their chain_start (when kernel N starts, N - 2 has completed).
   const uint32_t* first = fresh ? fa.first : nullptr;
   const TableMap table_maps[2] = {{p1.w_order, p1.w_group, p1.k_idx, dm.W, kPhaseAStep},
                                   {p1.r_order, p1.r_group, p1.q_idx, dm.R, kReadSideStep}};
-  if (!rc) rc = build_group_tables(pdl, dm, group_tables, table_maps, 0, dm.NC, by_first, first, stream);
+  const auto build_batch = [&](int64_t c) {
+    const int64_t c0 = c - c % ring.chunks;
+    return build_group_tables(pdl, dm, ring, table_maps, c0, std::min(c0 + ring.chunks, dm.NC), by_first, first,
+                              stream);
+  };
+  if (!rc) rc = build_batch(dm.NC - 1);
   if (!rc) rc = smem_attribute(bwd_dy, dy_smem);
   if (!rc) rc = smem_attribute(bwd_solve, solve_smem_bytes);
   const dim3 row_grid(dm.streams(), dm.C);
@@ -2041,7 +2057,8 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
                     segments->stamp_snapshot, segments->dinitial};
   }
   for (int64_t c = dm.NC - 1; c >= 0 && !rc; --c) {
-    const GroupTables tables = group_tables.at(dm, c);
+    if (c % ring.chunks == ring.chunks - 1 && c != dm.NC - 1 && (rc = build_batch(c)) != 0) break;
+    const GroupTables tables = ring.at(dm, c);
     rc = launch(pdl, gwr, row_grid, rb.threads, rb.smem, stream, dm, p1, static_cast<const GT*>(dbank), dbank_in,
                 static_cast<const int32_t*>(fa.w_tag), c, rows, sv.local);
     if (!rc)
