@@ -75,6 +75,13 @@ _PHASE1_CUDA_SHARED_BYTES = 226 * 1024
 _PHASE1_CUDA_GLOBAL_BLOCKS = 128
 _PHASE1_CUDA_WARPS = 32
 
+# kernels/steps.h: kTableBatches and table_chunks, the chunks of group tables the backward holds at once.
+_TABLE_BATCHES = 4
+
+
+def _table_chunks(NC):
+    return (NC + _TABLE_BATCHES - 1) // _TABLE_BATCHES
+
 
 def _round_up_256(n):
     return (n + 255) // 256 * 256
@@ -271,12 +278,14 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None):
 def _workspace(bank, k_idx, q_idx, forward):
     """The steps' scratch (kernels/steps.h `forward_workspace_floats` / `backward_workspace_floats`), float32: per
     problem (leading dims of the bank `[..., P, K, D]`) `3 * P * C * D` floats rounded up to a multiple of 4, then 4
-    per slot group (the write groups, `k_idx.size`; the backward's read groups too, `q_idx.size`), then one per bank
-    row (each slot's first writing step) and one per gather lane (the write lanes, and the forward's read lanes);
-    the backward's row of zeros last."""
-    P, D, C = bank.shape[-3], bank.shape[-1], k_idx.shape[-2]
+    per slot group (the forward's write groups, `k_idx.size`; the backward's write and read groups of
+    `_table_chunks(NC)` chunks only: a ring rebuilt per batch of chunks), then one per bank row (each slot's first
+    writing step) and one per gather lane (the write lanes, and the forward's read lanes); the backward's row of
+    zeros last."""
+    P, D, NC, C = bank.shape[-3], bank.shape[-1], k_idx.shape[-4], k_idx.shape[-2]
     rows = math.prod(bank.shape[:-3]) * ((3 * P * C * D + 3) // 4 * 4)
-    groups = k_idx.size + (0 if forward else q_idx.size)
+    ring = math.prod(bank.shape[:-2]) * _table_chunks(NC) * C  # tokens of table_chunks chunks of every stream
+    groups = k_idx.size if forward else ring * (k_idx.shape[-1] + q_idx.shape[-1])
     tags = k_idx.size + (q_idx.size if forward else 0)
     zero_row = 0 if forward else (D + 3) // 4 * 4 + 4  # the backward's row of zeros, 16-byte aligned
     return jax.ShapeDtypeStruct((rows + 4 * groups + math.prod(bank.shape[:-1]) + tags + zero_row,), jnp.float32)

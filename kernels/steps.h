@@ -101,18 +101,25 @@ void backward_cpu(const StepDims& dims, const StepPhase1& p1, const BackwardIO& 
 // depends on the shapes only). `workspace` holds forward_workspace_floats(dims) / backward_workspace_floats(dims)
 // floats (the handlers of both platforms take it, so that their interfaces are the same): first three per-chunk
 // rows [streams, C, D] of float32 (step_rows_floats: per problem of the V, rounded up to 16 bytes), then a table of
-// 16-byte entries, one per slot group (C * W write groups per unit; the backward's also C * R read groups), then
-// each slot's first writing step ([streams, K] uint32) and the row tags of the gather lanes ([units, C, W] int32, and
-// the forward's also [units, C, R]; see "fresh result" below), and the backward's row of D zeros (16-byte aligned). BankT is float or __nv_bfloat16 (passed as sdm::bf16,
-// same layout). Returns the first cudaError_t met, 0 on success.
+// 16-byte entries, one per slot group (C * W write groups per stream and chunk: the forward's for all NC chunks; the
+// backward's, then its C * R read groups, for table_chunks chunks: a ring rebuilt per batch of chunks), then each
+// slot's first writing step ([streams, K] uint32) and the row tags of the gather lanes ([units, C, W] int32, and the
+// forward's also [units, C, R]; see "fresh result" below), and the backward's row of D zeros (16-byte aligned).
+// BankT is float or __nv_bfloat16 (passed as sdm::bf16, same layout). Returns the first cudaError_t met, 0 on success.
 inline int64_t step_rows_floats(const StepDims& dims) { return dims.V * ((3 * dims.P * dims.C * dims.D + 3) / 4 * 4); }
+// The backward's group tables hold ceil(NC / kTableBatches) chunks (0 for none): a quarter of the 2 * 16 MiB of
+// tables for all chunks at the flagship (the workspace is live at the training step's memory peak), for at most
+// kTableBatches - 1 more builds per call (each a memset, which the kernels' launch overlap cannot cross, and two
+// table kernels over a batch's units).
+constexpr int64_t kTableBatches = 4;
+inline int64_t table_chunks(const StepDims& dims) { return (dims.NC + kTableBatches - 1) / kTableBatches; }
 inline int64_t forward_workspace_floats(const StepDims& dims) {
   return step_rows_floats(dims) + 4 * dims.units() * dims.C * dims.W + dims.streams() * dims.K +
          dims.units() * dims.C * (dims.W + dims.R);
 }
 inline int64_t backward_workspace_floats(const StepDims& dims) {
-  return step_rows_floats(dims) + 4 * dims.units() * dims.C * (dims.W + dims.R) + dims.streams() * dims.K +
-         dims.units() * dims.C * dims.W + (dims.D + 3) / 4 * 4 + 4;
+  return step_rows_floats(dims) + 4 * dims.streams() * table_chunks(dims) * dims.C * (dims.W + dims.R) +
+         dims.streams() * dims.K + dims.units() * dims.C * dims.W + (dims.D + 3) / 4 * 4 + 4;
 }
 // With `segments` (packed sequences, null without) the loops follow forward_cpu / backward_cpu's semantics; the
 // stamps are zeroed by the forward (cudaMemsetAsync) and restored to zero by the backward.

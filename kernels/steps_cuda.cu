@@ -840,27 +840,41 @@ __global__ void fwd_solve_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64
 
 // One slot group of a chunk (DESIGN.md "Phase 1": a run of sorted entries [lo, hi) with one slot): its slot
 // (-1 when the warp has nothing to do: an empty group, padding, an out-of-range slot), its entries and the first
-// of them in sorted order. A table of these for every unit and group is built once per call (group_table_kernel)
-// so that a group kernel's warp finds its row with one 16-byte load instead of a chain of three dependent ones
-// (group offsets, then the sorted order, then the slot id) before its first row load can issue.
+// of them in sorted order. A table of these for every unit and group is built before the chunks that read it
+// (group_table_kernel; the backward's per batch of chunks: table_unit) so that a group kernel's warp finds its row
+// with one 16-byte load instead of a chain of three dependent ones (group offsets, then the sorted order, then the
+// slot id) before its first row load can issue.
 struct alignas(16) GroupEntry {
   int32_t slot, lo, hi, first;
 };
 
-// The call's table of a map of DESIGN.md (w_* with k_idx, or r_* with q_idx; `lanes` its W or R) for every unit u,
-// n = C * lanes entries per unit: by group, table[u * n + g] = {slot, lo, hi, first} for every group g < n (the
-// packed kernels); or by first entry (the unpacked kernels), table[u * n + first] = {slot, lo, hi, g} at the first
-// sorted entry of every group with a slot in range, the rest left as they are (filled with -1 before). With
-// `first` (a fresh result's first steps; by first entry) `hi` carries kFromInput when the group's kernel, at `step`,
-// reads its row from the input.
+// A map's group table holds the groups of `chunks` chunks: the forward's all NC, built before its loop; the
+// backward's a ring of table_chunks (kernels/steps.h), rebuilt per batch of that many chunks as its reverse loop
+// reaches them (backward_loop). Chunk c is at ring place c % chunks, stream s's n = C * lanes entries at table unit
+// table_unit(s, c) = table_unit(0, c) + s. A kernel of chunk c takes the tables from its place on (ChunkTables::at),
+// so that its readers find stream s's entries at s * n, with no ring arithmetic of their own.
+__host__ __device__ inline int64_t table_unit(const StepDims& dm, int64_t chunks, int64_t s, int64_t c) {
+  return c % chunks * (dm.V * dm.P) + s;
+}
+
+// The table of a map of DESIGN.md (w_* with k_idx, or r_* with q_idx; `lanes` its W or R; holding `chunks` chunks)
+// for chunks [c0, c1) of every stream s, n = C * lanes entries per unit u at out = table + table_unit(s, c) * n: by
+// group, out[g] = {slot, lo, hi, first} for every group g < n (the packed kernels); or by first entry (the unpacked
+// kernels), out[first] = {slot, lo, hi, g} at the first sorted entry of every group with a slot in range, the rest
+// left as they are (filled with -1 before). With `first` (a fresh result's first steps; by first entry) `hi`
+// carries kFromInput when the group's kernel, at `step`, reads its row from the input. Nothing is written before
+// chain_start (backward_loop's ring relies on it).
 __global__ void group_table_kernel(StepDims dm, const int32_t* __restrict__ order, const int32_t* __restrict__ group,
-                                   const int32_t* __restrict__ idx, int64_t lanes, int64_t units, bool by_first,
-                                   const uint32_t* __restrict__ first, StepOf step, GroupEntry* __restrict__ table) {
+                                   const int32_t* __restrict__ idx, int64_t lanes, int64_t chunks, int64_t c0,
+                                   int64_t c1, bool by_first, const uint32_t* __restrict__ first, StepOf step,
+                                   GroupEntry* __restrict__ table) {
   chain_start();
-  const int64_t n = dm.C * lanes;
-  for (int64_t u = blockIdx.y; u < units; u += gridDim.y) {
+  const int64_t n = dm.C * lanes, streams = dm.V * dm.P;
+  for (int64_t b = blockIdx.y; b < streams * (c1 - c0); b += gridDim.y) {
+    const int64_t s = b % streams, c = c0 + b / streams, u = unit_of(dm, s, c);
+    GroupEntry* out = table + table_unit(dm, chunks, s, c) * n;
     const int32_t* bounds = group + u * (n + 1);
-    const uint32_t* f = first ? first + stream_of_unit(dm, u) * dm.K : nullptr;
+    const uint32_t* f = first ? first + s * dm.K : nullptr;
     const uint32_t at = step(dm, u);
     for (int64_t g = entry_start(); g < n; g += entry_stride()) {
       GroupEntry e{-1, bounds[g], bounds[g + 1], -1};
@@ -873,18 +887,17 @@ __global__ void group_table_kernel(StepDims dm, const int32_t* __restrict__ orde
         }
       }
       if (!by_first) {
-        table[u * n + g] = e;
+        out[g] = e;
       } else if (e.slot >= 0) {
         const bool from_input = f && f[e.slot] >= at;
-        table[u * n + e.first] =
-            GroupEntry{e.slot, e.lo, e.hi | (from_input ? kFromInput : 0), static_cast<int32_t>(g)};
+        out[e.first] = GroupEntry{e.slot, e.lo, e.hi | (from_input ? kFromInput : 0), static_cast<int32_t>(g)};
       }
     }
   }
 }
 
 // The slot group of this warp (one warp per group; blockIdx.x the stream, blockIdx.y * kGroupWarps + warp the
-// group) in chunk c: its unit u, its sorted entries [lo, hi), the first of them and its slot, from the call's
+// group) in chunk c: its unit u, its sorted entries [lo, hi), the first of them and its slot, from chunk c's
 // group table of a map with `lanes` lanes (W or R). False when the warp has no group.
 struct Group {
   int64_t s, u, g;
@@ -901,7 +914,7 @@ __device__ __forceinline__ bool warp_group(const StepDims& dm, int64_t c, const 
   out->lane = threadIdx.x % 32;
   if (out->g >= n) return false;
   out->u = unit_of(dm, out->s, c);
-  const int4 e = __ldg(reinterpret_cast<const int4*>(table + out->u * n + out->g));
+  const int4 e = __ldg(reinterpret_cast<const int4*>(table + out->s * n + out->g));
   out->slot = e.x;
   out->lo = e.y;
   out->hi = e.z;
@@ -910,7 +923,8 @@ __device__ __forceinline__ bool warp_group(const StepDims& dm, int64_t c, const 
   return out->slot >= 0;
 }
 
-// The call's group tables (in the workspace, after the per-chunk rows): write groups, and read groups (backward).
+// The group tables of a kernel's chunk (ChunkTables::at): write groups, and read groups (backward); stream s's
+// C * W or C * R entries at s * C * W or s * C * R.
 struct GroupTables {
   const GroupEntry* w;
   const GroupEntry* r;
@@ -955,7 +969,7 @@ struct OwnedGroups {
   Group gr;
   __device__ __forceinline__ OwnedGroups(const StepDims& dm, int64_t s, int64_t u, const GroupEntry* table,
                                          int64_t lanes_)
-      : mine(table + (u * dm.C + blockIdx.y) * lanes_), lanes(lanes_), t(blockIdx.y) {
+      : mine(table + (s * dm.C + blockIdx.y) * lanes_), lanes(lanes_), t(blockIdx.y) {
     gr.s = s;
     gr.u = u;
     gr.lane = threadIdx.x % 32;
@@ -1683,7 +1697,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
   const int32_t last = warp_unit_last(local_u, C);
   const int32_t l = local_u[gr.first / lanes];
   if (!kRead && l == last) return;  // a stored group: done by bwd_phase_a_packed_kernel
-  const GroupEntry* table = (kRead ? tables.r : tables.w) + u * n;
+  const GroupEntry* table = (kRead ? tables.r : tables.w) + s * n;
   const int32_t* order = (kRead ? p1.r_order : p1.w_order) + u * n;
   // The read side's vectors are dy (the bank's dtype), the write side's dG (float32).
   using V = std::conditional_t<kRead, T, float>;
@@ -1803,11 +1817,25 @@ inline RowBlock row_block(int64_t D, int vec, int64_t lanes) {
                                   static_cast<size_t>(lanes) * (sizeof(int32_t) + sizeof(float))};
 }
 
-// The call's group tables after the per-chunk rows of the workspace (kernels/steps.h): the write groups' of every
-// unit, then (the backward's) the read groups'. Built once per call, before the chunk loop.
-inline GroupEntry* group_tables_at(const StepDims& dm, float* workspace) {
-  return reinterpret_cast<GroupEntry*>(workspace + step_rows_floats(dm));
-}
+// The call's group tables after the per-chunk rows of the workspace (kernels/steps.h), each of `chunks` chunks
+// (table_unit): the write groups', then (the backward's) the read groups' (or null).
+struct ChunkTables {
+  GroupEntry* w;
+  GroupEntry* r;
+  int64_t chunks;
+  ChunkTables(const StepDims& dm, float* workspace, int64_t chunks_, bool reads)
+      : w(reinterpret_cast<GroupEntry*>(workspace + step_rows_floats(dm))),
+        r(reads ? w + dm.streams() * chunks_ * dm.C * dm.W : nullptr), chunks(chunks_) {}
+  // Where the tables end (the workspace's next array).
+  GroupEntry* end(const StepDims& dm) const {
+    return (r ? r : w) + dm.streams() * chunks * dm.C * (r ? dm.R : dm.W);
+  }
+  // The tables of chunk c's kernels: from the chunk's place on.
+  GroupTables at(const StepDims& dm, int64_t c) const {
+    const int64_t unit = table_unit(dm, chunks, 0, c);
+    return GroupTables{w + unit * dm.C * dm.W, r ? r + unit * dm.C * dm.R : nullptr};
+  }
+};
 
 // Blocks of a grid-stride launch of 256 threads over `total` items.
 inline int stride_blocks(int64_t total) { return static_cast<int>(std::min<int64_t>((total + 255) / 256, 4096)); }
@@ -1819,17 +1847,37 @@ inline dim3 unit_grid(int64_t units, int64_t n) {
               static_cast<unsigned>(std::min<int64_t>(units, 65535)));
 }
 
-inline int build_group_table(bool pdl, const StepDims& dm, const int32_t* order, const int32_t* group,
-                             const int32_t* idx, int64_t lanes, bool by_first, const uint32_t* first, StepOf step,
-                             GroupEntry* table, cudaStream_t stream) {
-  const int64_t total = dm.units() * dm.C * lanes;
-  if (total == 0) return 0;
-  if (by_first) {  // every entry that heads no group reads slot -1
-    const int rc = static_cast<int>(cudaMemsetAsync(table, 0xff, total * sizeof(GroupEntry), stream));
+// A map's part in the group tables (group_table_kernel): its sorted order, group offsets and ids (w_* with k_idx,
+// or r_* with q_idx), its lanes (W or R) and the step of its groups.
+struct TableMap {
+  const int32_t* order;
+  const int32_t* group;
+  const int32_t* idx;
+  int64_t lanes;
+  StepOf step;
+};
+
+// The tables of `maps` (the write map's, then the backward's read map's) for chunks [c0, c1) of every stream. By
+// first entry all of `tables` is filled with -1 first, in one memset: every entry that heads no group reads slot -1.
+template <size_t N>
+int build_group_tables(bool pdl, const StepDims& dm, const ChunkTables& tables, const TableMap (&maps)[N],
+                       int64_t c0, int64_t c1, bool by_first, const uint32_t* first, cudaStream_t stream) {
+  const int64_t units = dm.streams() * (c1 - c0);
+  if (units == 0) return 0;
+  if (by_first) {
+    const size_t bytes = (tables.end(dm) - tables.w) * sizeof(GroupEntry);
+    const int rc = static_cast<int>(cudaMemsetAsync(tables.w, 0xff, bytes, stream));
     if (rc) return rc;
   }
-  return launch(pdl, group_table_kernel, unit_grid(dm.units(), dm.C * lanes), dim3(256), 0, stream, dm, order, group,
-                idx, lanes, dm.units(), by_first, first, step, table);
+  GroupEntry* const out[2] = {tables.w, tables.r};
+  for (size_t i = 0; i < N; ++i) {
+    const TableMap& m = maps[i];
+    if (m.lanes == 0) continue;
+    const int rc = launch(pdl, group_table_kernel, unit_grid(units, dm.C * m.lanes), dim3(256), 0, stream, dm,
+                          m.order, m.group, m.idx, m.lanes, tables.chunks, c0, c1, by_first, first, m.step, out[i]);
+    if (rc) return rc;
+  }
+  return 0;
 }
 
 // A fresh result's arrays in the workspace, after the group tables (kernels/steps.h): each slot's first writing
@@ -1913,11 +1961,10 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   const int64_t n = dm.streams() * dm.C * dm.D;
   const bool save = io.delta != nullptr;
   const ChunkRows rows{save ? io.vg : workspace, workspace + n, save ? io.delta : workspace + 2 * n, save};
-  GroupEntry* w_table = group_tables_at(dm, workspace);
-  const GroupTables tables{w_table, nullptr};
+  const ChunkTables group_tables(dm, workspace, dm.NC, false);
   const bool pdl = use_pdl();
   const bool fresh = segments == nullptr && input != bank && use_fresh();
-  const FreshArrays fa = fresh_arrays_at(dm, w_table + dm.units() * dm.C * dm.W, true);
+  const FreshArrays fa = fresh_arrays_at(dm, group_tables.end(dm), true);
   const bool staged = solve_staged(dm.C, kStagedLoopMaxC, kFwdSolveSmem);
   const auto fwd_solve = staged ? fwd_solve_kernel<true> : fwd_solve_kernel<false>;
   const size_t smem = kFwdSolveSmem.bytes(dm.C, staged);
@@ -1928,9 +1975,11 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
                               {p1.q_idx, dm.R, kForwardStep, false, fa.r_tag}};
     rc = prepare_fresh<VEC>(pdl, dm, maps, fa.first, input, bank, stream);
   }
-  if (!rc)
-    rc = build_group_table(pdl, dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, segments == nullptr,
-                           fresh ? fa.first : nullptr, kForwardStep, w_table, stream);
+  if (!rc) {
+    const TableMap w_map[1] = {{p1.w_order, p1.w_group, p1.k_idx, dm.W, kForwardStep}};
+    rc = build_group_tables(pdl, dm, group_tables, w_map, 0, dm.NC, segments == nullptr, fresh ? fa.first : nullptr,
+                            stream);
+  }
   if (!rc) rc = smem_attribute(fwd_solve, smem);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
   const dim3 group_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
@@ -1954,7 +2003,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
     const OwnerLaunch ol = owner_launch(dm, 1);
     const auto write = [&](int64_t c) {
       return launch(pdl, fwd_write_kernel<VEC, T>, ol.grid, ol.block, ol.smem, stream, dm, p1, io,
-                    fresh ? input : static_cast<const T*>(bank), bank, c, rows, tables);
+                    fresh ? input : static_cast<const T*>(bank), bank, c, rows, group_tables.at(dm, c));
     };
     if (fresh)
       steps(fwd_gather_kernel<VEC, T, FreshView<T>>, write, FreshView<T>{input, fa.w_tag, fa.r_tag});
@@ -1967,7 +2016,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   if (!rc) rc = static_cast<int>(cudaMemsetAsync(sv.stamp, 0, dm.streams() * dm.K * sizeof(int32_t), stream));
   steps(fwd_gather_kernel<VEC, T, SegView<T>>, [&](int64_t c) {
     return launch(pdl, fwd_write_packed_kernel<VEC, T>, group_grid, dim3(kGroupWarps * 32), 0, stream, dm, p1, io,
-                  bank, c, rows, tables, sv);
+                  bank, c, rows, group_tables.at(dm, c), sv);
   }, sv);
   return rc;
 }
@@ -1981,9 +2030,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
                   GT* dbank, float* workspace, cudaStream_t stream, const StepSegments* segments) {
   const int64_t n = dm.streams() * dm.C * dm.D;
   const BackRows rows{workspace, workspace + n};
-  GroupEntry* w_table = group_tables_at(dm, workspace);
-  GroupEntry* r_table = w_table + dm.units() * dm.C * dm.W;
-  const GroupTables tables{w_table, r_table};
+  const ChunkTables ring(dm, workspace, table_chunks(dm), true);
   const bool pdl = use_pdl();
   const bool dy_staged = solve_staged(dm.C, kStagedDyMaxC, kDySmem);
   const bool staged = solve_staged(dm.C, kStagedLoopMaxC, kBwdSolveSmem);
@@ -1994,7 +2041,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   // A fresh gradient bank: the cotangent's rows are read until the first Phase A or read side (in the loop's
   // order, the last chunk first) that writes them.
   const bool fresh = segments == nullptr && dbank_in != dbank && use_fresh();
-  const FreshArrays fa = fresh_arrays_at(dm, r_table + dm.units() * dm.C * dm.R, false);
+  const FreshArrays fa = fresh_arrays_at(dm, ring.end(dm), false);
   const GT* zero_row = reinterpret_cast<const GT*>(fa.zero_row);
   int rc = 0;
   if (!fresh) rc = copy_whole(dm, dbank_in, dbank, stream);  // none when dbank_in is dbank
@@ -2005,13 +2052,24 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
                               {p1.q_idx, dm.R, kReadSideStep, true, nullptr}};
     rc = prepare_fresh<kGVecOf<VEC, GT>>(pdl, dm, maps, fa.first, dbank_in, dbank, stream);
   }
+  // The group tables hold ring.chunks chunks (table_unit): the batch of chunk c (c0 = c - c % ring.chunks up to
+  // c0 + ring.chunks) is built before the loop reaches its last chunk, the first the loop runs (the last batch's
+  // before the loop).
+  // Ordering, with PDL (chain_start): a build writes nothing until every kernel launched before it has completed,
+  // the previous batch's readers (the only ones of the places it reuses) included: the memset (by first entry) is no
+  // PDL launch and starts after them, and each table kernel writes after its chain_start. The batch's readers
+  // (Phase A, the read side, the packed group kernels) come after both table kernels and after GWR and the solve
+  // of the batch's first chunk, at least three launches after the last table kernel: they find its entries even
+  // where they load them before their chain_start (when kernel N starts, N - 2 has completed).
   const uint32_t* first = fresh ? fa.first : nullptr;
-  if (!rc)
-    rc = build_group_table(pdl, dm, p1.w_order, p1.w_group, p1.k_idx, dm.W, by_first, first, kPhaseAStep, w_table,
-                           stream);
-  if (!rc)
-    rc = build_group_table(pdl, dm, p1.r_order, p1.r_group, p1.q_idx, dm.R, by_first, first, kReadSideStep, r_table,
-                           stream);
+  const TableMap table_maps[2] = {{p1.w_order, p1.w_group, p1.k_idx, dm.W, kPhaseAStep},
+                                  {p1.r_order, p1.r_group, p1.q_idx, dm.R, kReadSideStep}};
+  const auto build_batch = [&](int64_t c) {
+    const int64_t c0 = c - c % ring.chunks;
+    return build_group_tables(pdl, dm, ring, table_maps, c0, std::min(c0 + ring.chunks, dm.NC), by_first, first,
+                              stream);
+  };
+  if (!rc) rc = build_batch(dm.NC - 1);
   if (!rc) rc = smem_attribute(bwd_dy, dy_smem);
   if (!rc) rc = smem_attribute(bwd_solve, solve_smem_bytes);
   const dim3 row_grid(dm.streams(), dm.C);
@@ -2036,6 +2094,8 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
                     segments->stamp_snapshot, segments->dinitial};
   }
   for (int64_t c = dm.NC - 1; c >= 0 && !rc; --c) {
+    if (c % ring.chunks == ring.chunks - 1 && c != dm.NC - 1 && (rc = build_batch(c)) != 0) break;
+    const GroupTables tables = ring.at(dm, c);
     rc = launch(pdl, gwr, row_grid, rb.threads, rb.smem, stream, dm, p1, static_cast<const GT*>(dbank), dbank_in,
                 static_cast<const int32_t*>(fa.w_tag), c, rows, sv.local);
     if (!rc)

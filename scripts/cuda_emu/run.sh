@@ -22,8 +22,8 @@
 # random shapes; `shape` runs one problem of the steps (sizes as in kernels/steps.h, the bank's and the gradient
 # bank's dtypes, the fraction of out-of-range ids, the trailing tokens of each chunk with no valid id, and for packed
 # sequences the mean segment starts per chunk). The steps check also runs packed sequences (kernels/steps.h
-# StepSegments): the fixed cases 15 to 25, a third of the random ones, `shape` with SEGS > 0; `steps cpu-both ...`
-# runs the CPU loops on both sides, a check of the harness itself.
+# StepSegments): the fixed cases 15 to 25 and 29, a third of the random ones, `shape` with SEGS > 0;
+# `steps cpu-both ...` runs the CPU loops on both sides, a check of the harness itself.
 #
 # On 2 busy cores the steps check takes 30-50 s in plain mode, 3.5-6 minutes under tsan, about 2 minutes under
 # asan (Phase 1's: about 2 minutes in plain mode); it prints, per case, ok or FAIL with the outputs that differ, and at

@@ -513,6 +513,10 @@ int main(int argc, char** argv) {
       // 26-27, no packed sequences: 64 < C <= 128, the in-loop solves staged (the dy part not)
       {1, 2, 2, 100, 2, 2, 60, 16, true, true, 0.05, 2},
       {1, 2, 1, 128, 3, 2, 90, 12, false, false, 0.05, 0},
+      // 28-29: the backward's group tables hold table_chunks (kernels/steps.h) of more chunks: NC 5 holds 2, the
+      // batches {4}, {2, 3}, {0, 1}; NC 6 holds 2, three whole batches. V > 1 (the ring's streams of both problems).
+      {2, 5, 2, 6, 3, 2, 8, 8, true, true, 0.1, 1},
+      {2, 6, 2, 6, 3, 2, 8, 8, false, false, 0.1, 1, 1.5},  // packed sequences
   };
   if (argc > 1 && std::string(argv[1]) == "shape") {  // shape V NC P C W R K D BANK GRAD INVALID PAD [SEED [SEGS]]
     if (argc < 14) {
