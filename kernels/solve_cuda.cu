@@ -9,11 +9,12 @@
 // separately (__fmul_rn / __fadd_rn, never fused), matching solve_cpu bitwise.
 //
 // Where the unit's C x C Minv fits the block's shared memory (C <= 240 on sm_90),
-// the block keeps it there, with row i of A beside it while row i is computed and
-// row i + 1 on its way (solve_shared_kernel), and writes each row out once. Otherwise
-// every product reads Minv back from global memory (solve_global_kernel): a chain
-// of L1/L2 round trips per cell that took 230 us for 128 units at C = 128 on the
-// H200, where the sum's serial chain of C^2 / 2 adds is about 20 us.
+// the block keeps it there, with a ring of the next rows of A beside it, on their
+// way by asynchronous copies (solve_shared_kernel), and writes each row out once.
+// Otherwise every product reads Minv back from global memory (solve_global_kernel):
+// a chain of L1/L2 round trips per cell that took 230 us for 128 units at C = 128
+// on the H200, where the sum's serial chain of C^2 / 2 adds is about 20 us.
+#include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -49,45 +50,57 @@ __global__ void solve_global_kernel(const float* __restrict__ A, const float* __
   }
 }
 
-// Dynamic shared memory: the unit's Minv [C, C], then two rows of A [C] (row i in buffer i % 2). Thread j loads
-// A[i + 1, j] and beta[i + 1] into registers before it computes row i and stages them after: the global round trip
-// for the next row overlaps this row's sums, and one barrier per row orders both (row i of Minv whole, row i + 1
-// of A staged).
+// Rows of A in flight at most (solve_shared_kernel's ring); cp.async.wait_group counts up to 8 pending groups.
+constexpr int kMaxAhead = 8;
+
+// Dynamic shared memory: the unit's Minv [C, C], then a ring of `ahead` rows of A (row r in slot r % ahead), each
+// copied asynchronously (thread j copies column j) ahead - 1 rows before it is used. A row's sums take a fraction of
+// a global round trip at C = 128, so a row fetched only one row ahead still waited for most of it (156 us for 128
+// units on the H200). One barrier per row orders it all: row i of A has landed, row i - 1 of Minv is whole, and row
+// i - 1's slot is free for row i + ahead - 1.
 __global__ void solve_shared_kernel(const float* __restrict__ A, const float* __restrict__ beta, int64_t N, int C,
-                                    float* __restrict__ Minv) {
+                                    int ahead, float* __restrict__ Minv) {
   extern __shared__ float sm[];
   float* ms = sm;
   float* a_rows = sm + static_cast<int64_t>(C) * C;
-  const int j = threadIdx.x;  // blockDim.x >= C: one entry of A's row per thread
+  const int j = threadIdx.x;  // blockDim.x >= C: one column per thread
+  // One commit group per row, empty past the last row or column, so that the count of groups is the same in
+  // every thread and __pipeline_wait_prior(ahead - 2) means "row i has landed" at row i.
+  const auto fetch = [&](const float* a, int r) {
+    if (r < C && j < C) __pipeline_memcpy_async(a_rows + (r % ahead) * C + j, a + static_cast<int64_t>(r) * C + j, 4);
+    __pipeline_commit();
+  };
   for (int64_t u = blockIdx.x; u < N; u += gridDim.x) {
     const float* a = A + u * C * C;
     const float* b = beta + u * C;
     float* m = Minv + u * C * C;
-    float b_i = b[0];  // row 0 reads no entry of A
+    for (int r = 0; r < ahead - 1; ++r) fetch(a, r);
+    float b_i = b[0];
     for (int i = 0; i < C; ++i) {  // the same trip count in every thread: the barrier is safe
-      const bool more = i + 1 < C;
-      const float a_next = more && j < C ? a[static_cast<int64_t>(i + 1) * C + j] : 0.0f;
-      const float b_next = more ? b[i + 1] : 0.0f;
+      const float b_next = i + 1 < C ? b[i + 1] : 0.0f;
+      __pipeline_wait_prior(ahead - 2);
+      __syncthreads();
+      fetch(a, i + ahead - 1);  // into row i - 1's slot
       if (j < C) {
-        const float out = minv_cell(a_rows + (i % 2) * C, b_i, ms, i, j, C);
+        const float out = minv_cell(a_rows + (i % ahead) * C, b_i, ms, i, j, C);
         ms[static_cast<int64_t>(i) * C + j] = out;
         m[static_cast<int64_t>(i) * C + j] = out;
-        a_rows[((i + 1) % 2) * C + j] = a_next;  // that buffer held row i - 1, done at the last barrier
       }
       b_i = b_next;
-      __syncthreads();
     }
+    __syncthreads();  // the last rows read before the next unit's copies land
   }
 }
 
-// Shared memory of solve_shared_kernel for C, and whether this device gives a block that much (0 when not).
-size_t shared_bytes(int64_t C) {
-  const size_t bytes = static_cast<size_t>(C * C + 2 * C) * sizeof(float);
+// Rows of A solve_shared_kernel keeps in flight at C on this device (2 to kMaxAhead: the ring and the unit's Minv
+// within what the device gives a block), or 0 when not even 2 fit.
+int shared_ahead(int64_t C) {
   int device = 0, limit = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
     return 0;
-  return bytes <= static_cast<size_t>(limit) ? bytes : 0;
+  const int64_t rows = (static_cast<int64_t>(limit) / static_cast<int64_t>(sizeof(float)) - C * C) / C;
+  return rows < 2 ? 0 : static_cast<int>(std::min<int64_t>(rows, kMaxAhead));
 }
 
 }  // namespace
@@ -99,12 +112,13 @@ int solve_cuda(const float* A, const float* beta, int64_t N, int64_t C,
   // Launch configuration from the shapes (and the device's shared-memory limit) only.
   const int threads = static_cast<int>(std::min<int64_t>(((C + 31) / 32) * 32, kSolveCudaMaxC));
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(N, int64_t{1} << 30));
-  const size_t smem = shared_bytes(C);
-  if (smem > 0) {
+  const int ahead = shared_ahead(C);
+  if (ahead > 0) {
+    const size_t smem = static_cast<size_t>(C * C + ahead * C) * sizeof(float);
     const int rc = static_cast<int>(
         cudaFuncSetAttribute(solve_shared_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     if (rc != 0) return rc;
-    solve_shared_kernel<<<blocks, threads, smem, stream>>>(A, beta, N, static_cast<int>(C), Minv);
+    solve_shared_kernel<<<blocks, threads, smem, stream>>>(A, beta, N, static_cast<int>(C), ahead, Minv);
   } else {
     solve_global_kernel<<<blocks, threads, 0, stream>>>(A, beta, N, static_cast<int>(C), Minv);
   }

@@ -1789,30 +1789,32 @@ int launch(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t sm
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...));
 }
 
-// Lane parts per block of the row gathers (row_block): 2, or what SDM_CUDA_GATHER_PARTS sets (1, 2 or 4; for
-// measuring: the parts' partial sums are added in part order, so the rounding changes with their number). Measured
-// on the H200 (flagship, chunk 128, NOTES v15): 2 parts of 32 lanes in blocks of 256 threads beat 4 of 16 in
-// blocks of 512, the same threads per SM in more, smaller blocks.
-inline int gather_parts() {
+// Lane parts per block of the row gathers (row_block): `fallback` (the forward gather's 1, the GWR gather's 2), or
+// what SDM_CUDA_GATHER_PARTS sets for both (1, 2 or 4; for measuring: the parts' partial sums are added in part
+// order, so the rounding changes with their number). Measured on the H200 (flagship, chunk 128, NOTES v15, v21):
+// 2 parts of 32 lanes in blocks of 256 threads beat 4 of 16 in blocks of 512 in both; the forward gather's 1 part
+// of 64 lanes beat 2 by 28 us a call, the GWR gather with 1 part was not faster.
+inline int gather_parts(int fallback) {
   static const int parts = [] {
     const char* env = std::getenv("SDM_CUDA_GATHER_PARTS");
-    const int p = env ? std::atoi(env) : 2;
-    return p == 1 || p == 4 ? p : 2;
+    const int p = env ? std::atoi(env) : 0;
+    return p == 1 || p == 2 || p == 4 ? p : 0;
   }();
-  return parts;
+  return parts ? parts : fallback;
 }
+constexpr int kForwardGatherParts = 1, kGwrGatherParts = 2;
 
 // Block of a per-token gather: x threads, one per VEC columns (a whole number of warps, at most
-// kRowThreadsMax), times y parts of the lanes (up to gather_parts(), at most 512 threads in all); and its shared
-// memory (the parts' partial sums, then the token's `lanes` ids and weights).
+// kRowThreadsMax), times y parts of the lanes (up to `parts`, at most 512 threads in all); and its shared memory
+// (the parts' partial sums, then the token's `lanes` ids and weights).
 struct RowBlock {
   dim3 threads;
   size_t smem;
 };
-inline RowBlock row_block(int64_t D, int vec, int64_t lanes) {
+inline RowBlock row_block(int64_t D, int vec, int64_t lanes, int parts) {
   const int64_t t = (D + vec - 1) / vec;
   const int x = static_cast<int>(std::min<int64_t>(kRowThreadsMax, std::max<int64_t>(32, (t + 31) / 32 * 32)));
-  const int y = std::max(1, std::min(gather_parts(), kRowThreadsCap / x));
+  const int y = std::max(1, std::min(parts, kRowThreadsCap / x));
   return RowBlock{dim3(x, y), static_cast<size_t>(x) * y * vec * sizeof(float) +
                                   static_cast<size_t>(lanes) * (sizeof(int32_t) + sizeof(float))};
 }
@@ -1983,7 +1985,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   if (!rc) rc = smem_attribute(fwd_solve, smem);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
   const dim3 group_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
-  const RowBlock rb = row_block(dm.D, VEC, std::max(dm.W, dm.R));
+  const RowBlock rb = row_block(dm.D, VEC, std::max(dm.W, dm.R), gather_parts(kForwardGatherParts));
   const dim3 gather_grid(dm.streams(), dm.C, 2);
   // The chunk steps: gather, solve, write (with packed sequences the gathers pick each row's bank, and the write
   // kernel stores the last segment's groups and stamps their rows; with a fresh output bank the gathers and the
@@ -2077,7 +2079,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const dim3 write_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
   const dim3 read_grid(dm.streams(), (dm.C * dm.R + kGroupWarps - 1) / kGroupWarps);
   constexpr int kGVec = kGVecOf<VEC, GT>;
-  const RowBlock rb = row_block(dm.D, kGVec, dm.W);
+  const RowBlock rb = row_block(dm.D, kGVec, dm.W, gather_parts(kGwrGatherParts));
   const auto gwr = segments ? bwd_gwr_kernel<kGVec, GT, true, false>
                    : fresh  ? bwd_gwr_kernel<kGVec, GT, false, true>
                             : bwd_gwr_kernel<kGVec, GT, false, false>;

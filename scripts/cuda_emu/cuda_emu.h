@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <memory>
 #include <random>
@@ -40,7 +41,7 @@ struct CUstream_st;
 typedef CUstream_st* cudaStream_t;
 typedef int cudaError_t;
 constexpr int cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidConfiguration = 9,
-              cudaFuncAttributeMaxDynamicSharedMemorySize = 8;
+              cudaErrorLaunchFailure = 719, cudaFuncAttributeMaxDynamicSharedMemorySize = 8;
 namespace emu {
 // The launch limits of the GPUs the kernels are built for (sm_80 / sm_90): a launch past them fails on the GPU
 // (cudaGetLastError), so it fails here too, with a line on stderr naming it.
@@ -109,6 +110,16 @@ inline std::vector<unsigned> wvals;  // [warp * 32 + lane]
 inline std::vector<unsigned char> smem;
 inline unsigned char smem_fill = 0xff;  // the pattern dynamic shared memory holds when a block starts
 inline thread_local int tid;            // linear thread index in the block (x fastest)
+// A thread's asynchronous copies (shim/cuda_pipeline.h): issued and not yet committed, then committed groups,
+// oldest first. A copy lands when a wait covers its group, not before: a read of its destination before the wait
+// sees what was there (on a GPU it may see either).
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  size_t bytes;
+};
+inline thread_local std::vector<AsyncCopy> async_open;
+inline thread_local std::deque<std::vector<AsyncCopy>> async_groups;
 // The order the blocks of a launch run in, from CUDA_EMU_BLOCKS: forward (the default), reverse or shuffle (a
 // fixed permutation per launch). A GPU runs them in any order and at once: results that change with the order
 // show a dependence between the blocks of one launch (a row with two writers, a read of another block's write).
@@ -153,14 +164,24 @@ void launch(K kernel, dim3 grid, dim3 block, size_t shmem, cudaStream_t, A... ar
   wvals.assign((threads + 31) / 32 * 32, 0);
   const std::vector<unsigned> order = block_order(blocks);
   std::vector<std::thread> ts;
+  std::atomic<bool> unwaited{false};
   for (int t = 0; t < threads; ++t) {
-    ts.emplace_back([=, &order] {
+    ts.emplace_back([=, &order, &unwaited] {
       tid = t;
       threadIdx = dim3(t % block.x, t / block.x % block.y, t / (block.x * block.y));
       for (unsigned b = 0; b < blocks; ++b) {
         const unsigned id = order[b];
         blockIdx = dim3(id % grid.x, id / grid.x % grid.y, id / (grid.x * grid.y));
         kernel(args...);
+        bool pending = !async_open.empty();
+        for (const auto& g : async_groups) pending = pending || !g.empty();
+        if (pending) {  // a copy the block never waited for: it may land in the next block's shared memory
+          std::fprintf(stderr, "emu::launch: thread %d of block %u ended with asynchronous copies not waited for\n", t,
+                       id);
+          unwaited = true;
+        }
+        async_open.clear();
+        async_groups.clear();
         block_bar->arrive_and_wait();  // the block is done: its shared memory is refilled for the next
         if (t == 0 && b + 1 < blocks) std::fill(smem.begin(), smem.end(), smem_fill);
         block_bar->arrive_and_wait();
@@ -168,6 +189,7 @@ void launch(K kernel, dim3 grid, dim3 block, size_t shmem, cudaStream_t, A... ar
     });
   }
   for (auto& t : ts) t.join();
+  if (unwaited && !last_error) last_error = cudaErrorLaunchFailure;
 }
 }  // namespace emu
 
