@@ -1,7 +1,8 @@
 """The CUDA chunk steps (kernels/steps_cuda.cu) run on the CPU by the host emulation of scripts/cuda_emu against
-the CPU kernels (kernels/steps_cpu.cc): a smoke run of three tiny cases of the steps check (a float32 bank with
+the CPU kernels (kernels/steps_cpu.cc): a smoke run of four tiny cases of the steps check (a float32 bank with
 4-column rows, C = 5, V = 2; a bfloat16 bank and gradient bank with 16-byte rows and long write groups; packed
-sequences with several segments per chunk, some starting at a chunk's first token), so that
+sequences with several segments per chunk, some starting at a chunk's first token; 5 chunks, whose backward
+rebuilds its ring of group tables for 3 batches of chunks), so that
 the emulation keeps building as the CUDA source changes; the decode step (kernels/decode_step_cuda.cu) against
 kernels/decode_step_cpu.cc, bitwise; and the solve (kernels/solve_cuda.cu, both of its kernels) against
 kernels/solve_cpu.cc, bitwise. The full checks are `bash scripts/cuda_emu/run.sh plain steps|decode|solve`
@@ -33,11 +34,11 @@ def _has_cxx20_barrier():
 @pytest.mark.skipif(not RUN.exists() or not _has_cxx20_barrier(), reason="needs bash and g++ with C++20 <barrier>")
 def test_cuda_steps_on_cpu_match_cpu_kernels():
     env = dict(os.environ, CUDA_EMU_OPT="-O0")
-    r = subprocess.run(["bash", str(RUN), "plain", "steps", "1,4,18"], capture_output=True, text=True, timeout=600,
-                       env=env)
+    r = subprocess.run(["bash", str(RUN), "plain", "steps", "1,4,18,28"], capture_output=True, text=True,
+                       timeout=600, env=env)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    assert sum(line.startswith("ok ") for line in r.stdout.splitlines()) == 3, out[-4000:]
+    assert sum(line.startswith("ok ") for line in r.stdout.splitlines()) == 4, out[-4000:]
     assert "0 failing cases" in r.stdout
 
 
