@@ -291,7 +291,7 @@ def _stream_kernels_bwd(num_slots, grad_dtype, residuals, cotangents):
         shape = dfinal.shape if packed else dfinal.shape[:-2] + (0, dfinal.shape[-1])
         dfinal = jnp.zeros(shape, grad_dtype)
     dy = jnp.zeros(dy.shape, dy.dtype) if isinstance(dy, SymbolicZero) else dy
-    args = (final, dfinal.astype(grad_dtype), dy.astype(final.dtype)) + kept + saved
+    args = (final, dfinal.astype(grad_dtype), dy) + kept + saved  # dy: the readings' dtype, the bank's
     n_banks = _saved_bank_count(packed)
     in_axes = ((BANK, BANK, UNITS) + _kept_axes(packed) + (BANK,) * n_banks
                + (UNITS,) * (len(saved) - n_banks))
@@ -335,4 +335,4 @@ def _sdm_ffi_streams(bank, k_idx, k_val, v, beta, g, q_idx, q_val, seg, dims, gr
     axes = varying_axes(*args, *(packed or ()))
     vary = lambda arrays: tuple(to_varying(a, axes) for a in arrays)
     y, final, repeats = stream_kernels(*vary(args), packed and vary(packed), dims.K, grad_dtype)
-    return layout.from_stream_units(y, dims).astype(bank.dtype), final, jnp.sum(repeats)
+    return layout.from_stream_units(y, dims), final, jnp.sum(repeats)  # y is in the bank's dtype already
