@@ -20,6 +20,15 @@ D_MODEL = 16
 SMALL = dict(num_heads=2, slots_per_head=36, num_writes=3, num_reads=2, head_dim=8, chunk_size=4)
 
 
+@pytest.fixture(autouse=True)
+def full_float32_matmuls():
+    """The layer's projections at full float32 precision. On a GPU the default lets XLA use TF32 for some matmul
+    shapes and not others, so two ways of computing the same thing (prefill then decode against one call, a
+    rematerialised scan against a plain one) differ by ~1e-4; these tests check the layer's plumbing, not that."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def fresh_seed():
     return int(np.random.SeedSequence().entropy % 2**31)
 
@@ -185,15 +194,12 @@ def test_prefill_then_decode_equals_one_call(impl, variant):
     model = layer(seed, impl=impl, **VARIANTS[variant])
     x = inputs(seed + 1, T=9)
     call = nnx.jit(lambda m, x, s: m(x, state=s))
-    # Full float32 matmuls: on a GPU the default precision lets XLA pick TF32 for some of the projections' shapes
-    # (9, 5 or 1 tokens) and not for others, which alone moves the readings by ~1e-4.
-    with jax.default_matmul_precision("highest"):
-        y_all, bank_all = call(model, x, model.init_state(2))
-        y_pre, state = call(model, x[:, :5], model.init_state(2))
-        ys = [y_pre]
-        for t in range(5, 9):
-            y_t, state = call(model, x[:, t:t + 1], state)
-            ys.append(y_t)
+    y_all, bank_all = call(model, x, model.init_state(2))
+    y_pre, state = call(model, x[:, :5], model.init_state(2))
+    ys = [y_pre]
+    for t in range(5, 9):
+        y_t, state = call(model, x[:, t:t + 1], state)
+        ys.append(y_t)
     assert rel_err(jnp.concatenate(ys, axis=1), y_all) < 1e-5
     assert rel_err(state, bank_all) < 1e-5
 
