@@ -1,19 +1,18 @@
 // Batched (I + diag(beta) A)^{-1} on the GPU. See solve.h for the exact order.
 //
-// One block per unit, one thread per column k of Minv. Column k depends only on
-// column k, so each thread walks its column row by row (i = 0..C-1) on its own:
-// one writer per cell. The threads walk the rows in step and the sum over j runs
-// from 0 for every thread (the entries Minv[j, k], j < k, are exact zeros written
-// by the same thread), so at each step a warp reads one row of Minv (consecutive
-// k) and one A[i, j] (the same for every thread). Multiplies and adds are rounded
-// separately (__fmul_rn / __fadd_rn, never fused), matching solve_cpu bitwise.
+// One block per unit, one thread per column k of Minv. Column k depends only on column k and on A, so the threads
+// never wait for each other's sums: one writer per cell. Multiplies and adds are rounded separately (__fmul_rn /
+// __fadd_rn, never fused), and every cell's sum adds its products in solve.h's order (j ascending from k; the terms
+// j < k are the exact zeros above the diagonal, which solve_cpu skips too), so both kernels match solve_cpu bitwise.
 //
-// Where the lower triangle of the unit's Minv fits the block's shared memory (C <= 338 on sm_90: C (C + 1) / 2
-// floats, the zeros above the diagonal are not kept), the block keeps it there, with a ring of the next rows of A
-// beside it, on their way by asynchronous copies (solve_shared_kernel), and writes each row out once. Otherwise
-// every product reads Minv back from global memory (solve_global_kernel): a chain of L1/L2 round trips per cell
-// that took 230 us for 128 units at C = 128 on the H200, where the sum's serial chain of C^2 / 2 adds is about
-// 20 us, and 1.42 ms for 64 units at C = 256 (when the whole square was kept in shared memory: C <= 240).
+// Where it fits the block's shared memory (C <= 282 on sm_90), solve_panel_kernel keeps each column's running sums
+// in shared memory and walks j once: at step j it finishes row j of Minv from the sums of row j, then adds row j's
+// term A[i, j] Minv[j, k] to the sums of every later row i (a right-looking forward substitution: each sum still
+// gets its terms in j order). The updates of one step are independent of each other, so the serial chain per
+// column is C steps, not the C^2 / 2 adds of a row-by-row walk (solve_global_kernel's order of work, which on the
+// H200 took 129 us for 128 units at C = 128 with Minv in shared memory and 1.42 ms for 64 units at C = 256 with
+// it in global memory). A comes into shared memory 32 columns at a time, the next panel's copy in flight while
+// this one is used. Otherwise every product reads Minv back from global memory (solve_global_kernel).
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
@@ -25,11 +24,9 @@ namespace sdm {
 namespace {
 
 // Cell (i, k) of Minv: 0 - b_i * sum_{k <= j < i} a_i[j] m(j)[k] (j ascending) for k < i, 1 for k == i, else 0;
-// m(j) points at row j of Minv, already written. The terms j < k are the exact zeros above the diagonal, skipped as
-// solve_cpu skips them (the same bits: adding +0 to a +0 sum), but each warp starts at its first column, so that at
-// each step its threads read one row of Minv (consecutive k) and one a_i[j]; the threads with j < k read row j's
-// diagonal (never past the row's end in the packed triangle, where other threads may be writing) and add +0 in
-// place of their product. The one definition both kernels use, so they round alike.
+// m(j) points at row j of Minv, already written. Each warp starts at its first column, so that at each step its
+// threads read one row of Minv (consecutive k) and one a_i[j]; the threads with j < k read row j's diagonal and add
+// +0 in place of their product.
 template <class RowOf>
 __device__ __forceinline__ float minv_cell(const float* a_i, float b_i, RowOf m, int i, int k) {
   if (k >= i) return k == i ? 1.0f : 0.0f;
@@ -41,9 +38,6 @@ __device__ __forceinline__ float minv_cell(const float* a_i, float b_i, RowOf m,
   }
   return __fsub_rn(0.0f, __fmul_rn(b_i, s));
 }
-
-// Offset of row j in a packed lower triangle (row j holds columns 0..j).
-__device__ __forceinline__ int tri_row(int j) { return j * (j + 1) / 2; }
 
 __global__ void solve_global_kernel(const float* __restrict__ A, const float* __restrict__ beta, int64_t N, int C,
                                     float* __restrict__ Minv) {
@@ -61,58 +55,130 @@ __global__ void solve_global_kernel(const float* __restrict__ A, const float* __
   }
 }
 
-// Rows of A in flight at most (solve_shared_kernel's ring); cp.async.wait_group counts up to 8 pending groups.
-constexpr int kMaxAhead = 8;
+// Columns of A per panel, and steps j fused into one pass over the later rows (one load and one store of a sum per
+// kGroup terms; a row's kGroup entries of the panel are one 16-byte load).
+constexpr int kPanel = 32;
+constexpr int kGroup = 4;
+static_assert(kPanel % kGroup == 0 && kPanel == 32, "a panel is one warp's columns");
 
-// Dynamic shared memory: the lower triangle of the unit's Minv, packed by rows (row j at tri_row(j), columns
-// 0..j), then a ring of `ahead` rows of A (row r in slot r % ahead), each copied asynchronously (thread j copies
-// column j) ahead - 1 rows before it is used. A row's sums take a fraction of a global round trip at C = 128, so a
-// row fetched only one row ahead still waited for most of it (156 us for 128 units on the H200). One barrier per
-// row orders it all: row i of A has landed, row i - 1 of Minv is whole, and row i - 1's slot is free for row
-// i + ahead - 1.
-__global__ void solve_shared_kernel(const float* __restrict__ A, const float* __restrict__ beta, int64_t N, int C,
-                                    int ahead, float* __restrict__ Minv) {
-  extern __shared__ float sm[];
-  float* ms = sm;
-  float* a_rows = sm + tri_row(C);
-  const int j = threadIdx.x;  // blockDim.x >= C: one column per thread
-  // One commit group per row, empty past the last row or column, so that the count of groups is the same in
-  // every thread and __pipeline_wait_prior(ahead - 2) means "row i has landed" at row i.
-  const auto fetch = [&](const float* a, int r) {
-    if (r < C && j < C) __pipeline_memcpy_async(a_rows + (r % ahead) * C + j, a + static_cast<int64_t>(r) * C + j, 4);
+// Offset of row i in the packed strictly lower triangle (row i holds columns 0..i-1).
+__device__ __forceinline__ int tri_strict(int i) { return i * (i - 1) / 2; }
+
+// Floats of solve_panel_kernel's dynamic shared memory: two panels [C, kPanel], the running sums (strictly lower
+// triangle), beta.
+__host__ __device__ constexpr int64_t panel_smem_floats(int64_t C) { return 2 * C * kPanel + C * (C - 1) / 2 + C; }
+
+// The later rows' sums of column k after the steps j0..j0+kGroup-1 of one group (m[t] = Minv[j0 + t, k]). kAll:
+// k <= j0, every step's term counts; otherwise the terms of steps j0 + t < k are left out (+0 added in their place:
+// the same bits as skipping them).
+template <bool kAll>
+__device__ __forceinline__ void add_group_terms(const float* P, float* sums, const float (&m)[kGroup], int j0, int c0,
+                                                int k, int C) {
+  bool on[kGroup];
+#pragma unroll
+  for (int t = 0; t < kGroup; ++t) on[t] = kAll || j0 + t >= k;
+  int off = tri_strict(j0 + kGroup);
+#pragma unroll 4
+  for (int i = j0 + kGroup; i < C; ++i) {
+    const float4 a = *reinterpret_cast<const float4*>(P + static_cast<int64_t>(i) * kPanel + (j0 - c0));
+    const float a_t[kGroup] = {a.x, a.y, a.z, a.w};
+    float sum = sums[off + k];
+#pragma unroll
+    for (int t = 0; t < kGroup; ++t) {
+      const float term = __fmul_rn(a_t[t], m[t]);
+      sum = __fadd_rn(sum, on[t] ? term : 0.0f);
+    }
+    sums[off + k] = sum;
+    off += i;
+  }
+}
+
+__global__ void solve_panel_kernel(const float* __restrict__ A, const float* __restrict__ beta, int64_t N, int C,
+                                   float* __restrict__ Minv) {
+  static_assert(kGroup == 4, "add_group_terms loads a row's kGroup entries as one float4");
+  extern __shared__ __align__(16) float sm[];
+  float* panels = sm;                                  // panel p in panels + (p & 1) * C * kPanel
+  float* sums = sm + 2 * static_cast<int64_t>(C) * kPanel;  // sums[tri_strict(i) + k]: column k's sum of row i
+  float* b = sums + static_cast<int64_t>(C) * (C - 1) / 2;
+  const int k = threadIdx.x;  // blockDim.x >= C: one column per thread
+  const int warp_first = k & ~31;
+  const int n_panels = (C + kPanel - 1) / kPanel;
+  // Panel p: rows c0 + 1 .. C - 1 of A's columns c0 .. c0 + kPanel - 1 (the rows a later step reads), by
+  // asynchronous copies; columns past C are zeros. One commit group per call in every thread.
+  const auto fetch = [&](const float* a, int p) {
+    if (p < n_panels) {
+      float* dst = panels + static_cast<int64_t>(p & 1) * C * kPanel;
+      const int c0 = p * kPanel;
+      for (int e = (c0 + 1) * kPanel + threadIdx.x; e < C * kPanel; e += blockDim.x) {
+        const int i = e / kPanel, col = c0 + e % kPanel;
+        if (col < C)
+          __pipeline_memcpy_async(dst + e, a + static_cast<int64_t>(i) * C + col, 4);
+        else
+          dst[e] = 0.0f;
+      }
+    }
     __pipeline_commit();
   };
   for (int64_t u = blockIdx.x; u < N; u += gridDim.x) {
     const float* a = A + u * C * C;
-    const float* b = beta + u * C;
-    float* m = Minv + u * C * C;
-    for (int r = 0; r < ahead - 1; ++r) fetch(a, r);
-    float b_i = b[0];
-    for (int i = 0; i < C; ++i) {  // the same trip count in every thread: the barrier is safe
-      const float b_next = i + 1 < C ? b[i + 1] : 0.0f;
-      __pipeline_wait_prior(ahead - 2);
-      __syncthreads();
-      fetch(a, i + ahead - 1);  // into row i - 1's slot
-      if (j < C) {
-        const float out = minv_cell(a_rows + (i % ahead) * C, b_i, [&](int r) { return ms + tri_row(r); }, i, j);
-        if (j <= i) ms[tri_row(i) + j] = out;
-        m[static_cast<int64_t>(i) * C + j] = out;
+    float* m_out = Minv + u * C * C;
+    fetch(a, 0);
+    for (int e = threadIdx.x; e < C * (C - 1) / 2; e += blockDim.x) sums[e] = 0.0f;
+    for (int e = threadIdx.x; e < C; e += blockDim.x) b[e] = beta[u * C + e];
+    for (int p = 0; p < n_panels; ++p) {
+      fetch(a, p + 1);  // into the buffer panel p - 1 used: free since the barrier that ended it
+      __pipeline_wait_prior(1);
+      __syncthreads();  // panel p (and at p = 0 the zeroed sums and beta) visible to every thread
+      const int c0 = p * kPanel;
+      const float* P = panels + static_cast<int64_t>(p & 1) * C * kPanel;
+      for (int j0 = c0; j0 < c0 + kPanel && j0 < C; j0 += kGroup) {
+        if (k >= C) continue;
+        float m[kGroup];
+        if (warp_first > j0 + kGroup - 1) {  // the whole warp right of these rows: zeros above the diagonal
+#pragma unroll
+          for (int t = 0; t < kGroup; ++t) {
+            m[t] = 0.0f;
+            if (j0 + t < C) m_out[static_cast<int64_t>(j0 + t) * C + k] = 0.0f;
+          }
+          continue;
+        }
+        // Rows j0 .. j0 + kGroup - 1 of Minv: each row's sum still lacks the terms of the group's earlier steps.
+#pragma unroll
+        for (int t = 0; t < kGroup; ++t) {
+          const int j = j0 + t;
+          float out = 0.0f;
+          if (j < C) {
+            if (k < j) {
+              float sum = sums[tri_strict(j) + k];
+              for (int r = 0; r < t; ++r) {
+                const float term = __fmul_rn(P[static_cast<int64_t>(j) * kPanel + (j0 - c0) + r], m[r]);
+                sum = __fadd_rn(sum, j0 + r >= k ? term : 0.0f);
+              }
+              out = __fsub_rn(0.0f, __fmul_rn(b[j], sum));
+            } else if (k == j) {
+              out = 1.0f;
+            }
+            m_out[static_cast<int64_t>(j) * C + k] = out;
+          }
+          m[t] = out;
+        }
+        if (warp_first + 31 <= j0)
+          add_group_terms<true>(P, sums, m, j0, c0, k, C);
+        else if (k <= j0 + kGroup - 1)  // a column right of the group has no term in it
+          add_group_terms<false>(P, sums, m, j0, c0, k, C);
       }
-      b_i = b_next;
+      __syncthreads();  // panel p read by all before the next fetch overwrites its buffer
     }
-    __syncthreads();  // the last rows read before the next unit's copies land
   }
 }
 
-// Rows of A solve_shared_kernel keeps in flight at C on this device (2 to kMaxAhead: the ring and the lower
-// triangle of the unit's Minv within what the device gives a block), or 0 when not even 2 fit.
-int shared_ahead(int64_t C) {
+// Whether solve_panel_kernel's shared memory fits what this device gives a block.
+bool panel_fits(int64_t C) {
   int device = 0, limit = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
-    return 0;
-  const int64_t rows = (static_cast<int64_t>(limit) / static_cast<int64_t>(sizeof(float)) - C * (C + 1) / 2) / C;
-  return rows < 2 ? 0 : static_cast<int>(std::min<int64_t>(rows, kMaxAhead));
+    return false;
+  return panel_smem_floats(C) * static_cast<int64_t>(sizeof(float)) <= limit;
 }
 
 }  // namespace
@@ -124,13 +190,12 @@ int solve_cuda(const float* A, const float* beta, int64_t N, int64_t C,
   // Launch configuration from the shapes (and the device's shared-memory limit) only.
   const int threads = static_cast<int>(std::min<int64_t>(((C + 31) / 32) * 32, kSolveCudaMaxC));
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(N, int64_t{1} << 30));
-  const int ahead = shared_ahead(C);
-  if (ahead > 0) {
-    const size_t smem = static_cast<size_t>(C * (C + 1) / 2 + ahead * C) * sizeof(float);
+  if (panel_fits(C)) {
+    const size_t smem = static_cast<size_t>(panel_smem_floats(C)) * sizeof(float);
     const int rc = static_cast<int>(
-        cudaFuncSetAttribute(solve_shared_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+        cudaFuncSetAttribute(solve_panel_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     if (rc != 0) return rc;
-    solve_shared_kernel<<<blocks, threads, smem, stream>>>(A, beta, N, static_cast<int>(C), ahead, Minv);
+    solve_panel_kernel<<<blocks, threads, smem, stream>>>(A, beta, N, static_cast<int>(C), Minv);
   } else {
     solve_global_kernel<<<blocks, threads, 0, stream>>>(A, beta, N, static_cast<int>(C), Minv);
   }

@@ -57,5 +57,5 @@ def test_cuda_solve_on_cpu_matches_cpu_kernel():
     r = subprocess.run(["bash", str(RUN), "plain", "solve"], capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    assert sum(line.startswith("ok ") for line in r.stdout.splitlines()) == 7, out[-4000:]
+    assert sum(line.startswith("ok ") for line in r.stdout.splitlines()) == 10, out[-4000:]
     assert "0 failing cases" in r.stdout
