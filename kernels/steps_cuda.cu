@@ -1748,6 +1748,17 @@ inline bool solve_staged(int64_t C, int max_c, const SolveSmem& smem) {
   return smem.bytes(C, true) <= static_cast<size_t>(limit);
 }
 
+// Largest chunk size whose dy part is staged: kStagedDyMaxC, or what SDM_CUDA_DY_STAGED_MAX_C sets (for measuring:
+// staged or not, every sum is the same; the shared-memory limit still applies).
+inline int dy_staged_max_c() {
+  static const int max_c = [] {
+    const char* env = std::getenv("SDM_CUDA_DY_STAGED_MAX_C");
+    const int c = env ? std::atoi(env) : 0;
+    return c > 0 ? c : kStagedDyMaxC;
+  }();
+  return max_c;
+}
+
 // An A/B switch read once per process: on unless the environment sets `name` to 0.
 inline bool env_switch(const char* name) {
   const char* env = std::getenv(name);
@@ -2034,7 +2045,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const BackRows rows{workspace, workspace + n};
   const ChunkTables ring(dm, workspace, table_chunks(dm), true);
   const bool pdl = use_pdl();
-  const bool dy_staged = solve_staged(dm.C, kStagedDyMaxC, kDySmem);
+  const bool dy_staged = solve_staged(dm.C, dy_staged_max_c(), kDySmem);
   const bool staged = solve_staged(dm.C, kStagedLoopMaxC, kBwdSolveSmem);
   const auto bwd_dy = dy_staged ? bwd_dy_kernel<T, true> : bwd_dy_kernel<T, false>;
   const auto bwd_solve = staged ? bwd_solve_kernel<true> : bwd_solve_kernel<false>;

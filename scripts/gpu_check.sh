@@ -90,7 +90,8 @@ if has bench; then
 fi
 pack
 if has ab; then
-  # An in-build A/B of a kernel switch: AB_VAR (e.g. SDM_CUDA_FRESH, SDM_CUDA_PDL, SDM_CUDA_GATHER_PARTS) at
+  # An in-build A/B of a kernel switch: AB_VAR (e.g. SDM_CUDA_FRESH, SDM_CUDA_PDL, SDM_CUDA_GATHER_PARTS,
+  # SDM_CUDA_DY_STAGED_MAX_C) at
   # each of AB_VALUES (default "1 0"): the bench rows of BENCH_SHAPES (default mid flagship) at chunk PROFILE_CHUNKS
   # (default 128) and device timelines of the flagship (PROFILE_MODES, default grad and nograd), one process each.
   chunk=${PROFILE_CHUNKS:-128}
