@@ -91,9 +91,9 @@ fi
 pack
 if has ab; then
   # An in-build A/B of a kernel switch: AB_VAR (e.g. SDM_CUDA_FRESH, SDM_CUDA_PDL, SDM_CUDA_GATHER_PARTS,
-  # SDM_CUDA_DY_STAGED_MAX_C) at
-  # each of AB_VALUES (default "1 0"): the bench rows of BENCH_SHAPES (default mid flagship) at chunk PROFILE_CHUNKS
-  # (default 128) and device timelines of the flagship (PROFILE_MODES, default grad and nograd), one process each.
+  # SDM_CUDA_DY_STAGED_MAX_C) at each of AB_VALUES (default "1 0"): the bench rows of BENCH_SHAPES (default mid
+  # flagship) at chunk PROFILE_CHUNKS (default 128) and device timelines of the flagship (PROFILE_MODES, default
+  # grad and nograd), one process each.
   chunk=${PROFILE_CHUNKS:-128}
   for value in ${AB_VALUES:-1 0}; do
     tag=${AB_VAR:?AB_VAR names the switch}_$value
