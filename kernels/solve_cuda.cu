@@ -68,6 +68,11 @@ __device__ __forceinline__ int tri_strict(int i) { return i * (i - 1) / 2; }
 // triangle), beta.
 __host__ __device__ constexpr int64_t panel_smem_floats(int64_t C) { return 2 * C * kPanel + C * (C - 1) / 2 + C; }
 
+// Rows of the later-rows pass whose loads are all issued before the first store: a row's sum is stored back to
+// shared memory, and the compiler cannot tell that the next row's cell is another one, so row by row each load
+// would wait for the store before it (a shared-memory round trip, then 4 dependent adds, per row).
+constexpr int kRowsInFlight = 4;
+
 // The later rows' sums of column k after the steps j0..j0+kGroup-1 of one group (m[t] = Minv[j0 + t, k]). kAll:
 // k <= j0, every step's term counts; otherwise the terms of steps j0 + t < k are left out (+0 added in their place:
 // the same bits as skipping them).
@@ -77,18 +82,34 @@ __device__ __forceinline__ void add_group_terms(const float* P, float* sums, con
   bool on[kGroup];
 #pragma unroll
   for (int t = 0; t < kGroup; ++t) on[t] = kAll || j0 + t >= k;
-  int off = tri_strict(j0 + kGroup);
-#pragma unroll 4
-  for (int i = j0 + kGroup; i < C; ++i) {
+  // Row i's sum plus the group's terms, in step order.
+  const auto add_terms = [&](int i, float sum) {
     const float4 a = *reinterpret_cast<const float4*>(P + static_cast<int64_t>(i) * kPanel + (j0 - c0));
     const float a_t[kGroup] = {a.x, a.y, a.z, a.w};
-    float sum = sums[off + k];
 #pragma unroll
     for (int t = 0; t < kGroup; ++t) {
       const float term = __fmul_rn(a_t[t], m[t]);
       sum = __fadd_rn(sum, on[t] ? term : 0.0f);
     }
-    sums[off + k] = sum;
+    return sum;
+  };
+  int i = j0 + kGroup, off = tri_strict(i);
+  for (; i + kRowsInFlight <= C; i += kRowsInFlight) {
+    int at[kRowsInFlight];
+    float sum[kRowsInFlight];
+#pragma unroll
+    for (int r = 0; r < kRowsInFlight; ++r) {
+      at[r] = off + k;
+      off += i + r;  // tri_strict(i + r + 1)
+      sum[r] = sums[at[r]];
+    }
+#pragma unroll
+    for (int r = 0; r < kRowsInFlight; ++r) sum[r] = add_terms(i + r, sum[r]);
+#pragma unroll
+    for (int r = 0; r < kRowsInFlight; ++r) sums[at[r]] = sum[r];
+  }
+  for (; i < C; ++i) {
+    sums[off + k] = add_terms(i, sums[off + k]);
     off += i;
   }
 }
