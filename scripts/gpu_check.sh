@@ -8,7 +8,8 @@
 # metadata, so the commit the logs name is taken from SDM_COMMIT when set.
 # Environment: PYTEST_ARGS (extra pytest arguments, split at spaces, e.g. "-x"), PYTEST_K (a pytest -k expression,
 # kept whole: "run_arrays or workspace_path"), BENCH_ARGS (extra bench.py arguments, e.g.
-# "--pipeline 20"), GPU_TEST_FILES (replaces the GPU test list), BENCH_SHAPES, BENCH_CHUNKS, BENCH_REPEATS,
+# "--pipeline 20"), GPU_TEST_FILES (replaces the GPU test list), GPU_TEST_JOBS (pytest processes sharing
+# it, default 3), BENCH_SHAPES, BENCH_CHUNKS, BENCH_REPEATS,
 # BENCH_DECODE (0 skips bench_decode.py), BENCH_DECODE_ARGS (bench_decode.py's arguments, default "--impls ffi";
 # e.g. "--impls ffi,noop --device-time" adds the device's kernel time per step), PROFILE_SHAPES, PROFILE_CHUNKS,
 # PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections), PROFILE_DETAIL_CHUNK,
@@ -56,11 +57,34 @@ run_pytest() {  # name, then pytest arguments
 }
 
 if has tests; then
+  # The list takes ~8 minutes in one process, mostly XLA compiling on the host: GPU_TEST_JOBS (default 3) pytest
+  # processes share it (files dealt round-robin, the slowest first; logs gpu_tests_<n>.log), each with XLA's
+  # preallocation off so that they fit on the card together. GPU_TEST_JOBS=1: one process, log gpu_tests.log.
   if [ -n "${GPU_TEST_FILES:-}" ]; then
-    run_pytest gpu_tests $(for f in $GPU_TEST_FILES; do echo "$REPO/tests/$f"; done)
+    files=($GPU_TEST_FILES)
   else
-    run_pytest gpu_tests "$REPO"/tests/test_gpu_*.py "$REPO"/tests/test_ffi_op.py "$REPO"/tests/test_oracles.py \
-      "$REPO"/tests/test_grad_bank.py "$REPO"/tests/test_step.py "$REPO"/tests/test_nn.py ${GPU_TEST_EXTRA:-}
+    files=(test_ffi_op.py test_nn.py test_gpu_steps.py test_gpu_phase1.py $(cd "$REPO/tests" && ls test_gpu_*.py |
+      grep -v -e test_gpu_steps.py -e test_gpu_phase1.py) test_oracles.py test_grad_bank.py test_step.py
+      ${GPU_TEST_EXTRA:-})
+  fi
+  jobs=${GPU_TEST_JOBS:-3}
+  if [ "$jobs" -le 1 ]; then
+    run_pytest gpu_tests "${files[@]/#/$REPO/tests/}"
+  else
+    for ((g = 0; g < jobs; g++)); do
+      group=()
+      for ((i = g; i < ${#files[@]}; i += jobs)); do group+=("$REPO/tests/${files[$i]}"); done
+      [ ${#group[@]} -gt 0 ] || continue
+      (XLA_PYTHON_CLIENT_PREALLOCATE=false run_pytest "gpu_tests_$g" "${group[@]}"; echo "$status" > "$OUT/.status_$g") \
+        > "$OUT/.failures_$g" 2>&1 &
+    done
+    wait
+    for ((g = 0; g < jobs; g++)); do
+      [ -f "$OUT/.status_$g" ] || continue
+      cat "$OUT/.failures_$g"
+      [ "$(cat "$OUT/.status_$g")" = 0 ] || status=1
+      rm -f "$OUT/.status_$g" "$OUT/.failures_$g"
+    done
   fi
 fi
 pack
