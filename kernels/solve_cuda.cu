@@ -154,16 +154,14 @@ __global__ void solve_panel_kernel(const float* __restrict__ A, const float* __r
       const float* P = panels + static_cast<int64_t>(p & 1) * C * kPanel;
       for (int j0 = c0; j0 < c0 + kPanel && j0 < C; j0 += kGroup) {
         if (k >= C) continue;
-        float m[kGroup];
         if (warp_first > j0 + kGroup - 1) {  // the whole warp right of these rows: zeros above the diagonal
 #pragma unroll
-          for (int t = 0; t < kGroup; ++t) {
-            m[t] = 0.0f;
+          for (int t = 0; t < kGroup; ++t)
             if (j0 + t < C) m_out[static_cast<int64_t>(j0 + t) * C + k] = 0.0f;
-          }
           continue;
         }
         // Rows j0 .. j0 + kGroup - 1 of Minv: each row's sum still lacks the terms of the group's earlier steps.
+        float m[kGroup];
 #pragma unroll
         for (int t = 0; t < kGroup; ++t) {
           const int j = j0 + t;
