@@ -1748,15 +1748,17 @@ inline bool solve_staged(int64_t C, int max_c, const SolveSmem& smem) {
   return smem.bytes(C, true) <= static_cast<size_t>(limit);
 }
 
+// An integer A/B setting from the environment: 0 when unset or not a number.
+inline int env_int(const char* name) {
+  const char* env = std::getenv(name);
+  return env ? std::atoi(env) : 0;
+}
+
 // Largest chunk size whose dy part is staged: kStagedDyMaxC, or what SDM_CUDA_DY_STAGED_MAX_C sets (for measuring:
 // staged or not, every sum is the same; the shared-memory limit still applies).
 inline int dy_staged_max_c() {
-  static const int max_c = [] {
-    const char* env = std::getenv("SDM_CUDA_DY_STAGED_MAX_C");
-    const int c = env ? std::atoi(env) : 0;
-    return c > 0 ? c : kStagedDyMaxC;
-  }();
-  return max_c;
+  static const int max_c = env_int("SDM_CUDA_DY_STAGED_MAX_C");
+  return max_c > 0 ? max_c : kStagedDyMaxC;
 }
 
 // An A/B switch read once per process: on unless the environment sets `name` to 0.
@@ -1807,8 +1809,7 @@ int launch(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t sm
 // of 64 lanes beat 2 by 28 us a call, the GWR gather with 1 part was not faster.
 inline int gather_parts(int fallback) {
   static const int parts = [] {
-    const char* env = std::getenv("SDM_CUDA_GATHER_PARTS");
-    const int p = env ? std::atoi(env) : 0;
+    const int p = env_int("SDM_CUDA_GATHER_PARTS");
     return p == 1 || p == 2 || p == 4 ? p : 0;
   }();
   return parts ? parts : fallback;
