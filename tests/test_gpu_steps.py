@@ -46,6 +46,14 @@ def run_steps(device, bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank):
     return (final, y, delta, vg, snap), no_grad[:2], bwd
 
 
+def written_snapshot_rows(fwd, inputs):
+    """The forward's outputs with the snapshot's unwritten rows zeroed: snapshot rows exist for the write groups
+    only (rows past a unit's group count are never written or read, so they hold whatever the buffer held)."""
+    group = np.asarray(inputs[5].w_group)
+    used = (group[..., 1:] > group[..., :-1])[..., None]
+    return fwd[:4] + (np.where(used, np.asarray(fwd[4], np.float32), 0),)
+
+
 CASES = [
     dict(T=40, K=64, D=16, W=4, R=3),
     dict(T=37, K=8, D=5, W=5, R=4, distinct=False, repeats=True, per_write_gates=True),
@@ -69,11 +77,7 @@ def test_gpu_steps_match_cpu(case, chunk):
     cpu_fwd, cpu_plain, cpu_bwd = run_steps(jax.devices("cpu")[0], *inputs, dy, dbank)
     gpu_fwd, gpu_plain, gpu_bwd = run_steps(jax.devices()[0], *inputs, dy, dbank)
     tol = 1e-5 if bank.dtype == jnp.float32 else 1e-2
-    # Snapshot rows exist for the write groups only (rows past a unit's group count are never written or read).
-    group = np.asarray(inputs[5].w_group)
-    used = (group[..., 1:] > group[..., :-1])[..., None]
-    gpu_fwd = gpu_fwd[:4] + (np.where(used, np.asarray(gpu_fwd[4], np.float32), 0),)
-    cpu_fwd = cpu_fwd[:4] + (np.where(used, np.asarray(cpu_fwd[4], np.float32), 0),)
+    gpu_fwd, cpu_fwd = written_snapshot_rows(gpu_fwd, inputs), written_snapshot_rows(cpu_fwd, inputs)
     names = ["final", "y", "delta", "vg", "snapshot"]
     for name, a, b in zip(names, gpu_fwd, cpu_fwd):
         assert np.all(np.isfinite(np.asarray(a, np.float32))), name
@@ -94,7 +98,13 @@ def test_gpu_steps_bitwise_repeatable():
     NC, P, C = inputs[1].shape[:3]
     dy = jnp.asarray(rng.standard_normal((NC, P, C, 24)), jnp.float32)
     dbank = jnp.asarray(rng.standard_normal(inputs[0].shape), jnp.float32)
-    first = run_steps(jax.devices()[0], *inputs, dy, dbank)
-    second = run_steps(jax.devices()[0], *inputs, dy, dbank)
-    for a, b in zip(jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(second)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    runs = []
+    for _ in range(2):
+        fwd, plain, bwd = run_steps(jax.devices()[0], *inputs, dy, dbank)
+        runs.append((written_snapshot_rows(fwd, inputs), plain, bwd))
+    names = ["final", "y", "delta", "vg", "snapshot", "final (no grad)", "y (no grad)", "initial bank", "dbank",
+             "dk_eff", "dw", "dcpe", "dq_w", "dA", "dQK", "dbeta", "dv"]
+    leaves = [jax.tree_util.tree_leaves(run) for run in runs]
+    assert len(leaves[0]) == len(names)
+    for name, a, b in zip(names, *leaves):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
