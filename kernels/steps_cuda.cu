@@ -1262,89 +1262,126 @@ __global__ void bwd_solve_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int6
 // a_ij = <du_i, delta_j> and q_ij = <dy_i, delta_j> (each one thread's sum over d ascending),
 //   dA[i, j] = -beta_i a_ij (j < i),  dQK[i, j] = q_ij (j <= i),  0 elsewhere,
 //   dbeta_i = <du_i, v_i - G_i> - sum_{j < i} A[i, j] a_ij   (= <du_i, v_i - G_i - (A delta)_i>),
-// and dv_i = beta_i du_i in place of du_i. Rows are staged in shared memory kDotsCols columns at a time (no other
-// global loads in the loop: the kernel is bound by their latency); thread (ti, tj) computes the kDotsPer cells
-// (ti, tj * kDotsPer + c) of each kDotsTile x kDotsTile tile of (i, j). The diagonal tile (j0 = i0) is the last
-// one a block computes: while staging it, each thread also writes dv = beta du over the du element it loaded (its
-// last read) and adds its columns' share of <du_i, v_i - G_i>. Every sum runs in a fixed order.
-constexpr int kDotsTile = 32;
-constexpr int kDotsCols = 64;                                   // columns staged per step
-constexpr int kDotsPer = 4;                                     // cells per thread and tile
-constexpr int kDotsThreads = kDotsTile * kDotsTile / kDotsPer;  // 256
-constexpr int kDotsParts = kDotsTile / kDotsPer;                // threads per tile row: 8
+// and dv_i = beta_i du_i in place of du_i. The block walks the tiles (i0, j0), j0 <= i0, of kDotsTile x kDotsTile
+// cells; their rows are staged in shared memory kDotsCols columns at a time, transposed ([column][row]), and thread
+// (ti, tj) computes the 4 x 4 cells (i0 + 4 ti + r, j0 + 4 tj + c): per column three 16-byte loads (4 du, 4 dy,
+// 4 delta) feed 32 products. (The 32-row tiles of one row by 4 cells per thread it replaces needed six loads for
+// eight products and were bound by shared-memory loads: 602 us at chunk 128 on the flagship, 1144 at 256.) The
+// diagonal tile (j0 = i0) is the last one a block computes: while staging it, each thread also writes dv = beta du
+// over the du element it loaded (its last read) and each thread adds its columns' share of <du_i, v_i - G_i>.
+// Every sum runs in a fixed order.
+constexpr int kDotsTile = 64;
+constexpr int kDotsCols = 32;                              // columns staged per step
+constexpr int kDotsSide = kDotsTile / 4;                   // threads per tile side: 16
+constexpr int kDotsThreads = kDotsSide * kDotsSide;        // 256
+constexpr int kDotsStride = kDotsTile + 4;                 // floats per staged column: 16-byte rows, no bank conflicts
+constexpr int kDotsStaged = kDotsTile * kDotsCols / kDotsThreads;  // elements each thread stages per array: 8
 
 template <typename T>  // dy's dtype, the bank's
-__global__ void __launch_bounds__(kDotsThreads) bwd_dots_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
+__global__ void __launch_bounds__(kDotsThreads, 2) bwd_dots_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
   chain_start();
   const T* dy = static_cast<const T*>(io.dy);
-  __shared__ float sdu[kDotsTile][kDotsCols + 1], sdy[kDotsTile][kDotsCols + 1], sdl[kDotsTile][kDotsCols + 1];
-  __shared__ float svg[kDotsTile][kDotsCols + 1];  // v - G on the diagonal tile
-  __shared__ float red[kDotsTile][kDotsParts];
+  __shared__ __align__(16) float sdu[kDotsCols][kDotsStride], sdy[kDotsCols][kDotsStride],
+      sdl[kDotsCols][kDotsStride];
+  __shared__ __align__(16) float svg[kDotsCols][kDotsStride];  // v - G on the diagonal tile
+  __shared__ float red[kDotsTile][kDotsSide + 1];
   const int64_t C = dm.C, D = dm.D;
   const int64_t u = blockIdx.x, i0 = static_cast<int64_t>(blockIdx.y) * kDotsTile;
-  const int t = threadIdx.x, ti = t / kDotsParts, tj = t % kDotsParts;
-  const int64_t i = i0 + ti;
+  const int t = threadIdx.x, ti = t / kDotsSide, tj = t % kDotsSide;
   const int64_t base = u * C * D;
-  const float beta_i = i < C ? io.beta[u * C + i] : 0.f;
-  const float* A = p1.A + (u * C + (i < C ? i : 0)) * C;
-  float part = 0.f;  // this thread's share of dbeta_i
+  float part[4] = {};  // this thread's shares of dbeta_i, rows i0 + 4 ti + r
   for (int64_t j0 = 0; j0 <= i0; j0 += kDotsTile) {  // j0 > i0: every cell masked
     const bool diag = j0 == i0;
-    float a[kDotsPer] = {}, q[kDotsPer] = {};
+    float a[4][4] = {}, q[4][4] = {};
     for (int64_t d0 = 0; d0 < D; d0 += kDotsCols) {
-      for (int idx = t; idx < kDotsTile * kDotsCols; idx += kDotsThreads) {
-        const int r = idx / kDotsCols, dd = idx % kDotsCols;
+      // A warp stages 4 rows x 8 columns per round: 32 bytes of each row from global memory, and its transposed
+      // stores (row + 68 column) fall in 32 distinct banks.
+#pragma unroll 4  // 8 unrolled spill at 2 blocks per SM
+      for (int n = 0; n < kDotsStaged; ++n) {
+        const int w = n * (kDotsThreads / 32) + t / 32, lane = t % 32;
+        const int r = 4 * (w % kDotsSide) + lane % 4, dd = 8 * (w / kDotsSide) + lane / 4;
         const int64_t d = d0 + dd;
         const bool in_i = i0 + r < C && d < D, in_j = j0 + r < C && d < D;
         const int64_t ki = base + (i0 + r) * D + d, kj = base + (j0 + r) * D + d;
         const float du = in_i ? io.dv[ki] : 0.f;  // du until written back as dv below
-        sdu[r][dd] = du;
-        sdy[r][dd] = in_i ? to_f(dy[ki]) : 0.f;
-        sdl[r][dd] = in_j ? io.delta[kj] : 0.f;
+        sdu[dd][r] = du;
+        sdy[dd][r] = in_i ? to_f(dy[ki]) : 0.f;
+        sdl[dd][r] = in_j ? io.delta[kj] : 0.f;
         if (diag) {
-          svg[r][dd] = in_i ? io.vg[ki] : 0.f;
+          svg[dd][r] = in_i ? io.vg[ki] : 0.f;
           if (in_i) io.dv[ki] = io.beta[u * C + i0 + r] * du;
         }
       }
       __syncthreads();
-#pragma unroll 8
+#pragma unroll 4
       for (int dd = 0; dd < kDotsCols; ++dd) {
-        const float x = sdu[ti][dd], z = sdy[ti][dd];
+        const float4 x4 = *reinterpret_cast<const float4*>(&sdu[dd][4 * ti]);
+        const float4 z4 = *reinterpret_cast<const float4*>(&sdy[dd][4 * ti]);
+        const float4 l4 = *reinterpret_cast<const float4*>(&sdl[dd][4 * tj]);
+        const float x[4] = {x4.x, x4.y, x4.z, x4.w}, z[4] = {z4.x, z4.y, z4.z, z4.w},
+                    l[4] = {l4.x, l4.y, l4.z, l4.w};
 #pragma unroll
-        for (int c = 0; c < kDotsPer; ++c) {
-          const float l = sdl[tj * kDotsPer + c][dd];
-          a[c] += x * l;
-          q[c] += z * l;
+        for (int r = 0; r < 4; ++r) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            a[r][c] += x[r] * l[c];
+            q[r][c] += z[r] * l[c];
+          }
         }
       }
       if (diag) {
-        for (int dd = tj; dd < kDotsCols; dd += kDotsParts) part += sdu[ti][dd] * svg[ti][dd];
+        for (int dd = tj; dd < kDotsCols; dd += kDotsSide) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) part[r] += sdu[dd][4 * ti + r] * svg[dd][4 * ti + r];
+        }
       }
       __syncthreads();
     }
-    if (i < C) {
+    const int64_t jc = j0 + 4 * tj;  // this thread's first column
 #pragma unroll
-      for (int c = 0; c < kDotsPer; ++c) {
-        const int64_t j = j0 + tj * kDotsPer + c;
-        if (j >= C) break;
-        io.dA[(u * C + i) * C + j] = j < i ? -beta_i * a[c] : 0.f;
-        io.dQK[(u * C + i) * C + j] = j <= i ? q[c] : 0.f;
-        if (j < i) part -= A[j] * a[c];
+    for (int r = 0; r < 4; ++r) {
+      const int64_t i = i0 + 4 * ti + r;
+      if (i >= C) break;
+      const float beta_i = io.beta[u * C + i];
+      const float* A = p1.A + (u * C + i) * C;
+      float da[4], dq[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int64_t j = jc + c;
+        da[c] = j < i ? -beta_i * a[r][c] : 0.f;
+        dq[c] = j <= i ? q[r][c] : 0.f;
+        if (j < i) part[r] -= A[j] * a[r][c];
+      }
+      float* dA_row = io.dA + (u * C + i) * C;
+      float* dQK_row = io.dQK + (u * C + i) * C;
+      if (C % 4 == 0 && jc + 3 < C) {  // 16-byte aligned: C and jc are multiples of 4
+        *reinterpret_cast<float4*>(dA_row + jc) = make_float4(da[0], da[1], da[2], da[3]);
+        *reinterpret_cast<float4*>(dQK_row + jc) = make_float4(dq[0], dq[1], dq[2], dq[3]);
+      } else {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          if (jc + c >= C) break;
+          dA_row[jc + c] = da[c];
+          dQK_row[jc + c] = dq[c];
+        }
       }
     }
   }
-  if (i < C) {  // the tiles past the diagonal: every cell masked
-    for (int64_t j = i0 + kDotsTile + tj; j < C; j += kDotsParts) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {  // the tiles past the diagonal: every cell masked
+    const int64_t i = i0 + 4 * ti + r;
+    if (i >= C) break;
+    for (int64_t j = i0 + kDotsTile + tj; j < C; j += kDotsSide) {
       io.dA[(u * C + i) * C + j] = 0.f;
       io.dQK[(u * C + i) * C + j] = 0.f;
     }
+    red[4 * ti + r][tj] = part[r];
   }
-  red[ti][tj] = part;
   __syncthreads();
-  if (tj == 0 && i < C) {
-    float x = red[ti][0];
-    for (int k = 1; k < kDotsParts; ++k) x += red[ti][k];
-    io.dbeta[u * C + i] = x;
+  if (t < kDotsTile && i0 + t < C) {
+    float x = red[t][0];
+    for (int k = 1; k < kDotsSide; ++k) x += red[t][k];
+    io.dbeta[u * C + i0 + t] = x;
   }
 }
 

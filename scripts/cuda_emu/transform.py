@@ -15,6 +15,8 @@ s = s.replace("#include <cuda_runtime.h>", '#include "cuda_emu.h"')
 # extern __shared__ [__align__(N)] T name[];  ->  T* name = (T*) the launch's dynamic shared memory
 s = re.sub(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w ]+?)\s+(\w+)\[\];",
            r"\1* \2 = reinterpret_cast<\1*>(emu::dyn_smem());", s)
+# __shared__ [__align__(N)] T name[...];  ->  a static of the block (one block runs at a time)
+s = re.sub(r"\b__shared__\s+__align__\((\d+)\)\s+", r"alignas(\1) static ", s)
 s = re.sub(r"\b__shared__\s+", "static ", s)
 s = re.sub(r'asm\s+volatile\s*\(".*?"\s*::.*?\);', ";", s, flags=re.S)
 s, n = re.subn(r"(\w+(?:<[^<>;]*>)?)\s*<<<(.*?)>>>\s*\(", r"emu::launch(\1, \2, ", s, flags=re.S)
