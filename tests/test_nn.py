@@ -312,8 +312,12 @@ def test_scan_over_layers_and_remat():
 
     (loss_r, _), grad_r = nnx.jit(nnx.value_and_grad(stack_loss, has_aux=True), static_argnums=2)(stack, x, True)
     assert float(loss_r) == pytest.approx(float(loss), rel=1e-6)
+    # Rematerialised and plain scans may fuse (and so round) differently: elementwise checks fail on entries near
+    # zero, so each leaf is compared in relative L2, far below what a wrong gradient would give.
     for g, r in zip(jax.tree.leaves(nnx.to_pure_dict(grad_r)), jax.tree.leaves(nnx.to_pure_dict(grad))):
-        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-7)
+        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+        assert np.linalg.norm(r) > 0
+        assert np.linalg.norm(g - r) <= 1e-5 * np.linalg.norm(r)
 
 
 def test_orbax_round_trip(tmp_path):
