@@ -315,9 +315,8 @@ def test_scan_over_layers_and_remat():
     # Rematerialised and plain scans may fuse (and so round) differently: elementwise checks fail on entries near
     # zero, so each leaf is compared in relative L2, far below what a wrong gradient would give.
     for g, r in zip(jax.tree.leaves(nnx.to_pure_dict(grad_r)), jax.tree.leaves(nnx.to_pure_dict(grad))):
-        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
-        assert np.linalg.norm(r) > 0
-        assert np.linalg.norm(g - r) <= 1e-5 * np.linalg.norm(r)
+        assert np.any(np.asarray(r) != 0)
+        assert rel_err(g, r) <= 1e-5
 
 
 def test_orbax_round_trip(tmp_path):
