@@ -352,3 +352,30 @@ def decode_step_ffi(bank, k_idx, k_val, x, v, beta, q_idx, q_val):
         input_output_aliases={0: 0},
     )
     return call(bank, k_idx.astype(i32), k_val, x.astype(f32), v, beta.astype(f32), q_idx.astype(i32), q_val)
+
+
+def token_recurrence_ffi(bank, k_idx, k_val, x, v, beta, q_idx, q_val):
+    """The token recurrence in one kernel, the CPU's no-grad forward (docs/DESIGN.md "No-grad forward on the CPU").
+
+    Args:
+      bank: `[..., P, K, D]` float32 or bfloat16, the initial bank. The final bank is a new buffer (the kernel
+        copies each stream's rows in the thread that runs the stream: in parallel, and into its cache).
+      k_idx, k_val, x: `[..., NC, P, C, W]` write slot ids (cast to int32), weights and per-lane log-gates (cast to
+        float32), in kernel layout; `v` `[..., NC, P, C, D]`, `beta` `[..., NC, P, C]`, `q_idx`, `q_val`
+        `[..., NC, P, C, R]` likewise. Tokens past the end carry ids outside `[0, K)`.
+
+    Returns:
+      `(y [..., NC, P, C, D] float32, final_bank, repeats [..., NC, P] int32)` as `forward_ffi` and Phase 1 give
+      them: the readings, the bank after the last token, and per chunk the write lanes that repeat an earlier
+      lane's slot in their token.
+    """
+    f32, i32 = jnp.float32, jnp.int32
+    call = jax.ffi.ffi_call(
+        "sdm_token_recurrence",
+        (jax.ShapeDtypeStruct(bank.shape, bank.dtype), jax.ShapeDtypeStruct(v.shape, f32),
+         jax.ShapeDtypeStruct(k_idx.shape[:-2], i32)),
+        vmap_method="broadcast_all",
+    )
+    final, y, repeats = call(bank, k_idx.astype(i32), k_val.astype(f32), x.astype(f32), v.astype(f32),
+                             beta.astype(f32), q_idx.astype(i32), q_val.astype(f32))
+    return y, final, repeats

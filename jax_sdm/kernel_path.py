@@ -49,6 +49,23 @@ def _sdm_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_s
     return (y, final, p1.repeats), (banks, (p1, minv, delta, vg, snapshot) + stamp_snapshot)
 
 
+TOKEN_RECURRENCE_TARGET = "sdm_token_recurrence"  # the CPU's no-grad forward
+
+
+def _sdm_kernels_primal(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_slots):
+    """The forward of a call that is not differentiated, `(y, final_bank, repeats)` as `_sdm_kernels_fwd`'s.
+
+    Lowered for the CPU it is the token recurrence in one kernel (`ffi_ops.token_recurrence_ffi`): a no-grad
+    forward needs none of Phase 1, the solves or the snapshots, and on a CPU the tokens in order cost less. For
+    other platforms, and for packed sequences, the chunked kernels without residuals.
+    """
+    chunked = lambda *args: _sdm_kernels_fwd(*args, packed, num_slots, save=False)[0]
+    args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val)
+    if packed is not None or not lowering.is_registered(TOKEN_RECURRENCE_TARGET, "cpu"):
+        return chunked(*args)
+    return jax.lax.platform_dependent(*args, cpu=ffi_ops.token_recurrence_ffi, default=chunked)
+
+
 def _sdm_kernels_bwd(num_slots, inputs, final, residuals, dy, dfinal):
     """The kernels' backward: gradients `(dbank, dk_val, dx, dv, dbeta, dq_val)` of `_sdm_kernels_fwd`'s inputs
     (`inputs`, in its order; the bank may be None without packed sequences: the backward restores it from the
@@ -192,7 +209,10 @@ def _local_forward(save, static, bank, *tokens):
     num_slots, packed = static
     H = bank.shape[1]
     merged = [merge(a, at) for a, at in zip((bank,) + tokens, _input_axes(packed))]
-    (y, final, repeats), (banks, units) = _sdm_kernels_fwd(*_kernel_inputs(merged, packed), num_slots, save=save)
+    if save:
+        (y, final, repeats), (banks, units) = _sdm_kernels_fwd(*_kernel_inputs(merged, packed), num_slots)
+    else:
+        y, final, repeats = _sdm_kernels_primal(*_kernel_inputs(merged, packed), num_slots)
     # The readings leave in the bank's dtype (one rounding, as the op's result): their cotangent then comes in that
     # dtype too, which the backward's kernels take as it is (half the bytes of float32 for a bfloat16 bank).
     out = (split(y.astype(bank.dtype), UNITS, H), split(final, BANK, H), split(repeats, UNITS, H))
