@@ -125,8 +125,9 @@ def _run_checks():
             grads_sharded_like_inputs={k: same(g[k], bank if k == "bank" else bh_tokens) for k in FLOATS},
             fwd_collectives=collectives(hlo_fwd), grad_collectives=collectives(hlo_bwd),
             gathered_banks=gathered_banks(hlo_fwd) + gathered_banks(hlo_bwd),
-            streams_per_call={t: kernel_streams(hlo_fwd if t == "sdm_forward" else hlo_bwd, t)
-                              for t in ("sdm_forward", "sdm_backward")},
+            # the forward of a call that is not differentiated: on the CPU the token recurrence in one kernel
+            streams_per_call={"forward": kernel_streams(hlo_fwd, "sdm_token_recurrence"),
+                              "backward": kernel_streams(hlo_bwd, "sdm_backward")},
             streams_per_device=B // shards(token_spec[0]) * H // shards((token_spec + (None,) * 3)[2]),
         )
         r = results[name]
@@ -242,8 +243,8 @@ def test_no_gather_of_the_bank(report, case):
     r = report[case]
     assert r["gathered_banks"] == [], r["gathered_banks"]
     # each device runs its own streams: one kernel call sees the local streams only
-    assert r["streams_per_call"] == {"sdm_forward": [r["streams_per_device"]],
-                                     "sdm_backward": [r["streams_per_device"]]}, r["streams_per_call"]
+    assert r["streams_per_call"] == {"forward": [r["streams_per_device"]],
+                                     "backward": [r["streams_per_device"]]}, r["streams_per_call"]
     if "T sharded" in case:  # the per-token arrays are gathered along T (the kernels need whole streams)
         assert set(r["fwd_collectives"]) <= {"all-gather"} and set(r["grad_collectives"]) <= {"all-gather"}
         return
