@@ -145,7 +145,9 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=N
         a bfloat16 bank, bfloat16 halves the backward's largest memory traffic and the gradient bank's memory;
         float32 gives slightly more accurate gradients (measured at T=4096, chunk 64, 256 slots each rewritten
         about 64 times: relative L2 error of the gradients 2.3e-3 to 3.2e-3 against 1.8e-3 to 2.9e-3, with
-        bfloat16's own rounding of the inputs and outputs the larger part). The pure-JAX paths ignore it.
+        bfloat16's own rounding of the inputs and outputs the larger part). The pure-JAX paths ignore it: the
+        chunked form (`"xla"`) keeps it in float32 (the rows rounded as stored, the gradient not), the token loop
+        works in float32 throughout.
 
     Returns:
       `(y, final_bank)`: readings `[B, T, H, D]` and the bank after the last token `[B, H, K, D]`, in the bank's
