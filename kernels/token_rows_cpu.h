@@ -38,26 +38,55 @@ template <typename T>
 inline void add_scaled_row(float* __restrict dst, const T* __restrict src, float a, int64_t n) {
   for (int64_t j = 0; j < n; ++j) dst[j] += a * to_float(src[j]);
 }
-// work = decay * row, then acc += k * work (the decay of a written row, and its term of pred).
+// dst = a * src (the decay of a written row; dst may be src).
 template <typename T>
-inline void decay_row(float* __restrict work, const T* __restrict row, float decay, float k, float* __restrict acc,
-                      int64_t n) {
-  for (int64_t j = 0; j < n; ++j) {
-    work[j] = decay * to_float(row[j]);
-    acc[j] += k * work[j];
-  }
+inline void scale_row(float* dst, const T* src, float a, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = a * to_float(src[j]);
 }
-// The same on a float32 row in place.
-inline void decay_row_in_place(float* __restrict row, float decay, float k, float* __restrict acc, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) {
-    row[j] = decay * row[j];
-    acc[j] += k * row[j];
+// dst += a[0] src[0] + a[1] src[1] + ... + a[count-1] src[count-1], added in that order column by column (the same
+// sums as one row after the other), four rows per pass over dst. The sources may be one row more than once.
+template <typename T>
+inline void add_scaled_rows(float* __restrict dst, const T* const* src, const float* a, int64_t count, int64_t n) {
+  int64_t i = 0;
+  for (; i + 4 <= count; i += 4) {
+    const T *s0 = src[i], *s1 = src[i + 1], *s2 = src[i + 2], *s3 = src[i + 3];
+    const float a0 = a[i], a1 = a[i + 1], a2 = a[i + 2], a3 = a[i + 3];
+    for (int64_t j = 0; j < n; ++j) {
+      dst[j] = (((dst[j] + a0 * to_float(s0[j])) + a1 * to_float(s1[j])) + a2 * to_float(s2[j])) +
+               a3 * to_float(s3[j]);
+    }
   }
+  for (; i + 2 <= count; i += 2) {
+    const T *s0 = src[i], *s1 = src[i + 1];
+    const float a0 = a[i], a1 = a[i + 1];
+    for (int64_t j = 0; j < n; ++j) dst[j] = (dst[j] + a0 * to_float(s0[j])) + a1 * to_float(s1[j]);
+  }
+  if (i < count) add_scaled_row(dst, src[i], a[i], n);
 }
 template <typename T>
 inline void store_row(T* __restrict dst, const float* __restrict src, int64_t n) {
   for (int64_t j = 0; j < n; ++j) dst[j] = from_float<T>(src[j]);
 }
+
+// Sums scaled rows into `dst` in the order they are pushed, four at a time (add_scaled_rows); rows of two types
+// (the float32 working rows and the bank's) go through two of these, each flushed before the other takes a row.
+template <typename T>
+struct RowSum {
+  float* dst;
+  int64_t n;
+  const T* src[4];
+  float a[4];
+  int64_t count = 0;
+  void push(const T* row, float weight) {
+    src[count] = row;
+    a[count] = weight;
+    if (++count == 4) flush();
+  }
+  void flush() {
+    add_scaled_rows(dst, src, a, count, n);
+    count = 0;
+  }
+};
 
 // Asks for the rows of slot ids `ids[0..n)` in [0, K) of a bank far larger than the caches, all at once, so that
 // their cache misses overlap instead of following one another.
@@ -90,19 +119,17 @@ inline void token_rows_cpu(const TokenRows<BankT, ValT>& a, float* cur, float* d
     if constexpr (kInPlace) return a.rows + static_cast<int64_t>(a.k_idx[lane]) * D;
     else return cur + lane * D;
   };
-  std::fill(delta, delta + D, 0.0f);
   for (int64_t n = 0; n < a.W; ++n) {
-    const int32_t f = a.first[n];
-    if (f < 0) continue;
-    const float k = to_float(a.k_val[n]);
-    if (f != n) {
-      add_scaled_row(delta, work(f), k, D);
-      continue;
+    if (a.first[n] == n) {
+      scale_row(work(n), a.rows + static_cast<int64_t>(a.k_idx[n]) * D, std::exp(a.x[n * a.x_stride]), D);
     }
-    const float decay = std::exp(a.x[n * a.x_stride]);
-    if constexpr (kInPlace) decay_row_in_place(work(n), decay, k, delta, D);
-    else decay_row(work(n), a.rows + static_cast<int64_t>(a.k_idx[n]) * D, decay, k, delta, D);
   }
+  std::fill(delta, delta + D, 0.0f);
+  RowSum<float> pred{delta, D};
+  for (int64_t n = 0; n < a.W; ++n) {
+    if (a.first[n] >= 0) pred.push(work(a.first[n]), to_float(a.k_val[n]));
+  }
+  pred.flush();
   for (int64_t j = 0; j < D; ++j) delta[j] = a.beta * (to_float(a.v[j]) - delta[j]);
   for (int64_t n = 0; n < a.W; ++n) {
     if (a.first[n] >= 0) add_scaled_row(work(a.first[n]), delta, to_float(a.k_val[n]), D);
@@ -114,13 +141,22 @@ inline void token_rows_cpu(const TokenRows<BankT, ValT>& a, float* cur, float* d
   }
   // Reads after the write: a written row from its float32 working row, any other from the bank.
   std::fill(reading, reading + D, 0.0f);
+  RowSum<float> written{reading, D};
+  RowSum<BankT> stored{reading, D};
   for (int64_t m = 0; m < a.R; ++m) {
     const int32_t r = a.q_idx[m];
     if (r < 0 || r >= a.K) continue;
     const float q = to_float(a.q_val[m]);
-    if (a.read_lane[m] >= 0) add_scaled_row(reading, work(a.read_lane[m]), q, D);
-    else add_scaled_row(reading, a.rows + static_cast<int64_t>(r) * D, q, D);
+    if (kInPlace || a.read_lane[m] < 0) {
+      if constexpr (!kInPlace) written.flush();
+      stored.push(a.rows + static_cast<int64_t>(r) * D, q);
+    } else {
+      stored.flush();
+      written.push(work(a.read_lane[m]), q);
+    }
   }
+  written.flush();
+  stored.flush();
 }
 
 }  // namespace sdm
