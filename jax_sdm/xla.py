@@ -74,14 +74,15 @@ def _pair_sums(table_gate, table_weight, group_w, k_val, group_r, q_val):
         weight = vals[..., None] * table_weight.at[groups].get(mode="fill", fill_value=0)
         return jnp.where(pair, weight * jnp.exp(jnp.where(pair, exponent, 0)), 0).sum(axis=1)
 
-    @jax.checkpoint
     def block(args):
         b, gw, kv, gr, qv = args
         tok = b * Cb + jnp.arange(Cb)
         return terms(tok, gw, kv, True), terms(tok, gr, qv, False)
 
-    A, QK = lax.map(block, (jnp.arange(NB), blocks(group_w, G), blocks(k_val, 0), blocks(group_r, G),
-                            blocks(q_val, 0)))
+    if NB == 1:  # one block: no loop (the unit is rematerialised as a whole)
+        return block((0, group_w, k_val, group_r, q_val))
+    A, QK = lax.map(jax.checkpoint(block), (jnp.arange(NB), blocks(group_w, G), blocks(k_val, 0),
+                                            blocks(group_r, G), blocks(q_val, 0)))
     return A.reshape(NB * Cb, C)[:C], QK.reshape(NB * Cb, C)[:C]
 
 
