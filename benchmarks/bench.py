@@ -52,7 +52,7 @@ SHAPES = {
     "cpu-small": dict(B=2, H=2, T=256, K=1024, D=32, W=8, R=8, chunk=32, dtype="float32"),
     # about a second for the pure-JAX paths on the 2-core CPU machine
     "cpu-large": dict(B=4, H=2, T=2048, K=1024, D=64, W=16, R=16, chunk=64, dtype="float32"),
-    "cpu-demo": dict(B=2, H=4, T=512, K=512, D=64, W=8, R=8, chunk=64, dtype="float32"),  # examples/demo.py's
+    "cpu-demo": dict(B=2, H=4, T=512, K=1024, D=32, W=8, R=8, chunk=64, dtype="float32"),  # examples/demo.py's
     "cpu-notebook": dict(B=1, H=2, T=2048, K=1024, D=32, W=8, R=8, chunk=64, dtype="float32"),  # notebook 04's, T 2048
     "small": dict(B=8, H=1, T=2048, K=16384, D=128, W=16, R=16, chunk=64, dtype="bfloat16"),
     "mid": dict(B=4, H=1, T=4096, K=65536, D=512, W=32, R=32, chunk=64, dtype="bfloat16"),

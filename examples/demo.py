@@ -24,7 +24,7 @@ from jax_sdm.kernel_path import kernels_available
 from jax_sdm.testing import random_problem
 
 # The token loop's gradient keeps the bank of every token (T * B*H*K*D floats): at this shape 0.5 GB.
-SHAPE = dict(B=2, T=512, H=4, K=512, D=64, W=8, R=8)
+SHAPE = dict(B=2, T=512, H=4, K=1024, D=32, W=8, R=8)
 CHUNK = 64
 REPEATS = 5
 ARG_NAMES = ("bank", "k_idx", "k_val", "v", "beta", "g", "q_idx", "q_val")
