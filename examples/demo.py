@@ -97,7 +97,7 @@ def main(argv=None):
           f"{'speed-up fwd / fwd+bwd':>25}")
     for impl, first, fwd, fwd_bwd in rows:
         print(f"{impl:<12}{first:>16.2f}{1e3 * fwd:>14.2f}{1e3 * fwd_bwd:>14.2f}{tokens / fwd:>16.3g}"
-              f"{ref_fwd / fwd:>12.1f}x / {ref_fwd_bwd / fwd_bwd:.1f}x")
+              f"{ref_fwd / fwd:>12.2g}x / {ref_fwd_bwd / fwd_bwd:.2g}x")
     print(f"Each time is the median of {REPEATS} jitted calls after a first one that compiles; fwd+bwd computes the "
           "gradients of every float input; the speed-up is over the token loop (reference).")
 
