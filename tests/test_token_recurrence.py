@@ -190,6 +190,17 @@ def test_no_grad_forward_runs_the_token_kernel_only():
     assert targets == {TARGET}, targets
 
 
+def test_gpu_lowering_keeps_the_chunked_kernels():
+    """The kernel is picked per platform when lowering: lowered for CUDA, a call that is not differentiated runs the
+    chunked kernels (no residuals) and never the CPU's token kernel."""
+    args = random_problem(fresh_seed(), B=2, T=40, H=2, K=16, W=3, R=2)
+    traced = jax.jit(lambda a: ffi_op(**a, chunk_size=8)).trace(args)
+    targets = lambda platforms: set(re.findall(r"stablehlo.custom_call @(\w+)\(",
+                                               traced.lower(lowering_platforms=platforms).as_text()))
+    assert targets(("cuda",)) == {"sdm_phase1", "sdm_solve", "sdm_forward"}
+    assert targets(("cpu",)) == {TARGET}
+
+
 def test_gradients_run_the_chunked_kernels():
     """Differentiated, the call runs the chunked kernels' forward (which saves the residuals) and backward, never the
     token kernel; the forward of the VJP gives the token kernel's results to rounding and the gradients match the
