@@ -49,9 +49,6 @@ def _sdm_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_s
     return (y, final, p1.repeats), (banks, (p1, minv, delta, vg, snapshot) + stamp_snapshot)
 
 
-TOKEN_RECURRENCE_TARGET = "sdm_token_recurrence"  # the CPU's no-grad forward
-
-
 def _sdm_kernels_primal(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_slots):
     """The forward of a call that is not differentiated, `(y, final_bank, repeats)` as `_sdm_kernels_fwd`'s.
 
@@ -61,7 +58,7 @@ def _sdm_kernels_primal(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, nu
     """
     chunked = lambda *args: _sdm_kernels_fwd(*args, packed, num_slots, save=False)[0]
     args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val)
-    if packed is not None or not lowering.is_registered(TOKEN_RECURRENCE_TARGET, "cpu"):
+    if packed is not None:
         return chunked(*args)
     return jax.lax.platform_dependent(*args, cpu=ffi_ops.token_recurrence_ffi, default=chunked)
 
