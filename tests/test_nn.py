@@ -412,21 +412,3 @@ def test_recall_task_batches_ask_what_was_listed():
         assert np.array_equal(np.nonzero(row_mask)[0], np.arange(12, 20, 2))
     with pytest.raises(ValueError, match="num_queries"):
         RecallTask(num_pairs=4, num_queries=5)
-
-
-def test_examples_train_save_load_and_decode(tmp_path, monkeypatch, capsys):
-    """examples/train_recall.py trains a few steps and saves; examples/decode.py loads and decodes."""
-    pytest.importorskip("optax")
-    pytest.importorskip("orbax.checkpoint")
-    examples = Path(__file__).resolve().parent.parent / "examples"
-    monkeypatch.syspath_prepend(str(examples))
-    import decode
-    import train_recall
-
-    small = ["--steps", "3", "--log-every", "1", "--pairs", "3", "--queries", "2", "--slots", "16", "--eval-batch", "8"]
-    assert train_recall.main(small + ["--target", "0", "--save", str(tmp_path / "ckpt")]) == 0
-    out = capsys.readouterr().out
-    assert "step     3/3" in out and "final accuracy" in out and "saved" in out
-    assert decode.main(small + ["--checkpoint", str(tmp_path / "ckpt"), "--show", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "loaded" in out and "decode accuracy" in out and "ms per step" in out
