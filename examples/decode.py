@@ -25,8 +25,8 @@ from jax_sdm.nn import recall
 
 def parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=train_recall.HelpFormatter)
-    p.add_argument("--checkpoint", type=Path, metavar="DIR", help="directory written by train_recall.py --save (default: train "
-                                                   "a model first)")
+    p.add_argument("--checkpoint", type=Path, metavar="DIR",
+                   help="directory written by train_recall.py --save (default: train a model first)")
     train_recall.add_model_options(p, from_checkpoint=True)
     train_recall.add_run_options(p, steps=150, steps_help="training steps without --checkpoint")
     p.add_argument("--show", type=int, default=3, help="sequences to print")
