@@ -48,7 +48,7 @@ pack
 cd /tmp
 run_pytest() {  # name, then pytest arguments
   local name=$1; shift
-  python3 -m pytest -q -p no:cacheprovider --import-mode=importlib --rootdir "$REPO" "$@" ${PYTEST_ARGS:-} \
+  python3 -m pytest -q -p no:cacheprovider --import-mode=importlib --rootdir "$REPO" --run-slow "$@" ${PYTEST_ARGS:-} \
     ${PYTEST_K:+-k "$PYTEST_K"} \
     > "$OUT/$name.log" 2>&1
   local rc=$?
