@@ -31,6 +31,7 @@ def _has_cxx20_barrier():
         return r.returncode == 0
 
 
+@pytest.mark.slow  # compiles the emulated steps (about a minute)
 @pytest.mark.skipif(not RUN.exists() or not _has_cxx20_barrier(), reason="needs bash and g++ with C++20 <barrier>")
 def test_cuda_steps_on_cpu_match_cpu_kernels():
     env = dict(os.environ, CUDA_EMU_OPT="-O0")

@@ -47,6 +47,7 @@ def test_notebooks_exist():
     assert NOTEBOOKS, f"no notebooks found in {NOTEBOOK_DIR}"
 
 
+@pytest.mark.slow  # about 2 minutes for the four; the code they teach has its own tests
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path):
     nb = nbformat.read(path, as_version=4)

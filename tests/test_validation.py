@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jax_sdm import sdm_step, sdm_write_read
-from jax_sdm.testing import random_problem, rel_err
+from jax_sdm.testing import random_problem
 
 GOOD = random_problem(0, B=2, T=5, H=3, K=8, D=4, W=2, R=3)
 
@@ -16,7 +16,7 @@ def call(impl="xla", chunk_size=4, **changes):
 
 
 def test_good_input_passes():
-    y, final = call()
+    y, final = call(impl="ffi")
     assert y.shape == (2, 5, 3, 4) and final.shape == (2, 3, 8, 4)
 
 
@@ -88,8 +88,8 @@ def test_errors_raise_at_trace_time():
 
 
 def test_other_integer_ids_accepted():
-    y64, _ = call(k_idx=GOOD["k_idx"].astype(np.int16), q_idx=GOOD["q_idx"].astype(np.uint8))
-    y32, _ = call()
+    y64, _ = call(impl="ffi", k_idx=GOOD["k_idx"].astype(np.int16), q_idx=GOOD["q_idx"].astype(np.uint8))
+    y32, _ = call(impl="ffi")
     np.testing.assert_array_equal(y64, y32)
 
 
@@ -126,7 +126,8 @@ def test_bank_batch_mismatch_names_the_bank():
 
 
 # float64: the kernels compute in float32 and take float32 or bfloat16 banks; the pure-JAX paths compute in the bank's
-# dtype, so with x64 on a float64 bank runs there (the tests' float64 token loop is the oracle of every path).
+# dtype, so with x64 on a float64 bank runs there (the tests' float64 token loop is the oracle of every path; its
+# numbers against the chunked form's: test_xla.py).
 
 @pytest.mark.parametrize("op", ["sdm_write_read", "sdm_step"])
 def test_float64_bank_served_by_the_pure_jax_paths_only(op):
@@ -135,10 +136,9 @@ def test_float64_bank_served_by_the_pure_jax_paths_only(op):
         if op == "sdm_step":
             p = {k: (a if k == "bank" else a[:, 0]) for k, a in p.items()}
         fn = sdm_write_read if op == "sdm_write_read" else sdm_step
-        y_ref, final_ref = fn(**p, impl="reference")
-        y, final = fn(**p, impl="xla")
-        assert y.dtype == final.dtype == y_ref.dtype == jnp.float64
-        assert rel_err(y, y_ref) < 1e-12 and rel_err(final, final_ref) < 1e-12
+        for impl in ("xla", "reference"):
+            y, final = jax.eval_shape(lambda p: fn(**p, impl=impl), p)
+            assert y.dtype == final.dtype == jnp.float64, impl
         for impl in ("auto", "ffi"):
             with pytest.raises(TypeError, match=rf"^{op}: `bank` has dtype float64, expected float32 or bfloat16 "
                                                 r"\(a float64 bank needs impl='xla' or impl='reference'\)"):

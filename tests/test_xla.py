@@ -13,6 +13,7 @@ from jax_sdm.testing import (FLOAT_ARGS, check_against_reference, cotangents, ou
 xla_op = functools.partial(sdm_write_read, impl="xla")
 
 
+@pytest.mark.slow  # the bfloat16 rounding points: test_ffi_op.py compares the kernels with this path
 def test_xla_bfloat16_bank():
     args = random_problem(11, T=48, K=32, D=16, W=4, R=4, distinct=False, dtype=jnp.bfloat16)
     # The reference computes in float32 with a float32 bank; the chunked form rounds each written row to
@@ -20,6 +21,7 @@ def test_xla_bfloat16_bank():
     check_against_reference(xla_op, args, 16, 2e-2, 11)
 
 
+@pytest.mark.slow  # three compilations per case; test_ffi_op.py checks the chunk sizes on the kernels
 @pytest.mark.parametrize("chunk_sizes", [(1, 7, 16), (16, 64, 256)])
 def test_xla_chunk_size_only_changes_rounding(chunk_sizes):
     args = random_problem(5, T=70, K=16, W=4, R=4, distinct=False, repeats=True)
