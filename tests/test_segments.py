@@ -99,6 +99,7 @@ def test_packed_rows_equal_separate_runs(kind):
     check(p, np.array(PACKED, np.int32), seed)
 
 
+@pytest.mark.slow  # padding: test_packed_rows_equal_separate_runs pads too
 def test_padded_row_equals_the_shorter_sequence():
     """Padding on both sides of one sequence (and a row of padding only, which keeps the initial bank)."""
     seed = fresh_seed(50)

@@ -45,6 +45,7 @@ def test_xla_float64_agrees_to_1e10():
             assert rel_err(g[k], g_ref[k]) < 1e-10, k
 
 
+@pytest.mark.slow  # JAX batches the pure-JAX path; test_transformations.py checks vmap of the kernels
 def test_xla_under_vmap():
     args = random_problem(13, B=1, T=20, K=16, W=3, R=2, distinct=False)
     stacked = {k: np.stack([v, v[..., ::-1] if k.endswith("idx") else 0.5 * v]) for k, v in args.items()}
