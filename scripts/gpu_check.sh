@@ -2,7 +2,7 @@
 # The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
 #
 #   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,memory,profile,
-#                                          timeline,sanitize,rowbw,ab (default: build,tests,determinism,bench)
+#                                          timeline,sanitize,rowbw,ab,layer (default: build,tests,determinism,bench)
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
 # metadata, so the commit the logs name is taken from SDM_COMMIT when set.
@@ -111,6 +111,14 @@ if has bench; then
     > "$OUT/bench_decode.log" 2>&1
   summary "bench_decode rc=$?"
   grep "^|" "$OUT/bench_decode.log" | tee -a "$OUT/summary.txt"
+fi
+pack
+if has layer; then
+  # The Flax layer against the op alone at the layer configs (benchmarks/bench_layer.py), with device timelines
+  # of the layer's calls grouped by its named scopes. LAYER_ARGS: extra arguments (e.g. "--config a").
+  timeout 400 python3 "$REPO/benchmarks/bench_layer.py" --trace ${LAYER_ARGS:-} > "$OUT/bench_layer.log" 2>&1
+  summary "bench_layer rc=$?"
+  grep -E "^\|" "$OUT/bench_layer.log" | tee -a "$OUT/summary.txt"
 fi
 pack
 if has ab; then

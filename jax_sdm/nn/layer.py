@@ -156,15 +156,18 @@ class SparseDeltaMemory(nnx.Module):
         in the layout of `jax_sdm.sdm_write_read`."""
         B, T, _ = x.shape
         H = self.num_heads
-        k_idx, k_val = self.address(self.write_query(x), self.num_writes)
-        q_idx, q_val = self.address(self.read_query(x), self.num_reads)
-        v = self.value_proj(x).reshape(B, T, H, self.head_dim).astype(self.dtype)
-        beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
-        a = self.gate_proj(x).astype(jnp.float32)
-        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
-            a + self.dt_bias[...].astype(jnp.float32))
-        if self.gate == "write":
-            g = g[..., None] * jnp.abs(k_val.astype(jnp.float32))
+        # Named scopes: a device trace groups the layer's kernels by them (benchmarks/bench_layer.py --trace).
+        with jax.named_scope("address"):
+            k_idx, k_val = self.address(self.write_query(x), self.num_writes)
+            q_idx, q_val = self.address(self.read_query(x), self.num_reads)
+        with jax.named_scope("project"):
+            v = self.value_proj(x).reshape(B, T, H, self.head_dim).astype(self.dtype)
+            beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
+            a = self.gate_proj(x).astype(jnp.float32)
+            g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+                a + self.dt_bias[...].astype(jnp.float32))
+            if self.gate == "write":
+                g = g[..., None] * jnp.abs(k_val.astype(jnp.float32))
         return k_idx, k_val, v, beta, g, q_idx, q_val
 
     def readout(self, x, y):
@@ -200,10 +203,12 @@ class SparseDeltaMemory(nnx.Module):
                              f"{tuple(state.shape)} (make one with init_state(batch_size))")
         bank = self.initial_bank() if state is None else state.astype(self.dtype)
         args = self.memory_inputs(x)
-        if state is not None and T == 1 and segment_ids is None:
-            y, bank = jax_sdm.sdm_step(bank, *(a[:, 0] for a in args), impl=self.impl)
-            y = y[:, None]
-        else:
-            y, bank = jax_sdm.sdm_write_read(bank, *args, chunk_size=self.chunk_size, impl=self.impl,
-                                             segment_ids=segment_ids)
-        return self.readout(x, y), bank
+        with jax.named_scope("memory"):
+            if state is not None and T == 1 and segment_ids is None:
+                y, bank = jax_sdm.sdm_step(bank, *(a[:, 0] for a in args), impl=self.impl)
+                y = y[:, None]
+            else:
+                y, bank = jax_sdm.sdm_write_read(bank, *args, chunk_size=self.chunk_size, impl=self.impl,
+                                                 segment_ids=segment_ids)
+        with jax.named_scope("readout"):
+            return self.readout(x, y), bank
