@@ -3,10 +3,12 @@
 Both functions return `(scores [..., k], slot_ids [..., k])`, best first. The slot ids are discrete; the scores
 are gathered from the inputs, so gradients flow to the scores of the selected slots (and only to those).
 """
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def balanced_factors(num_slots, num_factors):
@@ -31,32 +33,101 @@ def balanced_factors(num_slots, num_factors):
 
 
 def topk_slots(scores, k):
-    """Top-`k` over all slots: `scores [..., K]` -> `(scores [..., k], slot_ids [..., k] int32)`."""
+    """Top-`k` over all slots: `scores [..., K]` -> `(scores [..., k], slot_ids [..., k] int32)`; among equal
+    scores the smaller slot id comes first."""
     if not 1 <= k <= scores.shape[-1]:
         raise ValueError(f"topk_slots: need 1 <= k <= K = {scores.shape[-1]}, got k = {k}")
     values, ids = jax.lax.top_k(scores, k)
     return values, ids.astype(jnp.int32)
 
 
-def product_key_slots(factor_scores, k):
-    """Top-`k` over the product of factors, without scoring all of them.
+@functools.lru_cache(maxsize=None)
+def candidate_ranks(sizes, k):
+    """The rank tuples that can hold one of the best `k` of a product of factors of `sizes`: every
+    `(i_1, ..., i_F)` with `0 <= i_f < sizes[f]` and `prod(i_f + 1) <= k`, in lexicographic order, as an int32
+    array `[C, F]`. About `k (ln k)^(F-1) / (F-1)!` tuples (280 for `k = 64` and two factors, against `k^2 = 4096`)."""
+    out = []
 
-    `factor_scores` is a sequence of `F >= 1` arrays `[..., n_f]`; slot `(i_1, ..., i_F)` (mixed radix, the first
-    factor most significant: `id = (i_1 * n_2 + i_2) * n_3 + ...`) scores `sum_f factor_scores[f][..., i_f]`.
-    Returns the `k` best slots of all `prod(n_f)`, exactly: the top `k` of each factor, then factor by factor the
-    top `k` of the sums of the candidates kept so far with the next factor's (a slot among the best `k` has
-    every partial sum among the best `k` partial sums, so pruning to `k` at every step loses none).
+    def walk(prefix, budget):
+        f = len(prefix)
+        if f == len(sizes):
+            out.append(prefix)
+            return
+        for i in range(min(sizes[f], budget)):
+            walk(prefix + (i,), budget // (i + 1))
+
+    walk((), k)
+    ranks = np.array(out, np.int32).reshape(-1, len(sizes))
+    ranks.setflags(write=False)
+    return ranks
+
+
+def product_key_slots(factor_scores, k):
+    """Top-`k` over the product of factors, exactly, without scoring all of them.
+
+    `factor_scores` is a sequence of `F >= 1` arrays `[..., n_f]`; slot `(j_1, ..., j_F)` (mixed radix, the first
+    factor most significant: `id = (j_1 * n_2 + j_2) * n_3 + ...`) scores `sum_f factor_scores[f][..., j_f]`
+    (summed in factor order, in float32 or wider). Returns the `k` best of all `prod(n_f)` slots, best first.
+
+    Order and ties: each factor ranks its entries by score, best first, equal scores by the smaller index (rank
+    `i_f` is the position in that order). Slots are ordered by score, best first, and equal scores by their rank
+    tuples `(i_1, ..., i_F)` in lexicographic order. This equals `jax.lax.top_k` over all `prod(n_f)` sums laid
+    out in rank order, and `topk_slots` over the sums in slot order whenever no two slots' sums are equal.
+
+    Why pruning is exact: a slot with ranks `(i_f)` scores at most each of the `prod(i_f + 1)` slots whose ranks
+    are all `<=` its own (float addition is monotone), and every one of those comes before it in the order above
+    (higher score, or an equal one and a lexicographically smaller rank tuple). So if `prod(i_f + 1) > k`, at
+    least `k` slots come before it and it is not among the best `k`. Only the `candidate_ranks` tuples (every
+    `prod(i_f + 1) <= k`) are scored: the top `min(k, n_f)` of each factor first (`jax.lax.top_k`), then the
+    candidates' sums in lexicographic rank order and `jax.lax.top_k` over those (which keeps the first of equal
+    sums, and so the order above).
+
+    Gradients reach the selected slots' factor scores only.
     """
     factor_scores = list(factor_scores)
-    total = math.prod(s.shape[-1] for s in factor_scores)
-    if not factor_scores or not 1 <= k <= total:
-        raise ValueError(f"product_key_slots: need at least one factor and 1 <= k <= {total} slots, got k = {k}")
-    scores, ids = jax.lax.top_k(factor_scores[0], min(k, factor_scores[0].shape[-1]))
-    for nxt in factor_scores[1:]:
-        n = nxt.shape[-1]
-        s2, i2 = jax.lax.top_k(nxt, min(k, n))
-        pair_scores = (scores[..., :, None] + s2[..., None, :]).reshape(scores.shape[:-1] + (-1,))
-        pair_ids = (ids[..., :, None] * n + i2[..., None, :]).reshape(ids.shape[:-1] + (-1,))
-        scores, pos = jax.lax.top_k(pair_scores, min(k, pair_scores.shape[-1]))
-        ids = jnp.take_along_axis(pair_ids, pos, axis=-1)
-    return scores, ids.astype(jnp.int32)
+    if not factor_scores:
+        raise ValueError("product_key_slots: need at least one factor")
+    sizes = tuple(int(s.shape[-1]) for s in factor_scores)
+    total = math.prod(sizes)
+    if not 1 <= k <= total:
+        raise ValueError(f"product_key_slots: need 1 <= k <= {total} slots (factors {sizes}), got k = {k}")
+    lead = factor_scores[0].shape[:-1]
+    if any(s.shape[:-1] != lead for s in factor_scores):
+        raise ValueError(f"product_key_slots: the factors' leading shapes differ: "
+                         f"{[tuple(s.shape) for s in factor_scores]}")
+    if len(factor_scores) == 1:
+        return topk_slots(factor_scores[0], k)
+    tops = [jax.lax.top_k(s, min(k, n)) for s, n in zip(factor_scores, sizes)]
+    ranks = candidate_ranks(tuple(min(k, n) for n in sizes), k)
+    acc = functools.reduce(jnp.promote_types, [s.dtype for s in factor_scores], jnp.float32)
+    sums = None
+    for f, (values, _) in enumerate(tops):
+        part = values.astype(acc)[..., ranks[:, f]]
+        sums = part if sums is None else sums + part
+    scores, pos = jax.lax.top_k(sums, k)
+    ids = jnp.zeros(pos.shape, jnp.int32)
+    for f, (_, idx) in enumerate(tops):
+        chosen = jnp.take_along_axis(idx.astype(jnp.int32), jnp.asarray(ranks[:, f])[pos], axis=-1)
+        ids = ids * sizes[f] + chosen
+    return scores, ids
+
+
+def product_key_brute_force(factor_scores, k):
+    """`product_key_slots` by scoring all `prod(n_f)` slots (for tests and small `K`): each factor sorted by its
+    order (a stable descending sort), the full grid of sums in rank order, `jax.lax.top_k` over it."""
+    factor_scores = list(factor_scores)
+    sizes = tuple(int(s.shape[-1]) for s in factor_scores)
+    acc = functools.reduce(jnp.promote_types, [s.dtype for s in factor_scores], jnp.float32)
+    orders = [jnp.argsort(-s.astype(acc), axis=-1, stable=True) for s in factor_scores]
+    grid, ids = None, None
+    for f, (s, order) in enumerate(zip(factor_scores, orders)):
+        shape = s.shape[:-1] + tuple(sizes[g] if g == f else 1 for g in range(len(sizes)))
+        part = jnp.take_along_axis(s.astype(acc), order, axis=-1).reshape(shape)
+        idx = order.astype(jnp.int32).reshape(shape)
+        grid = part if grid is None else grid + part
+        ids = idx if ids is None else ids * sizes[f] + idx
+    lead = factor_scores[0].shape[:-1]
+    grid = grid.reshape(lead + (-1,))
+    ids = jnp.broadcast_to(ids, lead + tuple(sizes)).reshape(lead + (-1,))
+    scores, pos = jax.lax.top_k(grid, k)
+    return scores, jnp.take_along_axis(ids, pos, axis=-1)
