@@ -84,14 +84,18 @@ def load_reference_state_dict(state_dict, args=None, *, prefix="", dtype=jnp.flo
     `layer.train()` its training mode (whose running variance is unbiased there and biased here).
     Raises `KeyError` naming missing or unexpected keys and `ValueError` naming a key of the wrong shape.
     """
-    state = {name[len(prefix):]: value for name, value in state_dict.items() if name.startswith(prefix)}
+    state = {name[len(prefix):]: _numpy(name, value) for name, value in state_dict.items()
+             if name.startswith(prefix)}
     for required in ("Wv_write.weight", "a_proj.weight", "Wk_write.weight"):
         if required not in state:
             raise KeyError(f"load_reference_state_dict: missing key {prefix + required!r} (keys: "
                            f"{sorted(state)[:12]}{' ...' if len(state) > 12 else ''})")
-    d_model = int(np.shape(state["Wv_write.weight"])[1])
-    H = int(np.shape(state["a_proj.weight"])[0])
-    key_size = int(np.shape(state["Wk_write.weight"])[0])
+    if any(state[name].ndim != 2 for name in ("Wv_write.weight", "a_proj.weight", "Wk_write.weight")):
+        raise ValueError(f"load_reference_state_dict: {prefix}Wv_write.weight, a_proj.weight and Wk_write.weight "
+                         f"must be matrices [out, in]")
+    d_model = int(state["Wv_write.weight"].shape[1])
+    H = int(state["a_proj.weight"].shape[0])
+    key_size = int(state["Wk_write.weight"].shape[0])
     if key_size % (2 * H):
         raise ValueError(f"load_reference_state_dict: {prefix}Wk_write.weight has {key_size} rows, not 2 * n per "
                          f"head for {H} heads")
@@ -125,9 +129,8 @@ def load_reference_state_dict(state_dict, args=None, *, prefix="", dtype=jnp.flo
     if unexpected:
         raise KeyError(f"load_reference_state_dict: unexpected keys {[prefix + u for u in unexpected]} (not a "
                        f"parameter of the reference SparseDeltaMemory layer)")
-    arrays = {}
+    arrays = {name: state[name] for name in shapes}
     for name, shape in shapes.items():
-        arrays[name] = _numpy(prefix + name, state[name])
         if arrays[name].shape != shape:
             raise ValueError(f"load_reference_state_dict: {prefix + name!r} has shape {arrays[name].shape}, "
                              f"expected {shape} (d_model {d_model}, {H} heads, {K} slots per head)")
