@@ -2,6 +2,7 @@
 
     python benchmarks/bench_layer.py [--config a,b | cpu] [--repeats N] [--pipeline N] [--trace]
                                      [--layer-option NAME=VALUE ...]
+    python benchmarks/bench_layer.py --layer-decode [--min-log-k 12 --max-log-k 20] [--decode-steps 256]
 
 For each config:
 * layer training step: `jax.jit` of the gradient of `sum(layer(x) * dy)` with respect to `x` and every parameter;
@@ -13,12 +14,20 @@ For each config:
 Timing as in bench.py: warm-up, then pipelined calls (device time per call when the device is the bottleneck),
 median over `--repeats` runs. `--trace` adds a device timeline of one layer training step and one no-grad call,
 the device time grouped by the layer's named scopes (`address`, `project`, `memory`, `readout`) and by kernel.
+
+`--layer-decode`: decoding through the layer against the op alone, per token, against `K` (B 4, H 4, D 128,
+d_model 512, W = R = 16, bf16; float32 on the CPU): the layer's `decode_loop` (one jit, a `lax.scan` over
+`--decode-steps` tokens of `layer.decode`, the state donated) and `sdm_step` in the same kind of loop on the
+memory inputs the layer makes for the same tokens; wall time per token, median of `--repeats` runs.
 """
 import argparse
 import collections
 import datetime
+import functools
 import re
+import statistics
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +38,7 @@ from bench import fmt_ms, git_commit, pipelined_seconds, print_table, warm_up, _
 from device_trace import record
 
 import jax_sdm
-from jax_sdm.nn import SparseDeltaMemory
+from jax_sdm.nn import SparseDeltaMemory, decode_loop
 
 # The layer configs of the brief (bf16, chunk 128, no output gate or readout norm), and a small one for the CPU.
 CONFIGS = {
@@ -140,6 +149,61 @@ def timeline(fn, args, label):
     print()
 
 
+DECODE = dict(B=4, num_heads=4, head_dim=128, num_writes=16, num_reads=16)
+
+
+def decode_times(K, steps, repeats, options):
+    """(layer us per token, op us per token) for decoding `steps` tokens inside one jitted, donated loop."""
+    B, H, D = DECODE["B"], DECODE["num_heads"], DECODE["head_dim"]
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    kwargs = dict(num_heads=H, head_dim=D, slots_per_head=K, num_writes=DECODE["num_writes"],
+                  num_reads=DECODE["num_reads"], dtype=dtype, **options)
+    layer = SparseDeltaMemory(H * D, rngs=nnx.Rngs(0), **kwargs)
+    layer.eval()
+    x = jnp.asarray(np.random.default_rng(K).standard_normal((B, steps, H * D), np.float32), dtype)
+    args = jax.jit(lambda x: layer.memory_inputs(x))(x)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def op_loop(bank, args):
+        def body(bank, token):
+            y, bank = jax_sdm.sdm_step(bank, *token)
+            return bank, y
+        bank, ys = jax.lax.scan(body, bank, tuple(jnp.swapaxes(a, 0, 1) for a in args))
+        return ys, bank
+
+    def per_token(loop, *inputs):
+        state = layer.init_state(B) + 0  # a buffer of its own, to donate
+        _, state = jax.block_until_ready(loop(*inputs, state))  # compile
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            _, state = jax.block_until_ready(loop(*inputs, state))
+            times.append((time.perf_counter() - start) / steps)
+        return statistics.median(times) * 1e6
+
+    t_layer = per_token(lambda x, state: decode_loop(layer, x, state), x)
+    t_op = per_token(lambda args, state: op_loop(state, args), args)
+    return t_layer, t_op
+
+
+def main_decode(opts, options):
+    backend = jax.default_backend()
+    high = opts.max_log_k or (20 if backend != "cpu" else 14)
+    print(f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}, commit {git_commit()}, jax {jax.__version__}, "
+          f"device {jax.devices()[0].device_kind}, layer options {options or 'default'}{_load()}")
+    print(f"decode, us per token inside one jitted loop of {opts.decode_steps} tokens (state donated), median of "
+          f"{opts.repeats} runs; B {DECODE['B']}, H {DECODE['num_heads']}, D {DECODE['head_dim']}, d_model "
+          f"{DECODE['num_heads'] * DECODE['head_dim']}, W {DECODE['num_writes']}, R {DECODE['num_reads']}")
+    print()
+    rows = []
+    for log_k in range(opts.min_log_k, high + 1):
+        t_layer, t_op = decode_times(1 << log_k, opts.decode_steps, opts.repeats, options)
+        rows.append([f"2^{log_k}", f"{t_layer:.1f}", f"{t_op:.1f}", f"{t_layer / t_op:.2f}"])
+        print(f"  K 2^{log_k}: layer {t_layer:.1f} us, op {t_op:.1f} us", file=sys.stderr, flush=True)
+    print_table(["K", "layer decode us/token", "op sdm_step us/token", "layer / op"], rows)
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -150,11 +214,18 @@ def main(argv=None):
     parser.add_argument("--trace", action="store_true", help="also print a device timeline of the layer's calls")
     parser.add_argument("--layer-option", action="append", default=[], metavar="NAME=VALUE",
                         help="an extra SparseDeltaMemory option (repeatable), e.g. addressing=topk")
+    parser.add_argument("--layer-decode", action="store_true",
+                        help="time decoding through the layer against the op alone, against K")
+    parser.add_argument("--min-log-k", type=int, default=12)
+    parser.add_argument("--max-log-k", type=int, default=None, help="default 20 (14 on the CPU)")
+    parser.add_argument("--decode-steps", type=int, default=256)
     opts = parser.parse_args(argv)
     backend = jax.default_backend()
     names = (opts.config or ("cpu" if backend == "cpu" else "a,b")).split(",")
     options = dict(o.split("=", 1) for o in opts.layer_option)
     options = {k: parse_value(v) for k, v in options.items()}
+    if opts.layer_decode:
+        return main_decode(opts, options)
     print(f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}, commit {git_commit()}, jax {jax.__version__}, "
           f"device {jax.devices()[0].device_kind}, layer options {options or 'default'}{_load()}")
     print(f"ms per call, {opts.pipeline} calls enqueued back to back, median of {opts.repeats} runs")

@@ -98,18 +98,39 @@ def product_key_slots(factor_scores, k):
     if len(factor_scores) == 1:
         return topk_slots(factor_scores[0], k)
     tops = [jax.lax.top_k(s, min(k, n)) for s, n in zip(factor_scores, sizes)]
-    ranks = candidate_ranks(tuple(min(k, n) for n in sizes), k)
     acc = functools.reduce(jnp.promote_types, [s.dtype for s in factor_scores], jnp.float32)
+    scores, chosen = _best_candidates(k, tuple(min(k, n) for n in sizes),
+                                      tuple(values.astype(acc) for values, _ in tops))
+    ids = jnp.zeros(scores.shape, jnp.int32)
+    for f, (_, idx) in enumerate(tops):
+        ids = ids * sizes[f] + jnp.take_along_axis(idx.astype(jnp.int32), chosen[f], axis=-1)
+    return scores, ids
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _best_candidates(k, sizes, values):
+    """The best `k` candidates of `candidate_ranks(sizes, k)` for the factors' sorted top scores `values[f]
+    [..., sizes[f]]`: `(scores [..., k], chosen)`, `chosen[f] [..., k]` the selected slots' ranks in factor `f`."""
+    ranks = candidate_ranks(sizes, k)
     sums = None
-    for f, (values, _) in enumerate(tops):
-        part = values.astype(acc)[..., ranks[:, f]]
+    for f, v in enumerate(values):
+        part = v[..., ranks[:, f]]
         sums = part if sums is None else sums + part
     scores, pos = jax.lax.top_k(sums, k)
-    ids = jnp.zeros(pos.shape, jnp.int32)
-    for f, (_, idx) in enumerate(tops):
-        chosen = jnp.take_along_axis(idx.astype(jnp.int32), jnp.asarray(ranks[:, f])[pos], axis=-1)
-        ids = ids * sizes[f] + chosen
-    return scores, ids
+    return scores, tuple(jnp.asarray(ranks[:, f])[pos] for f in range(len(values)))
+
+
+@_best_candidates.defjvp
+def _best_candidates_jvp(k, sizes, primals, tangents):
+    # The tangent of a selected score is the sum of its factors' tangents, written as a masked sum over each
+    # factor's ranks rather than a gather: its transpose (the gradient) is then a masked sum too, with one writer
+    # per entry, where a gather's would be a scatter-add onto repeated ranks (atomics on a GPU).
+    (values,), (d_values,) = primals, tangents
+    scores, chosen = _best_candidates(k, sizes, values)
+    d_scores = sum(jnp.sum(jnp.where(c[..., :, None] == jnp.arange(n, dtype=c.dtype), dv[..., None, :], 0), axis=-1)
+                   for c, dv, n in zip(chosen, d_values, sizes))
+    float0 = tuple(np.zeros(c.shape, jax.dtypes.float0) for c in chosen)
+    return (scores, chosen), (d_scores.astype(scores.dtype), float0)
 
 
 def product_key_brute_force(factor_scores, k):
