@@ -10,5 +10,6 @@ except ImportError as err:  # pragma: no cover - exercised only without flax
 
 from .addressing import balanced_factors, product_key_slots, topk_slots
 from .layer import SparseDeltaMemory
+from .parallel import head_parallel_specs
 
-__all__ = ["SparseDeltaMemory", "balanced_factors", "product_key_slots", "topk_slots"]
+__all__ = ["SparseDeltaMemory", "head_parallel_specs", "balanced_factors", "product_key_slots", "topk_slots"]

@@ -60,6 +60,11 @@ class SparseDeltaMemory(nnx.Module):
       readout_norm: RMS-normalise each head's readings (one learned scale of width `D`, shared by the heads).
       dtype: the computation dtype and the bank's (float32 or bfloat16); `beta` and `g` stay float32.
       param_dtype: the parameters' dtype.
+      sequence_axis: sequence parallelism: the name of a mesh axis along which the caller shards the activations'
+        `T` axis. The op's inputs are then resharded to heads along that axis (an all-to-all: each device runs
+        the recurrence of its heads over the whole sequence) and the readings back to `T`. Needs a mesh in context
+        (`jax.set_mesh`) and `num_heads` divisible by the axis size. None (the default): the op runs on
+        the inputs as they are sharded.
       rngs: `nnx.Rngs` for the initialisation.
 
     Call: `y, state = layer(x, state=None, segment_ids=None)`. Without a state the sequence starts from the
@@ -73,7 +78,7 @@ class SparseDeltaMemory(nnx.Module):
     def __init__(self, d_model, *, num_heads, slots_per_head, num_writes, num_reads, head_dim=None,
                  addressing="product_key", num_factors=2, key_dim=None, chunk_size=None, impl="auto",
                  initial_bank="learned", softmax_weights=True, score_scale=None, gate="token", output_gate=True,
-                 readout_norm=True, dtype=jnp.float32, param_dtype=jnp.float32, rngs):
+                 readout_norm=True, dtype=jnp.float32, param_dtype=jnp.float32, sequence_axis=None, rngs):
         def choice(name, value, options):
             if value not in options:
                 raise ValueError(f"SparseDeltaMemory: `{name}` must be one of {options}, got {value!r}")
@@ -113,6 +118,7 @@ class SparseDeltaMemory(nnx.Module):
         self.chunk_size, self.impl = chunk_size, impl
         self.initial_bank_kind = initial_bank
         self.dtype, self.param_dtype = dtype, param_dtype
+        self.sequence_axis = sequence_axis
 
         H, D, F = num_heads, head_dim, len(factors)
         linear = lambda n_in, n_out, **kw: nnx.Linear(n_in, n_out, dtype=dtype, param_dtype=param_dtype,
@@ -203,6 +209,13 @@ class SparseDeltaMemory(nnx.Module):
                              f"{tuple(state.shape)} (make one with init_state(batch_size))")
         bank = self.initial_bank() if state is None else state.astype(self.dtype)
         args = self.memory_inputs(x)
+        if self.sequence_axis is not None:
+            # T-sharded activations: the op runs on heads. Each input is pinned T-sharded where it is made, then
+            # resharded to heads, so XLA moves it by an all-to-all (left alone, it may all-gather `x` instead).
+            spec = jax.sharding.PartitionSpec
+            pin = lambda a, s: jax.lax.with_sharding_constraint(a, s)
+            args = tuple(pin(pin(a, spec(None, self.sequence_axis)), spec(None, None, self.sequence_axis))
+                         for a in args)
         with jax.named_scope("memory"):
             if state is not None and T == 1 and segment_ids is None:
                 y, bank = jax_sdm.sdm_step(bank, *(a[:, 0] for a in args), impl=self.impl)
@@ -210,5 +223,7 @@ class SparseDeltaMemory(nnx.Module):
             else:
                 y, bank = jax_sdm.sdm_write_read(bank, *args, chunk_size=self.chunk_size, impl=self.impl,
                                                  segment_ids=segment_ids)
+        if self.sequence_axis is not None:
+            y = jax.lax.with_sharding_constraint(y, jax.sharding.PartitionSpec(None, self.sequence_axis))
         with jax.named_scope("readout"):
             return self.readout(x, y), bank
