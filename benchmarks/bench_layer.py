@@ -105,18 +105,23 @@ SCOPES = ("address", "project", "memory", "readout")
 
 
 def op_names(fn, args):
-    """Instruction name -> op name (the named-scope path) of the compiled program of `fn`."""
+    """Instruction name -> op name (the named-scope path) of the compiled program of `fn`, the names with '.'
+    written '_' (XLA names a fusion's kernel after its instruction: `sort.2` runs as `sort_2_0`)."""
     text = fn.lower(*args).compile().as_text()
-    return dict(re.findall(r'%?([\w.\-]+) = [^\n]*?metadata=\{[^}]*?op_name="([^"]*)"', text))
+    found = re.findall(r'%?([\w.\-]+) = [^\n]*?metadata=\{[^}]*?op_name="([^"]*)"', text)
+    return {name.replace(".", "_"): op for name, op in found}
 
 
-def scope_of(event_args, names):
-    """The layer scope an XLA kernel belongs to: from its HLO instruction's op name, else from the event's text."""
-    text = names.get(str(event_args.get("hlo_op", "")), "") + " " + " ".join(str(v) for v in event_args.values())
+def scope_of(kernel, event_args, names):
+    """The layer scope an XLA kernel belongs to, from its HLO instruction's op name; "sdm kernels" for the op's."""
+    if "sdm::" in kernel:
+        return "sdm kernels"
+    key = str(event_args.get("hlo_op") or kernel).replace(".", "_")
+    op = names.get(key) or names.get(re.sub(r"_\d+$", "", key), "")
     for scope in SCOPES:
-        if f"/{scope}" in text or text.startswith(scope):
+        if re.search(rf"[/(]{scope}[)/]", f"/{op}/"):  # the scope, or it under a transformation: jvp(address)
             return scope
-    return "sdm kernels" if "sdm" in text else "other"
+    return "other"
 
 
 def timeline(fn, args, label):
@@ -138,7 +143,7 @@ def timeline(fn, args, label):
     by_scope, by_kernel = collections.Counter(), collections.Counter()
     for e in events:
         dur = float(e.get("dur", 0))
-        by_scope[scope_of(e.get("args", {}), names)] += dur
+        by_scope[scope_of(e.get("name", ""), e.get("args", {}), names)] += dur
         by_kernel[e.get("name", "")[:60]] += dur
     span = max(float(e["ts"]) + float(e.get("dur", 0)) for e in events) - min(float(e["ts"]) for e in events)
     print(f"{label}: device span {span:.1f} us, busy {sum(by_scope.values()):.1f} us")

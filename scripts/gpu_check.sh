@@ -65,7 +65,7 @@ if has tests; then
   else
     files=(test_ffi_op.py test_nn.py test_gpu_steps.py test_gpu_phase1.py $(cd "$REPO/tests" && ls test_gpu_*.py |
       grep -v -e test_gpu_steps.py -e test_gpu_phase1.py) test_oracles.py test_grad_bank.py test_step.py
-      ${GPU_TEST_EXTRA:-})
+      test_slab_forward.py ${GPU_TEST_EXTRA:-})
   fi
   jobs=${GPU_TEST_JOBS:-3}
   if [ "$jobs" -le 1 ]; then

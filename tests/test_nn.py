@@ -465,8 +465,9 @@ def test_one_input_matmul_is_the_separate_projections():
     parts = model.project(x)
     mods = [model.write_query, model.read_query, model.value_proj, model.beta_proj, model.gate_proj,
             model.output_gate]
+    assert parts[0].shape == (2, 11, 2, 12) and parts[2].shape == (2, 11, 2, 8) and parts[3].shape == (2, 11, 2)
     for part, module in zip(parts, mods):
-        np.testing.assert_allclose(part, _numpy_linear(x, module), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(part.reshape(2, 11, -1), _numpy_linear(x, module), rtol=1e-5, atol=1e-5)
 
 
 def test_direct_scores_address_the_best_slots_of_the_projection():
@@ -530,7 +531,7 @@ def test_query_batchnorm_train_and_eval():
     model = layer(seed, query_batchnorm=True)
     x = inputs(seed + 1) * 3 + 1
     seg = jnp.array([[0] * 11, [0] * 8 + [-1] * 3], jnp.int32)
-    raw = model.project(x)[0]
+    raw = model.project(x)[0].reshape(2, 11, -1)
     valid = np.asarray(seg >= 0)
     rows = np.asarray(raw, np.float64)[valid]
     mean, var = rows.mean(0), rows.var(0)
@@ -708,7 +709,8 @@ def test_load_reference_state_dict_computes_the_reference_layer(parts, key_weigh
     x = rng.standard_normal((2, 10, 16)).astype(np.float32)
     names = ["Wk_write", "Wq_read", "Wv_write", "b_proj", "a_proj"] + (["Wog"] if "Wog.weight" in sd else [])
     for part, name in zip(model.project(jnp.asarray(x)), names):
-        np.testing.assert_allclose(part, x @ sd[f"{name}.weight"].T + sd[f"{name}.bias"], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(part.reshape(2, 10, -1), x @ sd[f"{name}.weight"].T + sd[f"{name}.bias"],
+                                   rtol=1e-5, atol=1e-5)
     y, final = nnx.jit(lambda m, x: m(x))(model, jnp.asarray(x))
     want_y, want_final = reference_forward(sd, x, 3, 2, 2, 3, key_weighted_decay)
     assert rel_err(y, want_y) < 1e-5 and rel_err(final, want_final) < 1e-5

@@ -107,6 +107,11 @@ class SparseDeltaMemory(nnx.Module):
       chunk_size, impl: passed to `jax_sdm.sdm_write_read` (`impl` "auto", "ffi", "xla" or "reference").
       dtype: the computation dtype and the bank's (float32 or bfloat16); `beta` and `g` are float32.
       param_dtype: the parameters' dtype.
+      sequence_axis: sequence parallelism: the name of a mesh axis along which the caller shards the activations'
+        `T` axis. The op's inputs are then resharded to heads along that axis (an all-to-all: each device runs
+        the recurrence of its heads over the whole sequence) and the readings back to `T`. Needs a mesh in context
+        (`jax.set_mesh`) and `num_heads` divisible by the axis size. None (the default): the op runs on
+        the inputs as they are sharded.
       rngs: `nnx.Rngs` for the initialisation.
 
     Call: `y, state = layer(x, state=None, segment_ids=None)`. Without a state the sequence starts from the
@@ -128,7 +133,7 @@ class SparseDeltaMemory(nnx.Module):
                  read_scale=None, gate="token", query_batchnorm=False, output_gate=True, readout_norm="rms",
                  norm_eps=1e-6, use_bias=True, init_std=None, bank_init_std=None, A_init_range=(0.0, 16.0),
                  initial_bank="learned", chunk_size=None, impl="auto", dtype=jnp.float32,
-                 param_dtype=jnp.float32, rngs):
+                 param_dtype=jnp.float32, sequence_axis=None, rngs):
         def fail(message):
             raise ValueError(f"SparseDeltaMemory: {message}")
 
@@ -196,6 +201,7 @@ class SparseDeltaMemory(nnx.Module):
         self.chunk_size, self.impl = chunk_size, impl
         self.initial_bank_kind = initial_bank
         self.dtype, self.param_dtype = dtype, param_dtype
+        self.sequence_axis = sequence_axis
 
         H, D, F = num_heads, head_dim, len(factors)
         std = d_model ** -0.5 if init_std is None else float(init_std)
@@ -245,25 +251,29 @@ class SparseDeltaMemory(nnx.Module):
         return mods + ([self.output_gate] if self.output_gate is not None else [])
 
     def project(self, x):
-        """`x [B, T, d_model]` -> `(write_address, read_address, value, b, a, output_gate_or_None)`: every
-        projection of `x` as one matmul in the computation dtype (the kernels concatenated by columns)."""
+        """`x [B, T, d_model]` -> `(write_address [B, T, H, address_width], read_address, value [B, T, H, D],
+        b [B, T, H], a [B, T, H], output_gate [B, T, H, D] or None)`: every projection of `x` as one matmul in the
+        computation dtype, the kernels concatenated per head (so that a head-sharded layer stays head-sharded)."""
+        H = self.num_heads
         mods = self._input_projections()
-        kernel = jnp.concatenate([m.kernel[...].astype(self.dtype) for m in mods], axis=1)
-        out = jnp.dot(x.astype(self.dtype), kernel)
+        widths = [m.out_features // H for m in mods]
+        kernel = jnp.concatenate([m.kernel[...].astype(self.dtype).reshape(self.d_model, H, w)
+                                  for m, w in zip(mods, widths)], axis=2)
+        out = jnp.einsum("btd,dhw->bthw", x.astype(self.dtype), kernel)
         if mods[0].bias is not None:
-            out = out + jnp.concatenate([m.bias[...].astype(self.dtype) for m in mods])
-        widths = [m.out_features for m in mods]
+            out = out + jnp.concatenate([m.bias[...].astype(self.dtype).reshape(H, w)
+                                         for m, w in zip(mods, widths)], axis=1)
         parts = jnp.split(out, np.cumsum(widths)[:-1], axis=-1)
+        parts[3], parts[4] = parts[3][..., 0], parts[4][..., 0]  # b, a: one column per head
         return tuple(parts) + ((None,) if self.output_gate is None else ())
 
     def address(self, projection, k, scale, activation):
-        """Slots and weights for an address projection `[B, T, H * address_width]`: `(slot_ids [B, T, H, k]
+        """Slots and weights for an address projection `[B, T, H, address_width]`: `(slot_ids [B, T, H, k]
         int32, weights [B, T, H, k])`, the weights `activation(scale * scores)` of the selected slots."""
         B, T = projection.shape[:2]
         H, F = self.num_heads, len(self.factors)
         if self.factor_scores == "direct":
-            scores = projection.reshape(B, T, H, sum(self.factors))
-            scores = jnp.split(scores, np.cumsum(self.factors)[:-1], axis=-1)
+            scores = jnp.split(projection, np.cumsum(self.factors)[:-1], axis=-1)
         else:
             query = projection.reshape(B, T, H, F, self.key_dim)
             keys = jnp.split(self.slot_keys[...].astype(query.dtype), np.cumsum(self.factors)[:-1], axis=1)
@@ -290,14 +300,14 @@ class SparseDeltaMemory(nnx.Module):
         H = self.num_heads
         # Named scopes: a device trace groups the layer's kernels by them (benchmarks/bench_layer.py --trace).
         with jax.named_scope("project"):
-            write_address, read_address, value, b, a, gate_in = self.project(x)
-            v = value.reshape(B, T, H, self.head_dim)
+            write_address, read_address, v, b, a, gate_in = self.project(x)
         with jax.named_scope("address"):
             if self.write_norm is not None:
-                mask = None if segment_ids is None else jnp.broadcast_to(
-                    (segment_ids >= 0)[..., None], write_address.shape)
-                write_address = self.write_norm(write_address, use_running_average, mask=mask)
-                read_address = self.read_norm(read_address, use_running_average, mask=mask)
+                shape = (B, T, H * self.address_width)
+                mask = None if segment_ids is None else jnp.broadcast_to((segment_ids >= 0)[..., None], shape)
+                normed = lambda norm, z: norm(z.reshape(shape), use_running_average, mask=mask).reshape(z.shape)
+                write_address = normed(self.write_norm, write_address)
+                read_address = normed(self.read_norm, read_address)
             k_idx, k_val = self.address(write_address, self.num_writes, self.write_scale, self.write_activation)
             q_idx, q_val = self.address(read_address, self.num_reads, self.read_scale, self.read_activation)
         with jax.named_scope("project"):
@@ -358,9 +368,18 @@ class SparseDeltaMemory(nnx.Module):
             return self._decode(x, state, use_running_average=None)
         bank = self.initial_bank() if state is None else state.astype(self.dtype)
         args, gate_in = self._memory_inputs(x, segment_ids)
+        if self.sequence_axis is not None:
+            # T-sharded activations: the op runs on heads. Each input is pinned T-sharded where it is made, then
+            # resharded to heads, so XLA moves it by an all-to-all (left alone, it may all-gather `x` instead).
+            spec = jax.sharding.PartitionSpec
+            pin = lambda a, s: jax.lax.with_sharding_constraint(a, s)
+            args = tuple(pin(pin(a, spec(None, self.sequence_axis)), spec(None, None, self.sequence_axis))
+                         for a in args)
         with jax.named_scope("memory"):
             y, bank = jax_sdm.sdm_write_read(bank, *args, chunk_size=self.chunk_size, impl=self.impl,
                                              segment_ids=segment_ids)
+        if self.sequence_axis is not None:
+            y = jax.lax.with_sharding_constraint(y, jax.sharding.PartitionSpec(None, self.sequence_axis))
         with jax.named_scope("readout"):
             return self._readout(y, gate_in), bank
 
