@@ -97,7 +97,11 @@ def product_key_slots(factor_scores, k):
                          f"{[tuple(s.shape) for s in factor_scores]}")
     if len(factor_scores) == 1:
         return topk_slots(factor_scores[0], k)
-    tops = [jax.lax.top_k(s, min(k, n)) for s, n in zip(factor_scores, sizes)]
+    if len(set(sizes)) == 1:  # equal factors: one top-k for all of them (fewer, larger kernels)
+        values, idx = jax.lax.top_k(jnp.stack(factor_scores), min(k, sizes[0]))
+        tops = list(zip(values, idx))
+    else:
+        tops = [jax.lax.top_k(s, min(k, n)) for s, n in zip(factor_scores, sizes)]
     acc = functools.reduce(jnp.promote_types, [s.dtype for s in factor_scores], jnp.float32)
     scores, chosen = _best_candidates(k, tuple(min(k, n) for n in sizes),
                                       tuple(values.astype(acc) for values, _ in tops))

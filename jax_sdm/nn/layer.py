@@ -267,23 +267,30 @@ class SparseDeltaMemory(nnx.Module):
         parts[3], parts[4] = parts[3][..., 0], parts[4][..., 0]  # b, a: one column per head
         return tuple(parts) + ((None,) if self.output_gate is None else ())
 
-    def address(self, projection, k, scale, activation):
-        """Slots and weights for an address projection `[B, T, H, address_width]`: `(slot_ids [B, T, H, k]
-        int32, weights [B, T, H, k])`, the weights `activation(scale * scores)` of the selected slots."""
-        B, T = projection.shape[:2]
-        H, F = self.num_heads, len(self.factors)
+    def address(self, write_address, read_address):
+        """Slots and weights for the address projections `[B, T, H, address_width]`: `(k_idx, k_val, q_idx,
+        q_val)`, ids `[B, T, H, W]` / `[B, T, H, R]` int32 and weights `activation(scale * scores)` of the selected
+        slots. Writes and reads are ranked in one search (`max(W, R)` slots each; the best `R` are the first `R`
+        of the best `max(W, R)`), so that a decode step launches few kernels."""
+        B, T, H = write_address.shape[:3]
+        F = len(self.factors)
+        projection = jnp.stack([write_address, read_address])  # [2, B, T, H, address_width]
         if self.factor_scores == "direct":
             scores = jnp.split(projection, np.cumsum(self.factors)[:-1], axis=-1)
         else:
-            query = projection.reshape(B, T, H, F, self.key_dim)
+            query = projection.reshape(2, B, T, H, F, self.key_dim)
             keys = jnp.split(self.slot_keys[...].astype(query.dtype), np.cumsum(self.factors)[:-1], axis=1)
-            scores = [jnp.einsum("bthd,hnd->bthn", query[..., f, :], keys[f]) for f in range(F)]
+            scores = [jnp.einsum("abthd,hnd->abthn", query[..., f, :], keys[f]) for f in range(F)]
+        k = max(self.num_writes, self.num_reads)
         if self.addressing == "product_key":
             scores, ids = product_key_slots(scores, k)
         else:
             scores, ids = topk_slots(scores[0], k)
-        weights = activation(scores.astype(jnp.float32) * scale)
-        return ids, weights.astype(self.dtype)
+        scores = scores.astype(jnp.float32)
+        W, R = self.num_writes, self.num_reads
+        k_val = self.write_activation(scores[0, ..., :W] * self.write_scale).astype(self.dtype)
+        q_val = self.read_activation(scores[1, ..., :R] * self.read_scale).astype(self.dtype)
+        return ids[0, ..., :W], k_val, ids[1, ..., :R], q_val
 
     def _gates(self, b, a, k_val):
         """`beta [B, T, H]` and `g` (`[B, T, H]`, or `[B, T, H, W]` key-weighted) in float32."""
@@ -308,8 +315,7 @@ class SparseDeltaMemory(nnx.Module):
                 normed = lambda norm, z: norm(z.reshape(shape), use_running_average, mask=mask).reshape(z.shape)
                 write_address = normed(self.write_norm, write_address)
                 read_address = normed(self.read_norm, read_address)
-            k_idx, k_val = self.address(write_address, self.num_writes, self.write_scale, self.write_activation)
-            q_idx, q_val = self.address(read_address, self.num_reads, self.read_scale, self.read_activation)
+            k_idx, k_val, q_idx, q_val = self.address(write_address, read_address)
         with jax.named_scope("project"):
             beta, g = self._gates(b, a, k_val)
         return (k_idx, k_val, v, beta, g, q_idx, q_val), gate_in
