@@ -32,12 +32,20 @@ def balanced_factors(num_slots, num_factors):
     return factors
 
 
+def _top_k(x, k):
+    """`jax.lax.top_k` over the last axis, run on the rows flattened to a matrix (XLA's fast top-k kernels match a
+    matrix; on a stack of higher rank it may sort every row in full)."""
+    # The barrier keeps the top-k whole: XLA would otherwise fold a later gather of its values into a full sort.
+    values, idx = jax.lax.optimization_barrier(jax.lax.top_k(x.reshape(-1, x.shape[-1]), k))
+    return values.reshape(x.shape[:-1] + (k,)), idx.reshape(x.shape[:-1] + (k,))
+
+
 def topk_slots(scores, k):
     """Top-`k` over all slots: `scores [..., K]` -> `(scores [..., k], slot_ids [..., k] int32)`; among equal
     scores the smaller slot id comes first."""
     if not 1 <= k <= scores.shape[-1]:
         raise ValueError(f"topk_slots: need 1 <= k <= K = {scores.shape[-1]}, got k = {k}")
-    values, ids = jax.lax.top_k(scores, k)
+    values, ids = _top_k(scores, k)
     return values, ids.astype(jnp.int32)
 
 
@@ -98,10 +106,10 @@ def product_key_slots(factor_scores, k):
     if len(factor_scores) == 1:
         return topk_slots(factor_scores[0], k)
     if len(set(sizes)) == 1:  # equal factors: one top-k for all of them (fewer, larger kernels)
-        values, idx = jax.lax.top_k(jnp.stack(factor_scores), min(k, sizes[0]))
+        values, idx = _top_k(jnp.stack(factor_scores), min(k, sizes[0]))
         tops = list(zip(values, idx))
     else:
-        tops = [jax.lax.top_k(s, min(k, n)) for s, n in zip(factor_scores, sizes)]
+        tops = [_top_k(s, min(k, n)) for s, n in zip(factor_scores, sizes)]
     acc = functools.reduce(jnp.promote_types, [s.dtype for s in factor_scores], jnp.float32)
     scores, chosen = _best_candidates(k, tuple(min(k, n) for n in sizes),
                                       tuple(values.astype(acc) for values, _ in tops))
@@ -120,7 +128,7 @@ def _best_candidates(k, sizes, values):
     for f, v in enumerate(values):
         part = v[..., ranks[:, f]]
         sums = part if sums is None else sums + part
-    scores, pos = jax.lax.top_k(sums, k)
+    scores, pos = _top_k(sums, k)
     return scores, tuple(jnp.asarray(ranks[:, f])[pos] for f in range(len(values)))
 
 
