@@ -524,6 +524,22 @@ def test_no_tensor_scales_with_all_slots_per_token(factor_scores):
     assert largest <= B * T * max(K // 8, projection), largest
 
 
+@pytest.mark.parametrize("kw", [{}, dict(num_reads=1, read_activation="l2_normalize"),
+                                dict(product_key_factors=(9, 4), write_activation="sigmoid")])
+def test_addressing_compiles_to_top_k_not_sorts(kw):
+    """Every top-k of the addressing stays one (XLA's top-k kernel on the CPU), forward and backward: XLA can fold a
+    slice or gather of a top-k's outputs into it, and then the top-k becomes a full sort of every row."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("checks the CPU compiler's top-k kernel")
+    model = layer(0, **kw)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    x = inputs(1)
+    loss = lambda p, x: jnp.sum(nnx.merge(graphdef, p, rest)(x)[0])
+    for fn in (loss, jax.grad(loss)):
+        text = jax.jit(fn).lower(params, x).compile().as_text()
+        assert " sort(" not in text and 'custom_call_target="TopK"' in text
+
+
 def test_query_batchnorm_train_and_eval():
     """Training mode normalises with the batch's statistics (padding excluded) and updates the running ones;
     eval mode and decoding use the running statistics."""

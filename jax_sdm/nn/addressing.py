@@ -35,8 +35,7 @@ def balanced_factors(num_slots, num_factors):
 def _top_k(x, k):
     """`jax.lax.top_k` over the last axis, run on the rows flattened to a matrix (XLA's fast top-k kernels match a
     matrix; on a stack of higher rank it may sort every row in full)."""
-    # The barrier keeps the top-k whole: XLA would otherwise fold a later gather of its values into a full sort.
-    values, idx = jax.lax.optimization_barrier(jax.lax.top_k(x.reshape(-1, x.shape[-1]), k))
+    values, idx = jax.lax.top_k(x.reshape(-1, x.shape[-1]), k)
     return values.reshape(x.shape[:-1] + (k,)), idx.reshape(x.shape[:-1] + (k,))
 
 
@@ -105,31 +104,40 @@ def product_key_slots(factor_scores, k):
                          f"{[tuple(s.shape) for s in factor_scores]}")
     if len(factor_scores) == 1:
         return topk_slots(factor_scores[0], k)
-    if len(set(sizes)) == 1:  # equal factors: one top-k for all of them (fewer, larger kernels)
-        values, idx = _top_k(jnp.stack(factor_scores), min(k, sizes[0]))
-        tops = list(zip(values, idx))
-    else:
-        tops = [_top_k(s, min(k, n)) for s, n in zip(factor_scores, sizes)]
+    ks = tuple(min(k, n) for n in sizes)
     acc = functools.reduce(jnp.promote_types, [s.dtype for s in factor_scores], jnp.float32)
-    scores, chosen = _best_candidates(k, tuple(min(k, n) for n in sizes),
-                                      tuple(values.astype(acc) for values, _ in tops))
+    # The factors' top values side by side, `[..., sum(ks)]`, taken by one gather below: a gather straight from a
+    # top-k's values lets XLA fold the top-k's slice into it, and the top-k becomes a full sort of every row.
+    if len(set(sizes)) == 1:  # equal factors: one top-k for all of them (fewer, larger kernels)
+        values, idx = _top_k(jnp.stack(factor_scores), ks[0])
+        values = jnp.moveaxis(values, 0, -2).reshape(lead + (-1,))
+        idx = jnp.moveaxis(idx, 0, -2).reshape(lead + (-1,))
+    else:
+        tops = [_top_k(s, kf) for s, kf in zip(factor_scores, ks)]
+        values = jnp.concatenate([v for v, _ in tops], axis=-1)
+        idx = jnp.concatenate([i for _, i in tops], axis=-1)
+    scores, chosen = _best_candidates(k, ks, values.astype(acc))
+    offsets = np.cumsum((0,) + ks[:-1])
     ids = jnp.zeros(scores.shape, jnp.int32)
-    for f, (_, idx) in enumerate(tops):
-        ids = ids * sizes[f] + jnp.take_along_axis(idx.astype(jnp.int32), chosen[f], axis=-1)
+    for f, (n, offset) in enumerate(zip(sizes, offsets)):
+        ids = ids * n + jnp.take_along_axis(idx.astype(jnp.int32), chosen[f] + int(offset), axis=-1)
     return scores, ids
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _best_candidates(k, sizes, values):
-    """The best `k` candidates of `candidate_ranks(sizes, k)` for the factors' sorted top scores `values[f]
-    [..., sizes[f]]`: `(scores [..., k], chosen)`, `chosen[f] [..., k]` the selected slots' ranks in factor `f`."""
+    """The best `k` candidates of `candidate_ranks(sizes, k)` for the factors' sorted top scores side by side,
+    `values [..., sum(sizes)]` (factor `f`'s `sizes[f]` best first): `(scores [..., k], chosen)`, `chosen[f]
+    [..., k]` the selected slots' ranks in factor `f`."""
     ranks = candidate_ranks(sizes, k)
-    sums = None
-    for f, v in enumerate(values):
-        part = v[..., ranks[:, f]]
-        sums = part if sums is None else sums + part
+    offsets = np.cumsum((0,) + sizes[:-1])
+    columns = (ranks + offsets).T.reshape(-1)  # [F * C], factor-major
+    parts = values[..., columns].reshape(values.shape[:-1] + (len(sizes), -1))
+    sums = parts[..., 0, :]
+    for f in range(1, len(sizes)):
+        sums = sums + parts[..., f, :]
     scores, pos = _top_k(sums, k)
-    return scores, tuple(jnp.asarray(ranks[:, f])[pos] for f in range(len(values)))
+    return scores, tuple(jnp.asarray(ranks[:, f])[pos] for f in range(len(sizes)))
 
 
 @_best_candidates.defjvp
@@ -139,8 +147,10 @@ def _best_candidates_jvp(k, sizes, primals, tangents):
     # per entry, where a gather's would be a scatter-add onto repeated ranks (atomics on a GPU).
     (values,), (d_values,) = primals, tangents
     scores, chosen = _best_candidates(k, sizes, values)
-    d_scores = sum(jnp.sum(jnp.where(c[..., :, None] == jnp.arange(n, dtype=c.dtype), dv[..., None, :], 0), axis=-1)
-                   for c, dv, n in zip(chosen, d_values, sizes))
+    offsets = np.cumsum((0,) + sizes[:-1])
+    d_scores = sum(jnp.sum(jnp.where(c[..., :, None] == jnp.arange(n, dtype=c.dtype),
+                                     d_values[..., None, int(o):int(o) + n], 0), axis=-1)
+                   for c, n, o in zip(chosen, sizes, offsets))
     float0 = tuple(np.zeros(c.shape, jax.dtypes.float0) for c in chosen)
     return (scores, chosen), (d_scores.astype(scores.dtype), float0)
 

@@ -288,8 +288,10 @@ class SparseDeltaMemory(nnx.Module):
             scores, ids = topk_slots(scores[0], k)
         scores = scores.astype(jnp.float32)
         W, R = self.num_writes, self.num_reads
-        k_val = self.write_activation(scores[0, ..., :W] * self.write_scale).astype(self.dtype)
-        q_val = self.read_activation(scores[1, ..., :R] * self.read_scale).astype(self.dtype)
+        # The activations run on both halves and are then split: a split of the top-k's scores themselves lets
+        # XLA move the slice into the top-k, which then compiles to a full sort of every row.
+        k_val = self.write_activation(scores[..., :W] * self.write_scale)[0].astype(self.dtype)
+        q_val = self.read_activation(scores[..., :R] * self.read_scale)[1].astype(self.dtype)
         return ids[0, ..., :W], k_val, ids[1, ..., :R], q_val
 
     def _gates(self, b, a, k_val):
