@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.extend.core  # noqa: F401  (jaxprs_in_params)
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -516,7 +517,7 @@ def test_no_tensor_scales_with_all_slots_per_token(factor_scores):
                 for var in eqn.outvars:
                     if hasattr(var.aval, "shape"):
                         largest = max(largest, math.prod(var.aval.shape))
-                for sub in jax.core.jaxprs_in_params(eqn.params):
+                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                     walk(sub)
 
         walk(jaxpr.jaxpr)
