@@ -143,7 +143,7 @@ __device__ void warp_top_of(KeyOf key_of, int N, int m, int P, uint64_t* buf, in
 int64_t warp_bytes(const ProductKeyDims& d) { return 8 * int64_t{d.p_k} + 8 * int64_t{d.tops}; }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     product_key_topk_kernel(ProductKeyDims d, const T* __restrict__ x, const int32_t* __restrict__ table,
                             float* __restrict__ scores, int32_t* __restrict__ ids, int64_t bytes_per_warp) {
   extern __shared__ __align__(16) unsigned char shared[];
@@ -176,28 +176,21 @@ __global__ void __launch_bounds__(kThreads)
   }
   // A candidate's score, summed in factor order (the CPU kernel's order), and its slot id.
   const ProductKeyDims* dp = &d;
-  auto candidate = [dp, tops, table](int c, int32_t* id) {
+  auto candidate = [dp, tops, table](int c) {
     const Top t0 = tops[dp->top_offset[0] + __ldg(table + c)];
-    float s = t0.score;
-    int32_t i = t0.index;
+    Top slot = t0;  // (score, slot id)
     for (int f = 1; f < dp->F; ++f) {
       const Top t = tops[dp->top_offset[f] + __ldg(table + static_cast<int64_t>(f) * dp->C + c)];
-      s = s + t.score;
-      i = i * dp->n[f] + t.index;
+      slot.score = slot.score + t.score;
+      slot.index = slot.index * dp->n[f] + t.index;
     }
-    *id = i;
-    return s;
+    return slot;
   };
-  warp_top_of(
-      [&candidate](int c) {
-        int32_t unused;
-        return order_key(candidate(c, &unused));
-      },
-      d.C, d.k, d.p_k, buf, lane);
+  warp_top_of([&candidate](int c) { return order_key(candidate(c).score); }, d.C, d.k, d.p_k, buf, lane);
   for (int r = lane; r < d.k; r += 32) {
-    int32_t id;
-    sr[r] = candidate(static_cast<int>(composite_pos(buf[r])), &id);
-    ir[r] = id;
+    const Top slot = candidate(static_cast<int>(composite_pos(buf[r])));
+    sr[r] = slot.score;
+    ir[r] = slot.index;
   }
 }
 
@@ -205,7 +198,7 @@ __global__ void __launch_bounds__(kThreads)
 // lane f adds the cotangents of factor f into the tile in selection order (one writer per column), and the warp
 // writes the tile out.
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     product_key_topk_bwd_kernel(ProductKeyDims d, const float* __restrict__ dscores, const int32_t* __restrict__ ids,
                                 T* __restrict__ dx, int64_t bytes_per_warp) {
   extern __shared__ __align__(16) unsigned char shared[];
@@ -231,7 +224,8 @@ __global__ void __launch_bounds__(kThreads)
       if (lo >= len || lo + d.n[f] <= 0) continue;
       for (int j = 0; j < d.k; ++j) {
         if (id[j] < 0 || id[j] >= d.slots) continue;
-        const int col = lo + static_cast<int>(static_cast<uint32_t>(id[j]) / d.weight[f] % static_cast<uint32_t>(d.n[f]));
+        const uint32_t i = static_cast<uint32_t>(id[j]) / d.weight[f] % static_cast<uint32_t>(d.n[f]);
+        const int col = lo + static_cast<int>(i);
         if (col >= 0 && col < len) acc[col] += ds[j];
       }
     }

@@ -214,7 +214,7 @@ def test_bad_input():
         product_key_topk(jnp.zeros((2, 64)), (32, 32), 257)
     with pytest.raises(TypeError, match="`k` must be a static int"):
         product_key_topk(x, (4, 8), 2.0)
-    with pytest.raises(ValueError, match="`factor_scores` has shape \\(2, 12\\), expected \\[..., sum\\(factors\\) = 13\\]"):
+    with pytest.raises(ValueError, match=r"`factor_scores` has shape \(2, 12\), expected \[..., sum\(factors\) = 13\]"):
         product_key_topk(x, (4, 9), 2)
     with pytest.raises(TypeError, match="`factors` must be a non-empty tuple"):
         product_key_topk(x, 12, 2)
