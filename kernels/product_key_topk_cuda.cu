@@ -139,6 +139,19 @@ __device__ void warp_top_of(KeyOf key_of, int N, int m, int P, uint64_t* buf, in
   }
 }
 
+// A warp's row (one per warp, kWarps per block) and its part of the block's dynamic shared memory.
+struct WarpRow {
+  int64_t row;
+  int lane;
+  unsigned char* shared;
+};
+__device__ __forceinline__ WarpRow warp_row(int64_t bytes_per_warp) {
+  extern __shared__ __align__(16) unsigned char shared[];
+  const int warp = static_cast<int>(threadIdx.x >> 5);
+  return WarpRow{static_cast<int64_t>(blockIdx.x) * kWarps + warp, static_cast<int>(threadIdx.x & 31),
+                 shared + warp * bytes_per_warp};
+}
+
 // Shared memory of one warp: the sort buffer (p_k composites), then the row's top lists (tops entries).
 int64_t warp_bytes(const ProductKeyDims& d) { return 8 * int64_t{d.p_k} + 8 * int64_t{d.tops}; }
 
@@ -146,12 +159,11 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
     product_key_topk_kernel(ProductKeyDims d, const T* __restrict__ x, const int32_t* __restrict__ table,
                             float* __restrict__ scores, int32_t* __restrict__ ids, int64_t bytes_per_warp) {
-  extern __shared__ __align__(16) unsigned char shared[];
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  const WarpRow w = warp_row(bytes_per_warp);
+  const int64_t row = w.row;
+  const int lane = w.lane;
   if (row >= d.rows) return;
-  uint64_t* buf = reinterpret_cast<uint64_t*>(shared + warp * bytes_per_warp);
+  uint64_t* buf = reinterpret_cast<uint64_t*>(w.shared);
   Top* tops = reinterpret_cast<Top*>(buf + d.p_k);
   const T* xr = x + row * d.width;
 
@@ -201,12 +213,11 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
     product_key_topk_bwd_kernel(ProductKeyDims d, const float* __restrict__ dscores, const int32_t* __restrict__ ids,
                                 T* __restrict__ dx, int64_t bytes_per_warp) {
-  extern __shared__ __align__(16) unsigned char shared[];
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  const WarpRow w = warp_row(bytes_per_warp);
+  const int64_t row = w.row;
+  const int lane = w.lane;
   if (row >= d.rows) return;
-  float* ds = reinterpret_cast<float*>(shared + warp * bytes_per_warp);
+  float* ds = reinterpret_cast<float*>(w.shared);
   int32_t* id = reinterpret_cast<int32_t*>(ds + d.k);
   float* acc = reinterpret_cast<float*>(id + d.k);
   const int tile = d.width < kBwdTile ? d.width : kBwdTile;

@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "check_values.h"
 #include "kernels/bf16.h"
 
 using namespace sdm;
@@ -39,17 +40,6 @@ std::vector<int32_t> candidate_table(const std::vector<int64_t>& factors, int64_
   for (size_t c = 0; c < tuples.size(); ++c)
     for (size_t f = 0; f < factors.size(); ++f) table[f * tuples.size() + c] = tuples[c][f];
   return table;
-}
-
-template <typename T>
-T value(float x) {
-  if constexpr (std::is_same_v<T, float>) return x;
-  else return from_float<bf16>(x);
-}
-
-template <typename T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
 enum Kind { kNormal, kInts, kEqual, kSpecial };
