@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from jax_sdm import product_key_topk
-from test_product_key_topk import brute_force_ids, fresh_seed, random_scores, slot_scores
+from jax_sdm.testing import product_key_brute_force as brute_force_ids
+from jax_sdm.testing import product_key_scores as random_scores
+from jax_sdm.testing import product_key_slot_scores as slot_scores
 
 CASES = [  # (factors, k, leading shape)
     ((256, 256), 64, (16384,)),  # the layer's addressing at B 4, T 4096, H 1
@@ -19,6 +21,10 @@ CASES = [  # (factors, k, leading shape)
     ((256, 256), 256, (33,)),  # 1466 candidates
     ((1500, 1500), 64, (5,)),  # backward rows of two tiles
 ]
+
+
+def fresh_seed():
+    return int(np.random.SeedSequence().entropy % 100_000)
 
 
 def run(device, x, factors, k, ct, impl="ffi"):
