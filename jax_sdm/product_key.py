@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import lowering
+from . import lowering, sharding
 
 IMPLS = ("auto", "ffi", "xla")
 TARGET = "sdm_product_key_topk"
@@ -124,14 +124,21 @@ def _table(factors, k):
 
 
 def _forward_ffi(x, factors, k):
-    """The kernels (C++ on CPU, CUDA on GPU), one call."""
+    """The kernels (C++ on CPU, CUDA on GPU), one call, row-partitioned under SPMD (`sharding.rowwise`: each device
+    ranks its own rows; an FFI call alone would make XLA gather every row onto every device)."""
+    return sharding.rowwise(_forward_ffi_local, (factors, k), (x, jnp.asarray(_table(factors, k))),
+                            replicated=(1,))
+
+
+def _forward_ffi_local(static, x, table):
+    factors, k = static
     lead = x.shape[:-1]
     call = jax.ffi.ffi_call(
         TARGET,
         (jax.ShapeDtypeStruct(lead + (k,), jnp.float32), jax.ShapeDtypeStruct(lead + (k,), jnp.int32)),
         vmap_method="broadcast_all",  # the table too: the handler reads its first copy
     )
-    return call(x, jnp.asarray(_table(factors, k)), factors=np.asarray(factors, np.int64), k=np.int64(k))
+    return tuple(call(x, table, factors=np.asarray(factors, np.int64), k=np.int64(k)))
 
 
 def _factor_indices(ids, factors):
@@ -154,10 +161,16 @@ def _backward_xla(dscores, ids, factors, dtype):
 
 
 def _backward_ffi(dscores, ids, factors, dtype):
-    """The kernels: per row and factor, the cotangents added in selection order into a zeroed row."""
+    """The kernels: per row and factor, the cotangents added in selection order into a zeroed row (row-partitioned
+    as the forward)."""
+    return sharding.rowwise(_backward_ffi_local, (factors, np.dtype(dtype)), (dscores, ids))[0]
+
+
+def _backward_ffi_local(static, dscores, ids):
+    factors, dtype = static
     call = jax.ffi.ffi_call(
         TARGET_BWD, jax.ShapeDtypeStruct(ids.shape[:-1] + (sum(factors),), dtype), vmap_method="broadcast_all")
-    return call(dscores, ids, factors=np.asarray(factors, np.int64))
+    return (call(dscores, ids, factors=np.asarray(factors, np.int64)),)
 
 
 _FORWARD = {"xla": _forward_xla, "ffi": _forward_ffi}
