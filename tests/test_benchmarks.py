@@ -37,3 +37,13 @@ def test_bench_packed_prints_times_and_ratios(capsys):
     # the printed ratios are those of the times, each printed to 2 decimals
     for r, a, b in ((ratio, fp, fu), (gratio, gp, gu)):
         assert r == pytest.approx(a / b, abs=0.005 / b * (1 + a / b) + 0.006)
+
+
+def test_bench_topk_prints_times(capsys):
+    bench_topk = load("bench_topk")
+    bench_topk.main(["--impls", "ffi,xla,nn", "--configs", "c", "--dtypes", "float32", "--rows", "4", "--calls", "1",
+                     "--repeats", "1"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| c: rows 4,"))
+    times = [float(x) for x in re.findall(r"\| (\d+\.\d+)", row)]
+    assert len(times) == 6 and min(times) > 0 and all(math.isfinite(t) for t in times)

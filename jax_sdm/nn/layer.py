@@ -10,7 +10,7 @@ from flax import nnx
 
 import jax_sdm
 
-from .addressing import balanced_factors, product_key_slots, topk_slots
+from .addressing import balanced_factors, topk_slots
 
 ADDRESSINGS = ("product_key", "topk")
 FACTOR_SCORES = ("direct", "sub_keys")
@@ -70,7 +70,7 @@ class SparseDeltaMemory(nnx.Module):
       head_dim: bank row width `D` (default `d_model // num_heads`).
       addressing: `"product_key"` (default): `K` is a product of factors and a slot scores the sum of its
         factors' scores; the top `k` slots come from the top `k` of each factor, exactly, never scoring all `K`
-        (`product_key_slots`). `"topk"`: one score per slot, ranked over all `K` (for small `K`).
+        (`jax_sdm.product_key_topk`). `"topk"`: one score per slot, ranked over all `K` (for small `K`).
       factor_scores: how a factor's scores are made. `"direct"` (default): columns of the address projection,
         `sum(factors)` per head and address (a factor's column `c` is its score of index `c`). `"sub_keys"`: a
         query of width `key_dim` per factor, against that factor's learned sub-keys (shared by writes and
@@ -104,7 +104,8 @@ class SparseDeltaMemory(nnx.Module):
         zeros).
       A_init_range: the range of the decay rates `exp(A_log)` at init.
       initial_bank: `"learned"` (a parameter `[H, K, D]`, shared by the batch) or `"zeros"`.
-      chunk_size, impl: passed to `jax_sdm.sdm_write_read` (`impl` "auto", "ffi", "xla" or "reference").
+      chunk_size, impl: passed to `jax_sdm.sdm_write_read` (`impl` "auto", "ffi", "xla" or "reference"); `impl`
+        also picks `product_key_topk`'s ("xla" for "xla" and "reference").
       dtype: the computation dtype and the bank's (float32 or bfloat16); `beta` and `g` are float32.
       param_dtype: the parameters' dtype.
       sequence_axis: sequence parallelism: the name of a mesh axis along which the caller shards the activations'
@@ -276,16 +277,18 @@ class SparseDeltaMemory(nnx.Module):
         F = len(self.factors)
         projection = jnp.stack([write_address, read_address])  # [2, B, T, H, address_width]
         if self.factor_scores == "direct":
-            scores = jnp.split(projection, np.cumsum(self.factors)[:-1], axis=-1)
+            scores = projection  # the factors' scores side by side
         else:
             query = projection.reshape(2, B, T, H, F, self.key_dim)
             keys = jnp.split(self.slot_keys[...].astype(query.dtype), np.cumsum(self.factors)[:-1], axis=1)
-            scores = [jnp.einsum("abthd,hnd->abthn", query[..., f, :], keys[f]) for f in range(F)]
+            scores = jnp.concatenate([jnp.einsum("abthd,hnd->abthn", query[..., f, :], keys[f]) for f in range(F)],
+                                     axis=-1)
         k = max(self.num_writes, self.num_reads)
         if self.addressing == "product_key":
-            scores, ids = product_key_slots(scores, k)
+            topk_impl = "xla" if self.impl in ("xla", "reference") else self.impl
+            scores, ids = jax_sdm.product_key_topk(scores, self.factors, k, impl=topk_impl)
         else:
-            scores, ids = topk_slots(scores[0], k)
+            scores, ids = topk_slots(scores, k)
         scores = scores.astype(jnp.float32)
         W, R = self.num_writes, self.num_reads
         # The activations run on both halves and are then split: a split of the top-k's scores themselves lets
