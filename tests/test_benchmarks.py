@@ -47,3 +47,13 @@ def test_bench_topk_prints_times(capsys):
     row = next(line for line in out.splitlines() if line.startswith("| c: rows 4,"))
     times = [float(x) for x in re.findall(r"\| (\d+\.\d+)", row)]
     assert len(times) == 6 and min(times) > 0 and all(math.isfinite(t) for t in times)
+
+
+def test_bench_layer_decode_prints_times(capsys):
+    pytest.importorskip("flax")
+    bench_layer = load("bench_layer")
+    assert bench_layer.main(["--layer-decode", "--min-log-k", "6", "--max-log-k", "6", "--decode-steps", "3",
+                             "--repeats", "1"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2^6 |"))
+    layer_us, op_us, ratio = (float(x) for x in re.findall(r"\d+\.\d+", row))
+    assert min(layer_us, op_us) > 0 and ratio == pytest.approx(layer_us / op_us, abs=0.006 + 0.01 * ratio)
