@@ -389,8 +389,10 @@ class SparseDeltaMemory(nnx.Module):
         with jax.named_scope("memory"):
             y, bank = jax_sdm.sdm_write_read(bank, *args, chunk_size=self.chunk_size, impl=self.impl,
                                              segment_ids=segment_ids)
-        if self.sequence_axis is not None:
-            y = jax.lax.with_sharding_constraint(y, jax.sharding.PartitionSpec(None, self.sequence_axis))
+        if self.sequence_axis is not None:  # back to T; pinned on heads first, so that its cotangent reaches the op so
+            spec = jax.sharding.PartitionSpec
+            pin = lambda a, s: jax.lax.with_sharding_constraint(a, s)
+            y = pin(pin(y, spec(None, None, self.sequence_axis)), spec(None, self.sequence_axis))
         with jax.named_scope("readout"):
             return self._readout(y, gate_in), bank
 
