@@ -25,7 +25,7 @@ def run_check(n_devices):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module", params=[4, 8])
+@pytest.fixture(scope="module", params=[4, pytest.param(8, marks=pytest.mark.slow)])
 def report(request):
     return request.param, run_check(request.param)
 
