@@ -2,12 +2,14 @@
 
     python examples/decode.py [--checkpoint DIR] [--steps 150] [--impl auto]
 
-With `--checkpoint DIR` it loads the parameters saved by `examples/train_recall.py --save DIR` (pass the same
-model options); otherwise it first trains a model for `--steps` steps. It then answers the queries of a few
-associative-recall sequences by decoding: one call over the prompt (the key-value pairs), then one call per token
-with `T = 1` and the carried state (the memory bank and the previous token). It prints the answers, the decode
-accuracy on a larger batch, and the time per decoded token.
+With `--checkpoint DIR` it loads a model saved by `examples/train_recall.py --save DIR`, with the task and model
+options stored there (a model option given on the command line must agree with the checkpoint's; the task's
+`--pairs` and `--queries` may differ); otherwise it first trains a model for `--steps` steps. It then answers the
+queries of a few associative-recall sequences by decoding: one call over the prompt (the key-value pairs), then
+one call per token with `T = 1` and the carried state (the memory bank and the previous token). It prints the
+answers, the decode accuracy on a larger batch, and the time per decoded token.
 """
+import argparse
 import statistics
 import sys
 import time
@@ -16,26 +18,34 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import train_recall  # examples/train_recall.py: the shared options and model
 from jax_sdm.nn import recall
 
 
-def main(argv=None):
-    p = train_recall.parser(__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", help="directory written by train_recall.py --save")
+def parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=train_recall.HelpFormatter)
+    p.add_argument("--checkpoint", type=Path, metavar="DIR",
+                   help="directory written by train_recall.py --save (default: train a model first)")
+    train_recall.add_model_options(p, from_checkpoint=True)
+    train_recall.add_run_options(p, steps=150, steps_help="training steps without --checkpoint")
     p.add_argument("--show", type=int, default=3, help="sequences to print")
-    p.set_defaults(steps=150)
-    args = p.parse_args(argv)
-    task, model = train_recall.task_and_model(args)
-    if args.checkpoint:
-        import orbax.checkpoint as ocp
+    return p
 
-        params = nnx.state(model, nnx.Param)
-        nnx.update(model, ocp.StandardCheckpointer().restore(Path(args.checkpoint).resolve(), params))
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    if args.checkpoint:
+        try:
+            train_recall.resolve_options(args, train_recall.checkpoint_options(args.checkpoint), args.checkpoint)
+            task, model = train_recall.task_and_model(args)
+            train_recall.load_parameters(args.checkpoint, model)
+        except ValueError as e:
+            sys.exit(f"decode.py: {e}")
         print(f"loaded the parameters from {args.checkpoint}")
     else:
+        train_recall.fill_options(args, {**train_recall.MODEL_OPTIONS, **train_recall.TASK_OPTIONS})
+        task, model = train_recall.task_and_model(args)
         print(f"no --checkpoint: training for {args.steps} steps first")
         recall.train(model, task, steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
                      seed=args.seed, log=None)
@@ -54,7 +64,7 @@ def main(argv=None):
     state = model.init_state(len(tokens))
     _, state = recall.decode_call(model, jnp.asarray(tokens[:, :task.prompt_len]), state)
     token = jnp.asarray(tokens[:, task.prompt_len:task.prompt_len + 1])
-    jax.block_until_ready(recall.decode_call(model, token, state))
+    _, state = jax.block_until_ready(recall.decode_call(model, token, state))  # compile; the state is donated
     times = []
     for _ in range(20):
         start = time.perf_counter()

@@ -14,6 +14,8 @@ extern "C" XLA_FFI_Error* SdmForwardPackedCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmBackwardPackedCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmDecodeStepCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmTokenRecurrenceCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* SdmProductKeyTopkCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* SdmProductKeyTopkBwdCpu(XLA_FFI_CallFrame* call_frame);
 
 NB_MODULE(_sdm_cpu, m) {
   m.doc() = "jax_sdm CPU kernels as XLA FFI handlers (platform 'cpu').";
@@ -30,6 +32,8 @@ NB_MODULE(_sdm_cpu, m) {
         d["sdm_backward_packed"] = nb::capsule(reinterpret_cast<void*>(&SdmBackwardPackedCpu));
         d["sdm_decode_step"] = nb::capsule(reinterpret_cast<void*>(&SdmDecodeStepCpu));
         d["sdm_token_recurrence"] = nb::capsule(reinterpret_cast<void*>(&SdmTokenRecurrenceCpu));
+        d["sdm_product_key_topk"] = nb::capsule(reinterpret_cast<void*>(&SdmProductKeyTopkCpu));
+        d["sdm_product_key_topk_bwd"] = nb::capsule(reinterpret_cast<void*>(&SdmProductKeyTopkBwdCpu));
         return d;
       },
       "Returns {target name: PyCapsule} for jax.ffi.register_ffi_target(..., "

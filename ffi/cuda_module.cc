@@ -13,6 +13,8 @@ extern "C" XLA_FFI_Error* SdmBackwardPackedCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmPhase1Cuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmPhase1BwdCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* SdmDecodeStepCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* SdmProductKeyTopkCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* SdmProductKeyTopkBwdCuda(XLA_FFI_CallFrame* call_frame);
 
 NB_MODULE(_sdm_cuda, m) {
   m.doc() = "jax_sdm CUDA kernels as XLA FFI handlers (platform 'CUDA').";
@@ -28,6 +30,8 @@ NB_MODULE(_sdm_cuda, m) {
         d["sdm_phase1"] = nb::capsule(reinterpret_cast<void*>(&SdmPhase1Cuda));
         d["sdm_phase1_bwd"] = nb::capsule(reinterpret_cast<void*>(&SdmPhase1BwdCuda));
         d["sdm_decode_step"] = nb::capsule(reinterpret_cast<void*>(&SdmDecodeStepCuda));
+        d["sdm_product_key_topk"] = nb::capsule(reinterpret_cast<void*>(&SdmProductKeyTopkCuda));
+        d["sdm_product_key_topk_bwd"] = nb::capsule(reinterpret_cast<void*>(&SdmProductKeyTopkBwdCuda));
         return d;
       },
       "Returns {target name: PyCapsule} for jax.ffi.register_ffi_target(..., "

@@ -229,7 +229,7 @@ def solve_ffi(A, beta):
     return call(A.astype(jnp.float32), beta.astype(jnp.float32))
 
 
-def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None):
+def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_place=False):
     """The forward chunk loop (docs/DESIGN.md "Forward steps").
 
     Args:
@@ -240,6 +240,8 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None):
       k_idx, q_idx, v, beta: `[..., NC, P, C, W|R|D]` / `[..., NC, P, C]` (kernel layout).
       p1: Phase 1's outputs (`Phase1`) in the same layout; minv: the solve's `[..., NC, P, C, C]`.
       save: keep the residuals for the backward (else they come back empty and nothing is saved).
+      in_place: without `segments`, the final bank aliases `bank` (updated in place: the chunk loop of a
+        forward in slabs carries the bank from one slab to the next without copying it).
       segments: None, or for packed sequences `(initial, local, seg0)`: the initial bank (like `bank`), each
         token's segment counted from its chunk's first `[..., NC, P, C]` and each chunk's first segment
         `[..., NC, P]` (int32; `segments.chunk_segments`). `p1` must then come from the virtual slot ids
@@ -266,7 +268,8 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None):
     args = (bank, k_idx.astype(i32), q_idx.astype(i32), v.astype(f32), beta.astype(f32),
             p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.QK, p1.w_order, p1.w_group, minv)
     if segments is None:
-        call = jax.ffi.ffi_call("sdm_forward", results, vmap_method="broadcast_all")
+        call = jax.ffi.ffi_call("sdm_forward", results, vmap_method="broadcast_all",
+                                input_output_aliases={0: 0} if in_place else None)
         return call(*args)[:5]
     initial, local, seg0 = segments
     results += (jax.ShapeDtypeStruct(bank.shape[:-1], i32), residual(tokens[:-1] + (C * W,), i32))

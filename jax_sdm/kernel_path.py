@@ -25,7 +25,49 @@ def _phase1_slots(k_idx, q_idx, packed, num_slots):
             segments.virtual_slot_count(num_slots, k_idx.shape[-2]))
 
 
-def _sdm_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_slots, save=True):
+# A forward without residuals runs in slabs of chunks of about this many tokens, carrying the bank from one to the
+# next: its temporaries (Phase 1's records, the solves, the steps' float32 vectors) are a slab's, whatever T is.
+NOGRAD_SLAB_TOKENS = 4096
+
+
+def _forward_in_slabs(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots, slab):
+    """The kernels' forward without residuals (`_sdm_kernels_fwd` with `save=False`, no packed sequences) in slabs
+    of `slab` chunks: `(y [NC, P, C, D] in the bank's dtype, final_bank, repeats [NC, P])`, the same bits as one
+    call over all chunks (every phase works chunk by chunk). The first slab makes a new final bank (the kernels read
+    each row from the input until its first write); the later ones update it in place inside a `lax.scan`, and write
+    their readings into the one output array."""
+    NC = k_idx.shape[0]
+    tokens = (k_idx, k_val, x, v, beta, q_idx, q_val)
+
+    def run(bank, chunks, in_place):
+        k_idx, k_val, x, v, beta, q_idx, q_val = chunks
+        p1 = ffi_ops.phase1_ffi(k_idx, k_val, x, q_idx, q_val, num_slots)
+        minv = ffi_ops.solve_ffi(p1.A, beta)
+        final, y = ffi_ops.forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, False, in_place=in_place)[:2]
+        return final, y.astype(bank.dtype), p1.repeats
+
+    final, y0, r0 = run(bank, tuple(a[:slab] for a in tokens), False)
+    y = jnp.zeros((NC,) + y0.shape[1:], y0.dtype).at[:slab].set(y0)
+    repeats = jnp.zeros((NC,) + r0.shape[1:], r0.dtype).at[:slab].set(r0)
+
+    def body(carry, start):
+        final, y, repeats = carry
+        chunks = tuple(jax.lax.dynamic_slice_in_dim(a, start, slab) for a in tokens)
+        final, y_s, r_s = run(final, chunks, True)
+        return (final, jax.lax.dynamic_update_slice_in_dim(y, y_s, start, 0),
+                jax.lax.dynamic_update_slice_in_dim(repeats, r_s, start, 0)), None
+
+    full = NC // slab
+    starts = jnp.arange(1, full, dtype=jnp.int32) * slab
+    (final, y, repeats), _ = jax.lax.scan(body, (final, y, repeats), starts)
+    if NC > full * slab:  # the last, partial slab
+        final, y_s, r_s = run(final, tuple(a[full * slab:] for a in tokens), True)
+        y, repeats = y.at[full * slab:].set(y_s), repeats.at[full * slab:].set(r_s)
+    return y, final, repeats
+
+
+def _sdm_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_slots, save=True,
+                     slab_tokens=None):
     """The kernels' forward in kernel layout (bank `[P, K, D]`, tokens `[NC, P, C, ...]`, per-lane gates `x`;
     `packed`: None, or for packed sequences `(seg0 [NC, P], local [NC, P, C], last [P])` of
     `segments.chunk_segments`): `((y [NC, P, C, D] float32, final_bank, repeats [NC, P]), residuals)`.
@@ -33,7 +75,11 @@ def _sdm_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_s
     `residuals = (banks, units)` are what the backward needs beyond the inputs and the final bank: arrays in bank
     layout `[P, ...]` (with packed sequences the working bank and the stamps, none otherwise) and a tree of arrays
     in unit layout `[NC, P, ...]`. With `save=False` nothing is kept for a backward. `stream_kernels` runs it
-    (and `_sdm_kernels_bwd`) per shard inside its custom VJP."""
+    (and `_sdm_kernels_bwd`) per shard inside its custom VJP. Without `save` and packed sequences, a sequence of
+    more than `slab_tokens` tokens runs in slabs (`_forward_in_slabs`); `y` is then in the bank's dtype already."""
+    slab = max(1, (slab_tokens or NOGRAD_SLAB_TOKENS) // k_idx.shape[-2])
+    if not save and packed is None and k_idx.shape[0] > slab:
+        return _forward_in_slabs(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots, slab), ((), ())
     p1_k_idx, p1_q_idx, p1_slots = _phase1_slots(k_idx, q_idx, packed, num_slots)
     p1 = ffi_ops.phase1_ffi(p1_k_idx, k_val, x, p1_q_idx, q_val, p1_slots)
     minv = ffi_ops.solve_ffi(p1.A, beta)
@@ -50,17 +96,24 @@ def _sdm_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_s
 
 
 def _sdm_kernels_primal(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_slots):
-    """The forward of a call that is not differentiated, `(y, final_bank, repeats)` as `_sdm_kernels_fwd`'s.
+    """The forward of a call that is not differentiated, `(y, final_bank, repeats)` as `_sdm_kernels_fwd`'s, with
+    `y` in the bank's dtype.
 
     Lowered for the CPU it is the token recurrence in one kernel (`ffi_ops.token_recurrence_ffi`): a no-grad
     forward needs none of Phase 1, the solves or the snapshots, and on a CPU the tokens in order cost less. For
     other platforms, and for packed sequences, the chunked kernels without residuals.
     """
-    chunked = lambda *args: _sdm_kernels_fwd(*args, packed, num_slots, save=False)[0]
+    def in_bank_dtype(forward):  # both branches' results have one type (the slabs' readings are in it already)
+        def run(*args):
+            y, final, repeats = forward(*args)
+            return y.astype(bank.dtype), final, repeats
+        return run
+
+    chunked = in_bank_dtype(lambda *args: _sdm_kernels_fwd(*args, packed, num_slots, save=False)[0])
     args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val)
     if packed is not None:
         return chunked(*args)
-    return jax.lax.platform_dependent(*args, cpu=ffi_ops.token_recurrence_ffi, default=chunked)
+    return jax.lax.platform_dependent(*args, cpu=in_bank_dtype(ffi_ops.token_recurrence_ffi), default=chunked)
 
 
 def _sdm_kernels_bwd(num_slots, inputs, final, residuals, dy, dfinal):

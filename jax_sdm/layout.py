@@ -3,6 +3,7 @@
 Public layout: `[B, T, H, ...]` (README "API"). Kernel layout: time-major units, `[NC, P, C, ...]` with `P = B*H`
 streams and `NC = ceil(T / C)` chunks (docs/DESIGN.md).
 """
+import collections
 import functools
 from typing import NamedTuple
 
@@ -44,6 +45,15 @@ def _dtype_error(op, name, a, want):
     return TypeError(f"{op}: `{name}` has dtype {jnp.dtype(a.dtype).name}, expected {want}")
 
 
+def _common_lead(per_token, rank):
+    """The leading shape (`[B, T, H]`, or `[B, H]` for one token) that most per-token arguments share (the first
+    one's among equals), so that an error names the argument that disagrees rather than whichever is compared
+    first. `per_token`: name -> array, in argument order; `beta` has no trailing axis, `g` may have none."""
+    leads = [tuple(a.shape[:rank]) for name, a in per_token.items()
+             if a.ndim == rank + (name != "beta") or (name == "g" and a.ndim == rank)]
+    return collections.Counter(leads).most_common(1)[0][0]
+
+
 def validate(bank, k_idx, k_val, v, beta, g, q_idx, q_val, chunk_size, allow_float64=False, op="sdm_write_read",
              step=False):
     """Check every argument's rank, shape and dtype; return the problem's `Dims`.
@@ -61,12 +71,15 @@ def validate(bank, k_idx, k_val, v, beta, g, q_idx, q_val, chunk_size, allow_flo
     bank_dtypes = BANK_DTYPES + ((jnp.float64,) if allow_float64 else ())
     if jnp.dtype(bank.dtype) not in [jnp.dtype(d) for d in bank_dtypes]:
         names = " or ".join(jnp.dtype(d).name for d in bank_dtypes)
+        if jnp.dtype(bank.dtype) == jnp.float64:  # the kernels are float32 inside; the pure-JAX paths are not
+            names += " (a float64 bank needs impl='xla' or impl='reference')"
         raise dtype_error("bank", bank, names)
     # The per-token shapes: `[B, T, H, ...]`, or `[B, H, ...]` for one token.
     lead_names = ("B", "H") if step else ("B", "T", "H")
     if k_idx.ndim != len(lead_names) + 1:
         raise shape_error("k_idx", k_idx, f"[{', '.join(lead_names)}, W] (rank {len(lead_names) + 1})")
-    lead, W = tuple(k_idx.shape[:-1]), k_idx.shape[-1]
+    per_token = {"k_idx": k_idx, "k_val": k_val, "v": v, "beta": beta, "g": g, "q_idx": q_idx, "q_val": q_val}
+    lead, W = _common_lead(per_token, len(lead_names)), k_idx.shape[-1]
     (B, H), T = (lead, 1) if step else ((lead[0], lead[2]), lead[1])
 
     def expected(*rest):  # a per-token shape as text; `rest`: trailing (name, size) pairs, size None if free
@@ -83,6 +96,8 @@ def validate(bank, k_idx, k_val, v, beta, g, q_idx, q_val, chunk_size, allow_flo
     else:
         raise shape_error("bank", bank, "[B, H, K, D] or [H, K, D] (rank 4 or 3)")
     K, D = bank.shape[-2:]
+    if tuple(k_idx.shape[:-1]) != lead:
+        raise shape_error("k_idx", k_idx, expected(("W", None)))
     if q_idx.ndim != len(lead) + 1 or tuple(q_idx.shape[:-1]) != lead:
         raise shape_error("q_idx", q_idx, expected(("R", None)))
     R = q_idx.shape[-1]

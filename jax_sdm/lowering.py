@@ -6,8 +6,9 @@ Each module's ``registrations()`` returns ``{target name: PyCapsule}``; every
 capsule is registered once, on import of this module, with
 ``jax.ffi.register_ffi_target(name, capsule, platform=...)``.
 
-Targets (each on cpu and CUDA): ``sdm_phase1``, ``sdm_phase1_bwd``, ``sdm_solve``, ``sdm_forward``, ``sdm_backward``;
-and on cpu only ``sdm_token_recurrence`` (the no-grad forward).
+Targets (each on cpu and CUDA): ``sdm_phase1``, ``sdm_phase1_bwd``, ``sdm_solve``, ``sdm_forward``, ``sdm_backward``,
+``sdm_product_key_topk``, ``sdm_product_key_topk_bwd``; and on cpu only ``sdm_token_recurrence`` (the no-grad
+forward).
 """
 
 from __future__ import annotations

@@ -111,13 +111,14 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=N
     """Sparse Delta Memory: write then read a sparse per-head memory bank at every token (docs/MATH.md).
 
     Args:
-      bank: `[B, H, K, D]` (or `[H, K, D]` shared by the batch), float32 or bfloat16.
+      bank: `[B, H, K, D]` (or `[H, K, D]` shared by the batch), float32 or bfloat16; with `jax_enable_x64`,
+        `impl="xla"` and `"reference"` also take float64 (computed in float64: for checking results).
       k_idx, k_val: `[B, T, H, W]` write slot ids (int) and weights (the bank's dtype).
       v: `[B, T, H, D]` values (the bank's dtype).
-      beta: `[B, T, H]` write strengths, float32.
-      g: `[B, T, H]` per-token or `[B, T, H, W]` per-write log-gates, float32. The domain is `g <= 0` (a decay):
-        every finite gate and `-inf` (a hard reset: the written row forgets everything before the write) give
-        finite results equal to the token loop's. `g > 0` is outside it: the chunked forms' exponents overflow
+      beta: `[B, T, H]` write strengths, float32 (or float64 with a float64 bank).
+      g: `[B, T, H]` per-token or `[B, T, H, W]` per-write log-gates, float32 (or float64 with a float64 bank).
+        The domain is `g <= 0` (a decay): every finite gate and `-inf` (a hard reset: the written row forgets
+        everything before the write) give finite results equal to the token loop's. `g > 0` is outside it: the chunked forms' exponents overflow
         (no positive range is served exactly), and `check=True` reports it.
       q_idx, q_val: `[B, T, H, R]` read slot ids and weights.
       chunk_size: tokens per chunk of the chunked form (changes results only by rounding); None (the default)

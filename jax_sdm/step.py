@@ -88,7 +88,7 @@ def sdm_step(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, impl="auto", check
 
     Args:
       bank: `[B, H, K, D]` (or `[H, K, D]` shared by the batch; the result is then `[B, H, K, D]`), float32 or
-        bfloat16.
+        bfloat16; with `jax_enable_x64`, `impl="xla"` and `"reference"` also take float64.
       k_idx, k_val: `[B, H, W]` write slot ids (int) and weights (the bank's dtype).
       v: `[B, H, D]` values (the bank's dtype).
       beta: `[B, H]` write strengths, float32.

@@ -38,8 +38,24 @@ def random_case(request):
     return random_problem(seed, **kw), chunk, seed
 
 
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true",
+                     help="also run the tests marked slow (left out by default; CI and scripts/gpu_check.sh run them)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a long test of a feature that a faster default test covers too; "
+                                       "runs only with --run-slow")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests in `test_gpu_*.py` need a GPU backend: skip them elsewhere."""
+    """Without `--run-slow`, the tests marked slow are deselected. Tests in `test_gpu_*.py` need a GPU backend:
+    skipped elsewhere."""
+    if not config.getoption("--run-slow"):
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a GPU backend (jax.default_backend() == 'gpu')")

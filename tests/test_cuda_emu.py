@@ -4,9 +4,11 @@ the CPU kernels (kernels/steps_cpu.cc): a smoke run of four tiny cases of the st
 sequences with several segments per chunk, some starting at a chunk's first token; 5 chunks, whose backward
 rebuilds its ring of group tables for 3 batches of chunks), so that
 the emulation keeps building as the CUDA source changes; the decode step (kernels/decode_step_cuda.cu) against
-kernels/decode_step_cpu.cc, bitwise; and the solve (kernels/solve_cuda.cu, both of its kernels) against
-kernels/solve_cpu.cc, bitwise. The full checks are `bash scripts/cuda_emu/run.sh plain steps|decode|solve`
-(developer tools: a few minutes). Skipped without a C++20 g++ or bash."""
+kernels/decode_step_cpu.cc, bitwise; the solve (kernels/solve_cuda.cu, both of its kernels) against
+kernels/solve_cpu.cc, bitwise; and the product-key top-k (kernels/product_key_topk_cuda.cu, forward and backward)
+against kernels/product_key_topk_cpu.cc, bitwise. The full checks are
+`bash scripts/cuda_emu/run.sh plain steps|decode|solve|product_key` (developer tools: a few minutes). Skipped without
+a C++20 g++ or bash."""
 import os
 import pathlib
 import shutil
@@ -31,6 +33,7 @@ def _has_cxx20_barrier():
         return r.returncode == 0
 
 
+@pytest.mark.slow  # compiles the emulated steps (about a minute)
 @pytest.mark.skipif(not RUN.exists() or not _has_cxx20_barrier(), reason="needs bash and g++ with C++20 <barrier>")
 def test_cuda_steps_on_cpu_match_cpu_kernels():
     env = dict(os.environ, CUDA_EMU_OPT="-O0")
@@ -58,4 +61,13 @@ def test_cuda_solve_on_cpu_matches_cpu_kernel():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert sum(line.startswith("ok ") for line in r.stdout.splitlines()) == 10, out[-4000:]
+    assert "0 failing cases" in r.stdout
+
+
+@pytest.mark.skipif(not RUN.exists() or not _has_cxx20_barrier(), reason="needs bash and g++ with C++20 <barrier>")
+def test_cuda_product_key_topk_on_cpu_matches_cpu_kernel():
+    r = subprocess.run(["bash", str(RUN), "plain", "product_key"], capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert sum(line.startswith("ok ") for line in r.stdout.splitlines()) == 88, out[-4000:]
     assert "0 failing cases" in r.stdout

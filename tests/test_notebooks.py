@@ -47,6 +47,7 @@ def test_notebooks_exist():
     assert NOTEBOOKS, f"no notebooks found in {NOTEBOOK_DIR}"
 
 
+@pytest.mark.slow  # about 2 minutes for the four; the code they teach has its own tests
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path):
     nb = nbformat.read(path, as_version=4)
@@ -61,7 +62,9 @@ def test_notebook_runs(path, tmp_path):
         allow_errors=False,
         resources={"metadata": {"path": str(workdir)}},
     )
-    client.execute()  # raises CellExecutionError (with the cell's traceback) on any error
+    # Raises CellExecutionError (with the cell's traceback) on any error. cleanup_kc: shut the kernel down when done
+    # (with a kernel manager of ours, nbclient would leave it running, and its memory held, until pytest exits).
+    client.execute(cleanup_kc=True)
 
     errors = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", [])
               if out.get("output_type") == "error"]

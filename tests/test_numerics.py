@@ -10,7 +10,10 @@ from jax_sdm import sdm_write_read
 from jax_sdm.testing import FLOAT_ARGS, cotangents, extreme_gates, outputs_and_grads, random_problem, \
     rel_err, token_loop64
 
-CHUNKED = ("ffi", "xla")
+# The pure-JAX path at the domain edges is slow to compile on a CPU: `--run-slow` (the default run covers it in
+# test_xla.py and test_oracles.py).
+CHUNKED = ("ffi", pytest.param("xla", marks=pytest.mark.slow))
+REFERENCE_SLOW = pytest.param("reference", marks=pytest.mark.slow)
 TOL = 1e-5
 
 
@@ -127,6 +130,7 @@ def test_64_bit_ids_never_alias_a_slot(impl, x64):
                 np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-7, err_msg=ids)
 
 
+@pytest.mark.slow  # every type through the pure-JAX path; test_validation.py and the 64-bit test above cover ids
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.uint16, np.uint32, np.int64, np.uint64])
 def test_ids_of_every_integer_type(dtype):
     """Ids are compared in their own type: a uint8 id of 255 with K = 300 is a valid slot, an int8 id of -1 or a
@@ -234,7 +238,7 @@ def test_empty_dimension(impl, dim, shared_bank):
         assert not np.asarray(grads[k]).any(), k
 
 
-@pytest.mark.parametrize("impl", ("reference",) + CHUNKED)
+@pytest.mark.parametrize("impl", (REFERENCE_SLOW,) + CHUNKED)
 @pytest.mark.parametrize("lanes", ["W", "R", "WR"])
 def test_no_write_or_no_read_lanes(impl, lanes):
     """W = 0: tokens write nothing (no decay either), the readings read the initial bank; R = 0: the readings
@@ -271,7 +275,7 @@ NON_FINITE = {
 }
 
 
-@pytest.mark.parametrize("impl", ("reference",) + CHUNKED)
+@pytest.mark.parametrize("impl", (REFERENCE_SLOW,) + CHUNKED)
 @pytest.mark.parametrize("name", sorted(NON_FINITE))
 def test_non_finite_input_stays_in_its_stream(impl, name):
     """The documented contract: a non-finite input (check=False) leaves the values of its stream (batch element

@@ -68,7 +68,7 @@ def close(got, want):
     return np.isfinite(got).all() and np.linalg.norm(got - want) <= TOL * max(np.linalg.norm(want), 1e-3)
 
 
-@pytest.mark.parametrize("impl", ["ffi", "xla"])
+@pytest.mark.parametrize("impl", ["ffi", pytest.param("xla", marks=pytest.mark.slow)])
 @SETTINGS
 @given(problem=problems())
 def test_impl_matches_token_loop(impl, problem):

@@ -90,7 +90,7 @@ PACKED = [[0] * 5 + [1] * 9 + [2] * 3 + [3] * 7 + [-1] * 4,
           [3] * 3 + [7] * 13 + [3] * 10 + [5] * 2]
 
 
-@pytest.mark.parametrize("kind", ["repeats_per_write_gates", "shared_bank"])
+@pytest.mark.parametrize("kind", ["repeats_per_write_gates", pytest.param("shared_bank", marks=pytest.mark.slow)])
 def test_packed_rows_equal_separate_runs(kind):
     seed = fresh_seed(["repeats_per_write_gates", "shared_bank"].index(kind))
     kw = dict(repeats_per_write_gates=dict(distinct=False, repeats=True, per_write_gates=True),
@@ -99,6 +99,7 @@ def test_packed_rows_equal_separate_runs(kind):
     check(p, np.array(PACKED, np.int32), seed)
 
 
+@pytest.mark.slow  # padding: test_packed_rows_equal_separate_runs pads too
 def test_padded_row_equals_the_shorter_sequence():
     """Padding on both sides of one sequence (and a row of padding only, which keeps the initial bank)."""
     seed = fresh_seed(50)

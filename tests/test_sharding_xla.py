@@ -71,6 +71,7 @@ def report():
     return run_on_host_devices(__file__, N_DEVICES, timeout=1200)
 
 
+@pytest.mark.slow  # one subprocess compiles every case (about 2 minutes); test_sharding.py covers the kernel path
 @pytest.mark.parametrize("case", list(CASES))
 def test_xla_streams_stay_on_their_devices(report, case):
     r = report[case]

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_sdm import sdm_write_read
+from jax_sdm import sdm_step, sdm_write_read
 from jax_sdm.testing import random_problem
 
 GOOD = random_problem(0, B=2, T=5, H=3, K=8, D=4, W=2, R=3)
@@ -16,7 +16,7 @@ def call(impl="xla", chunk_size=4, **changes):
 
 
 def test_good_input_passes():
-    y, final = call()
+    y, final = call(impl="ffi")
     assert y.shape == (2, 5, 3, 4) and final.shape == (2, 3, 8, 4)
 
 
@@ -88,6 +88,58 @@ def test_errors_raise_at_trace_time():
 
 
 def test_other_integer_ids_accepted():
-    y64, _ = call(k_idx=GOOD["k_idx"].astype(np.int16), q_idx=GOOD["q_idx"].astype(np.uint8))
-    y32, _ = call()
+    y64, _ = call(impl="ffi", k_idx=GOOD["k_idx"].astype(np.int16), q_idx=GOOD["q_idx"].astype(np.uint8))
+    y32, _ = call(impl="ffi")
     np.testing.assert_array_equal(y64, y32)
+
+
+PER_TOKEN = ("k_idx", "k_val", "v", "beta", "g", "q_idx", "q_val")
+
+
+@pytest.mark.parametrize("name", PER_TOKEN)
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_leading_shape_mismatch_names_the_argument(name, axis):
+    """One per-token argument with a different B, T or H than the others (e.g. `k_idx` with T = 8 among T = 16)
+    is the one the error names, whichever argument it is."""
+    good = random_problem(3, B=2, T=16, H=3, K=8, D=4, W=2, R=3)
+    bad = random_problem(3, **dict(dict(B=2, T=16, H=3), **{"BTH"[axis]: 1 if axis != 1 else 8}), K=8, D=4, W=2, R=3)
+    args = dict(good, **{name: bad[name]})
+    with pytest.raises(ValueError) as info:
+        sdm_write_read(**args, chunk_size=4, impl="xla")
+    message = str(info.value)
+    assert message.startswith(f"sdm_write_read: `{name}` has shape {bad[name].shape}"), message
+    assert "[2, 16, 3" in message, message  # what the other arguments agree on
+
+
+@pytest.mark.parametrize("name", PER_TOKEN)
+def test_step_leading_shape_mismatch_names_the_argument(name):
+    good = {k: (a if k == "bank" else a[:, 0]) for k, a in random_problem(4, B=3, T=1, H=2, K=8, D=4, W=2, R=3).items()}
+    bad = {k: (a if k == "bank" else a[:, 0]) for k, a in random_problem(4, B=1, T=1, H=2, K=8, D=4, W=2, R=3).items()}
+    with pytest.raises(ValueError, match=rf"^sdm_step: `{name}` has shape \(1, 2"):
+        sdm_step(**dict(good, **{name: bad[name]}), impl="xla")
+
+
+def test_bank_batch_mismatch_names_the_bank():
+    bank = np.zeros((1, 3, 8, 4), np.float32)
+    with pytest.raises(ValueError, match=r"`bank` has shape \(1, 3, 8, 4\), expected \[B, H, K, D\] = \[2, 3, K, D\]"):
+        call(bank=bank)
+
+
+# float64: the kernels compute in float32 and take float32 or bfloat16 banks; the pure-JAX paths compute in the bank's
+# dtype, so with x64 on a float64 bank runs there (the tests' float64 token loop is the oracle of every path; its
+# numbers against the chunked form's: test_xla.py).
+
+@pytest.mark.parametrize("op", ["sdm_write_read", "sdm_step"])
+def test_float64_bank_served_by_the_pure_jax_paths_only(op):
+    with jax.enable_x64(True):
+        p = random_problem(5, B=2, T=6 if op == "sdm_write_read" else 1, H=2, K=8, D=4, W=2, R=3, dtype=np.float64)
+        if op == "sdm_step":
+            p = {k: (a if k == "bank" else a[:, 0]) for k, a in p.items()}
+        fn = sdm_write_read if op == "sdm_write_read" else sdm_step
+        for impl in ("xla", "reference"):
+            y, final = jax.eval_shape(lambda p: fn(**p, impl=impl), p)
+            assert y.dtype == final.dtype == jnp.float64, impl
+        for impl in ("auto", "ffi"):
+            with pytest.raises(TypeError, match=rf"^{op}: `bank` has dtype float64, expected float32 or bfloat16 "
+                                                r"\(a float64 bank needs impl='xla' or impl='reference'\)"):
+                fn(**p, impl=impl)

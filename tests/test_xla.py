@@ -13,6 +13,7 @@ from jax_sdm.testing import (FLOAT_ARGS, check_against_reference, cotangents, ou
 xla_op = functools.partial(sdm_write_read, impl="xla")
 
 
+@pytest.mark.slow  # the bfloat16 rounding points: test_ffi_op.py compares the kernels with this path
 def test_xla_bfloat16_bank():
     args = random_problem(11, T=48, K=32, D=16, W=4, R=4, distinct=False, dtype=jnp.bfloat16)
     # The reference computes in float32 with a float32 bank; the chunked form rounds each written row to
@@ -20,6 +21,7 @@ def test_xla_bfloat16_bank():
     check_against_reference(xla_op, args, 16, 2e-2, 11)
 
 
+@pytest.mark.slow  # three compilations per case; test_ffi_op.py checks the chunk sizes on the kernels
 @pytest.mark.parametrize("chunk_sizes", [(1, 7, 16), (16, 64, 256)])
 def test_xla_chunk_size_only_changes_rounding(chunk_sizes):
     args = random_problem(5, T=70, K=16, W=4, R=4, distinct=False, repeats=True)
@@ -43,6 +45,7 @@ def test_xla_float64_agrees_to_1e10():
             assert rel_err(g[k], g_ref[k]) < 1e-10, k
 
 
+@pytest.mark.slow  # JAX batches the pure-JAX path; test_transformations.py checks vmap of the kernels
 def test_xla_under_vmap():
     args = random_problem(13, B=1, T=20, K=16, W=3, R=2, distinct=False)
     stacked = {k: np.stack([v, v[..., ::-1] if k.endswith("idx") else 0.5 * v]) for k, v in args.items()}
@@ -86,7 +89,7 @@ def test_xla_gradient_memory_of_the_wide_problem():
     assert temp < 0.15 * 2**30, f"{temp / 2**30:.3f} GB"
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", [0] + [pytest.param(s, marks=pytest.mark.slow) for s in (1, 2)])
 def test_xla_bfloat16_gradient_of_a_tiny_bank_rewritten_often(seed):
     """A bfloat16 bank of 2-3 rows, each written and read ~100 times in chunks of 100 tokens: the gradients keep the
     token loop's accuracy against a float64 token loop (the bank's gradient was at 3e-2 to 1e-1 while it was kept in
