@@ -69,6 +69,7 @@ def test_xla_phase1_memory_grows_with_entries_times_chunk():
     assert temp < 32 * 2**20, f"{temp / 2**20:.1f} MB"
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a bound on XLA's CPU buffer assignment")
 def test_xla_gradient_memory_of_the_wide_problem():
     """The wide problem (B 1, T 300, K 1024, D 37, W 256, R 200, per-write gates, chunk 128): the compiled gradient's
     temporary buffers stay under 0.15 GB (measured 0.08 GB; 0.26 GB before Phase 1's pair sums went in blocks of
