@@ -9,7 +9,7 @@
 
 #include "ffi/common.h"
 #include "kernels/bf16.h"
-#include "kernels/steps.h"
+#include "kernels/chunk_steps.h"
 
 namespace sdm_ffi {
 
@@ -34,7 +34,7 @@ inline ffi::Error StepDimsOf(const char* op, const ffi::AnyBuffer& bank, const S
   return ffi::Error::Success();
 }
 
-// The workspace holds `floats` floats (kernels/steps.h forward_workspace_floats / backward_workspace_floats; any
+// The workspace holds `floats` floats (kernels/chunk_steps.h forward_workspace_floats / backward_workspace_floats; any
 // shape: vmap adds a leading dim).
 inline ffi::Error CheckWorkspace(const char* op, const ffi::Buffer<ffi::F32>& ws, int64_t floats) {
   if (static_cast<int64_t>(ws.element_count()) == floats) return ffi::Error::Success();
@@ -225,7 +225,7 @@ SDM_BACKWARD_PARAMS, BackwardCall* call) {
 }
 
 // Packed sequences: the targets `sdm_forward_packed` and `sdm_backward_packed` take the plain handlers' buffers,
-// then these (docs/DESIGN.md "Packed sequences"; kernels/steps.h, StepSegments).
+// then these (docs/DESIGN.md "Packed sequences"; kernels/chunk_steps.h, StepSegments).
 #define SDM_FORWARD_SEGMENT_PARAMS                                                                           \
   ::xla::ffi::AnyBuffer initial, ::sdm_ffi::S32 local, ::sdm_ffi::S32 seg0, ::sdm_ffi::RS32 stamp,           \
       ::sdm_ffi::RS32 stamp_snapshot

@@ -1,6 +1,6 @@
 // XLA FFI handlers `sdm_forward` and `sdm_backward`, and their packed-sequence variants `sdm_forward_packed` and
 // `sdm_backward_packed` (platform cpu): check, then run the chunk loops of
-// kernels/steps_cpu.cc (docs/DESIGN.md "Forward steps", "Backward steps"). The bank is updated in place: it
+// kernels/chunk_steps/cpu.cc (docs/DESIGN.md "Forward steps", "Backward steps"). The bank is updated in place: it
 // arrives aliased to the first result (input_output_aliases). The workspace result is the CUDA kernels'; the
 // CPU kernels keep their scratch per thread.
 #include <cstring>

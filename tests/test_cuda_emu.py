@@ -1,5 +1,5 @@
-"""The CUDA chunk steps (kernels/steps_cuda.cu) run on the CPU by the host emulation of scripts/cuda_emu against
-the CPU kernels (kernels/steps_cpu.cc): a smoke run of four tiny cases of the steps check (a float32 bank with
+"""The CUDA chunk steps (kernels/chunk_steps/) run on the CPU by the host emulation of scripts/cuda_emu against
+the CPU kernels (kernels/chunk_steps/cpu.cc): a smoke run of four tiny cases of the steps check (a float32 bank with
 4-column rows, C = 5, V = 2; a bfloat16 bank and gradient bank with 16-byte rows and long write groups; packed
 sequences with several segments per chunk, some starting at a chunk's first token; 5 chunks, whose backward
 rebuilds its ring of group tables for 3 batches of chunks), so that

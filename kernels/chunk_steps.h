@@ -6,8 +6,8 @@
 // stream (v, p) at (v*P + p)*K. A chunk step depends on the previous chunk through the bank only, so chunks run
 // in order and the V*P streams of one chunk in parallel. Every bank row, gradient row and output cell has one
 // writer, and each sum runs in a fixed order: results are bitwise reproducible (docs/MATH.md "Determinism").
-#ifndef JAX_SDM_KERNELS_STEPS_H_
-#define JAX_SDM_KERNELS_STEPS_H_
+#ifndef JAX_SDM_KERNELS_CHUNK_STEPS_H_
+#define JAX_SDM_KERNELS_CHUNK_STEPS_H_
 
 #include <cstdint>
 
@@ -139,4 +139,4 @@ int backward_cuda(const StepDims& dims, const StepPhase1& p1, const BackwardIO& 
 
 }  // namespace sdm
 
-#endif  // JAX_SDM_KERNELS_STEPS_H_
+#endif  // JAX_SDM_KERNELS_CHUNK_STEPS_H_
