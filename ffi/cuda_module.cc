@@ -1,6 +1,7 @@
 // nanobind module jax_sdm._sdm_cuda: the CUDA FFI handlers as capsules.
 #include <nanobind/nanobind.h>
 
+#include "kernels/chunk_steps.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -16,6 +17,8 @@ extern "C" XLA_FFI_Error* SdmDecodeStepCuda(XLA_FFI_CallFrame* call_frame);
 
 NB_MODULE(_sdm_cuda, m) {
   m.doc() = "jax_sdm CUDA kernels as XLA FFI handlers (platform 'CUDA').";
+  // The build's SDM_CUDA_PDL option (kernels/chunk_steps.h).
+  m.attr("programmatic_dependent_launch") = sdm::kChunkStepsPdl;
   m.def(
       "registrations",
       []() {

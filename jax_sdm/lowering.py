@@ -60,6 +60,11 @@ _sdm_cuda = _import_extension("_sdm_cuda", required=False)  # None: built withou
 
 HAS_CUDA_MODULE: bool = _sdm_cuda is not None
 
+# Whether the CUDA chunk steps launch with programmatic dependent launch (the build option SDM_CUDA_PDL, on by
+# default; kernels/chunk_steps.h); None without the CUDA module.
+CUDA_PROGRAMMATIC_DEPENDENT_LAUNCH: bool | None = (None if _sdm_cuda is None
+                                                   else bool(_sdm_cuda.programmatic_dependent_launch))
+
 # platform name (as jax.ffi.register_ffi_target spells it) -> extension module
 _MODULES = {"cpu": _sdm_cpu}
 if _sdm_cuda is not None:

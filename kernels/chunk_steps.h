@@ -97,6 +97,15 @@ template <typename BankT, typename GradT>
 void backward_cpu(const StepDims& dims, const StepPhase1& p1, const BackwardIO& io, BankT* bank, GradT* dbank,
                   const StepSegments* segments = nullptr);
 
+// Whether the CUDA loops launch their kernels with programmatic dependent launch (on compute capability 9.0 and
+// later): the build's SDM_CUDA_PDL (CMake option, ON by default). The results are the same either way.
+// compute-sanitizer's racecheck and synccheck crash on such launches; a build with SDM_CUDA_PDL=OFF serves them
+// (scripts/gpu_check.sh sanitize).
+#ifndef SDM_CUDA_PDL
+#define SDM_CUDA_PDL 1
+#endif
+constexpr bool kChunkStepsPdl = SDM_CUDA_PDL != 0;
+
 // CUDA: the same loops, enqueued on `stream` (no allocation, no synchronisation; the launch configuration
 // depends on the shapes only). `workspace` holds forward_workspace_floats(dims) / backward_workspace_floats(dims)
 // floats (the handlers of both platforms take it, so that their interfaces are the same): first three per-chunk

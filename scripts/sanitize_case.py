@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sdm import sdm_step, sdm_write_read
+import jax_sdm
+from jax_sdm import lowering, sdm_step, sdm_write_read
 from jax_sdm.testing import FLOAT_ARGS, cotangents, random_problem
 
 
@@ -62,7 +63,16 @@ CASES = [
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cases", default="0,1,2,3,4,5,6,7", help="comma list of CASES indices")
-    cases = [int(i) for i in parser.parse_args().cases.split(",")]
+    parser.add_argument("--pdl", choices=("on", "off"),
+                        help="the build expected: the CUDA chunk steps with programmatic dependent launch (on) or "
+                             "without (off: built with the CMake option SDM_CUDA_PDL=OFF); exits 2 on the other")
+    args = parser.parse_args()
+    built = lowering.CUDA_PROGRAMMATIC_DEPENDENT_LAUNCH
+    print(f"jax_sdm from {jax_sdm.__file__}: programmatic dependent launch {built}")
+    if args.pdl is not None and built != (args.pdl == "on"):
+        print(f"expected a build with programmatic dependent launch {args.pdl}")
+        return 2
+    cases = [int(i) for i in args.cases.split(",")]
     results = [r for i in cases for r in CASES[i]()]
     bad = [i for i, r in enumerate(results) if not np.all(np.isfinite(np.asarray(r, np.float32)))]
     print(f"{len(results)} results, {len(bad)} not finite")

@@ -1,7 +1,6 @@
 """impl="ffi" (the default on CPU): the whole op on our C++ kernels, against the golden files and the token loop."""
 import functools
 import hashlib
-import os
 import re
 import subprocess
 import sys
@@ -216,14 +215,12 @@ _PROCESS_SCRIPT = textwrap.dedent("""
 
 
 def test_ffi_bitwise_across_processes():
-    run = lambda **env: subprocess.run([sys.executable, "-c", _PROCESS_SCRIPT], capture_output=True, text=True,
-                                       check=True, env=dict(os.environ, **env)).stdout.strip().splitlines()[-1]
+    run = lambda: subprocess.run([sys.executable, "-c", _PROCESS_SCRIPT], capture_output=True, text=True,
+                                 check=True).stdout.strip().splitlines()[-1]
     args = random_problem(41, T=50, K=10, W=4, R=3, distinct=False, repeats=True)
     dy, dbank = cotangents(41, args)
     here = _digest(*outputs_and_grads(ffi_op, args, dy, dbank, chunk_size=16))
-    # SDM_CUDA_FRESH=0: the CUDA steps copy the whole input bank into the result and update it in place instead
-    # of filling a fresh result: the same bits
-    assert run() == run() == run(SDM_CUDA_FRESH="0") == here
+    assert run() == run() == here
 
 
 def test_ffi_under_vmap_folds_into_streams():

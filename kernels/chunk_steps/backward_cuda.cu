@@ -33,7 +33,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const BackRows rows{workspace, workspace + n};
   const ChunkTables ring(dm, workspace, table_chunks(dm), true);
   const bool pdl = use_pdl();
-  const bool dy_staged = dense_staged(dm.C, dy_staged_max_c(), kDySmem);
+  const bool dy_staged = dense_staged(dm.C, kStagedDyMaxC, kDySmem);
   const bool staged = dense_staged(dm.C, kStagedLoopMaxC, kBwdApplySmem);
   const auto bwd_dy = dy_staged ? bwd_dy_kernel<T, true> : bwd_dy_kernel<T, false>;
   const auto bwd_apply = staged ? bwd_apply_inverse_kernel<true> : bwd_apply_inverse_kernel<false>;
@@ -41,7 +41,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const bool by_first = segments == nullptr;
   // A fresh gradient bank: the cotangent's rows are read until the first Phase A or read side (in the loop's
   // order, the last chunk first) that writes them.
-  const bool fresh = segments == nullptr && dbank_in != dbank && use_fresh();
+  const bool fresh = segments == nullptr && dbank_in != dbank;
   const FreshArrays fa = fresh_arrays_at(dm, ring.end(dm), false);
   const GT* zero_row = reinterpret_cast<const GT*>(fa.zero_row);
   int rc = 0;
@@ -78,7 +78,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const dim3 write_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
   const dim3 read_grid(dm.streams(), (dm.C * dm.R + kGroupWarps - 1) / kGroupWarps);
   constexpr int kGVec = kGVecOf<VEC, GT>;
-  const RowBlock rb = row_block(dm.D, kGVec, dm.W, gather_parts(kGwrGatherParts));
+  const RowBlock rb = row_block(dm.D, kGVec, dm.W, kGwrGatherParts);
   const auto gwr = segments ? bwd_gwr_kernel<kGVec, GT, true, false>
                    : fresh  ? bwd_gwr_kernel<kGVec, GT, false, true>
                             : bwd_gwr_kernel<kGVec, GT, false, false>;

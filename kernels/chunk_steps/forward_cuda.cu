@@ -25,7 +25,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   const ChunkRows rows{save ? io.vg : workspace, workspace + n, save ? io.delta : workspace + 2 * n, save};
   const ChunkTables group_tables(dm, workspace, dm.NC, false);
   const bool pdl = use_pdl();
-  const bool fresh = segments == nullptr && input != bank && use_fresh();
+  const bool fresh = segments == nullptr && input != bank;
   const FreshArrays fa = fresh_arrays_at(dm, group_tables.end(dm), true);
   const bool staged = dense_staged(dm.C, kStagedLoopMaxC, kFwdApplySmem);
   const auto fwd_apply = staged ? fwd_apply_inverse_kernel<true> : fwd_apply_inverse_kernel<false>;
@@ -45,7 +45,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   if (!rc) rc = smem_attribute(fwd_apply, smem);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
   const dim3 group_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
-  const RowBlock rb = row_block(dm.D, VEC, std::max(dm.W, dm.R), gather_parts(kForwardGatherParts));
+  const RowBlock rb = row_block(dm.D, VEC, std::max(dm.W, dm.R), kForwardGatherParts);
   const dim3 gather_grid(dm.streams(), dm.C, 2);
   // The chunk steps: gather, apply the inverse, write (with packed sequences the gathers pick each row's bank, and
   // the write kernel stores the last segment's groups and stamps their rows; with a fresh output bank the gathers

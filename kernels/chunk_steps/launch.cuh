@@ -6,8 +6,6 @@
 #define JAX_SDM_KERNELS_CHUNK_STEPS_LAUNCH_CUH_
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 #include "kernels/chunk_steps/dense.cuh"
 #include "kernels/chunk_steps/device.cuh"
@@ -49,41 +47,13 @@ inline bool dense_staged(int64_t C, int max_c, const DenseSmem& smem) {
   return smem.bytes(C, true) <= static_cast<size_t>(limit);
 }
 
-// An integer A/B setting from the environment: 0 when unset or not a number.
-inline int env_int(const char* name) {
-  const char* env = std::getenv(name);
-  return env ? std::atoi(env) : 0;
-}
-
-// Largest chunk size whose dy part is staged: kStagedDyMaxC, or what SDM_CUDA_DY_STAGED_MAX_C sets (for measuring:
-// staged or not, every sum is the same; the shared-memory limit still applies).
-inline int dy_staged_max_c() {
-  static const int max_c = env_int("SDM_CUDA_DY_STAGED_MAX_C");
-  return max_c > 0 ? max_c : kStagedDyMaxC;
-}
-
-// An A/B switch read once per process: on unless the environment sets `name` to 0.
-inline bool env_switch(const char* name) {
-  const char* env = std::getenv(name);
-  return env == nullptr || std::strcmp(env, "0") != 0;
-}
-
-// Whether the kernels of a call are launched with programmatic stream serialization (chain_start): on devices of
-// compute capability 9.0 and later, unless SDM_CUDA_PDL=0 (for measuring the difference; results are the same
-// either way, only the scheduling changes).
+// Whether the kernels of a call are launched with programmatic stream serialization (device.cuh chain_start): on
+// devices of compute capability 9.0 and later, in a build with SDM_CUDA_PDL (kernels/chunk_steps.h
+// kChunkStepsPdl). The results are the same either way, only the scheduling changes.
 inline bool use_pdl() {
-  static const bool enabled = env_switch("SDM_CUDA_PDL");
   int device = 0, major = 0;
-  return enabled && cudaGetDevice(&device) == cudaSuccess &&
+  return kChunkStepsPdl && cudaGetDevice(&device) == cudaSuccess &&
          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
-}
-
-// Whether a result the caller hands as a buffer of its own is filled fresh (first writes read the input; see
-// prepare_fresh), unless SDM_CUDA_FRESH=0: then the whole input is copied into it first and updated in place (for
-// measuring the difference; the results are the same bit for bit).
-inline bool use_fresh() {
-  static const bool enabled = env_switch("SDM_CUDA_FRESH");
-  return enabled;
 }
 
 // One kernel launch of a call on `stream`, with programmatic dependent launch when `pdl`; the launch's error.
@@ -103,18 +73,9 @@ int launch(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t sm
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...));
 }
 
-// Lane parts per block of the row gathers (row_block): `fallback` (the forward gather's 1, the GWR gather's 2), or
-// what SDM_CUDA_GATHER_PARTS sets for both (1, 2 or 4; for measuring: the parts' partial sums are added in part
-// order, so the rounding changes with their number). Measured on the H200 (flagship, chunk 128, NOTES v15, v21):
-// 2 parts of 32 lanes in blocks of 256 threads beat 4 of 16 in blocks of 512 in both; the forward gather's 1 part
-// of 64 lanes beat 2 by 28 us a call, the GWR gather with 1 part was not faster.
-inline int gather_parts(int fallback) {
-  static const int parts = [] {
-    const int p = env_int("SDM_CUDA_GATHER_PARTS");
-    return p == 1 || p == 2 || p == 4 ? p : 0;
-  }();
-  return parts ? parts : fallback;
-}
+// Lane parts per block of the row gathers (row_block; their partial sums are added in part order, so the rounding
+// depends on their number): the forward gather's lanes in one part, the GWR gather's in 2, the faster choices on
+// the H200 (benchmarks/RESULTS.md).
 constexpr int kForwardGatherParts = 1, kGwrGatherParts = 2;
 
 // Block of a per-token gather: x threads, one per VEC columns (a whole number of warps, at most

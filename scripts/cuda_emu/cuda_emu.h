@@ -210,8 +210,16 @@ struct cudaLaunchConfig_t {
   cudaLaunchAttribute* attrs = nullptr;
   unsigned numAttrs = 0;
 };
+namespace emu {
+inline long launches = 0, pdl_launches = 0;  // cudaLaunchKernelEx's launches, and those with the PDL attribute
+}  // namespace emu
 template <typename... P, typename... A>
 int cudaLaunchKernelEx(const cudaLaunchConfig_t* cfg, void (*kernel)(P...), A... args) {
+  ++emu::launches;
+  for (unsigned i = 0; i < cfg->numAttrs; ++i)
+    if (cfg->attrs[i].id == cudaLaunchAttributeProgrammaticStreamSerialization &&
+        cfg->attrs[i].val.programmaticStreamSerializationAllowed)
+      ++emu::pdl_launches;
   emu::launch(kernel, cfg->gridDim, cfg->blockDim, cfg->dynamicSmemBytes, cfg->stream, static_cast<P>(args)...);
   return cudaGetLastError();
 }

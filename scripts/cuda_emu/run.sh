@@ -31,6 +31,8 @@
 # (-O1 by default; -O0 compiles faster for a few tiny cases: tests/test_cuda_emu.py). CUDA_EMU_BLOCKS=reverse|shuffle
 # runs the blocks of every launch in reverse or shuffled order (forward by default): a result that changes with the
 # order shows a dependence between blocks that a GPU, running them in any order and at once, would not honour.
+# CUDA_EMU_DEFINES adds compiler definitions to every source, e.g. -DSDM_CUDA_PDL=0 (the build option of
+# kernels/chunk_steps.h: the steps check prints how many launches had programmatic dependent launch).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
@@ -46,6 +48,7 @@ case "$MODE" in
   asan) FLAGS="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined" ;;
   *) echo "mode: plain, tsan or asan" >&2; exit 2 ;;
 esac
+FLAGS="$FLAGS ${CUDA_EMU_DEFINES:-}"
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 # compile OBJECTS_VAR SOURCES...: one compiler per source, at once; the objects' paths appended to the array

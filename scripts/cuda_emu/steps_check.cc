@@ -32,6 +32,7 @@
 #include <string>
 #include <utility>
 
+#include "cuda_emu.h"
 #include "kernels/bf16.h"
 #include "kernels/chunk_steps.h"
 #include "kernels/phase1.h"
@@ -467,6 +468,11 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
   return fails;
 }
 
+// The CUDA loops' launches, and those with programmatic dependent launch (kernels/chunk_steps.h kChunkStepsPdl).
+void print_launches() {
+  std::printf("launches: %ld, with programmatic dependent launch: %ld\n", emu::launches, emu::pdl_launches);
+}
+
 int run_case(const Case& c, uint32_t seed, bool verbose) {
   if (!c.bf16_bank) return run_typed<float, float>(c, seed, verbose);
   if (!c.bf16_grad) return run_typed<bf16, float>(c, seed, verbose);
@@ -547,7 +553,8 @@ int main(int argc, char** argv) {
     }
     std::printf("%d failing cases\n", fails);
     for (auto& w : worst) std::printf("  max over cases: %-14s abs %-10.3g rel %.3g\n", w.name.c_str(), w.abs, w.rel);
-      return fails != 0;
+    print_launches();
+    return fails != 0;
   }
   // CASE: an index or a comma-separated list of them (all cases by default); one case prints its errors per output.
   std::vector<int> only;
@@ -570,5 +577,6 @@ int main(int argc, char** argv) {
   }
   std::printf("%d failing cases\n", fails);
   for (auto& w : worst) std::printf("  max over cases: %-14s abs %-10.3g rel %.3g\n", w.name.c_str(), w.abs, w.rel);
+  print_launches();
   return fails != 0;
 }
