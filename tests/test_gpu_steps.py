@@ -8,8 +8,15 @@ import numpy as np
 import pytest
 
 from jax_sdm import ffi_ops, layout
-from jax_sdm.kernel_path import kernel_layout
 from jax_sdm.testing import random_problem, rel_err
+
+
+def kernel_layout(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
+    """The kernels' arguments in kernel layout: bank `[P, K, D]` and per-token arrays `[NC, P, C, ...]`, in the
+    order (bank, k_idx, k_val, x, v, beta, q_idx, q_val) (`layout.stream_arguments` with `B, H` merged into `P`)."""
+    bank, *tokens = layout.stream_arguments(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
+    return (bank.reshape(dims.P, dims.K, dims.D),) + tuple(
+        a.reshape((dims.NC, dims.P) + a.shape[3:]) for a in tokens)
 
 def poison_allocator(device, nbytes=1 << 28):
     """Fill and free a large buffer with NaN so that fresh result buffers are unlikely to start at zero."""
@@ -34,7 +41,7 @@ def run_steps(device, bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank):
     bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank = map(put, (bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank))
     poison_allocator(device)
     fwd = jax.jit(lambda *a: ffi_ops.forward_ffi(*a, save=True))
-    final, y, delta, vg, snap = fwd(bank, k_idx, q_idx, v, beta, p1, minv)
+    final, y, delta, vg, snap = fwd(bank, k_idx, q_idx, v, beta, p1, minv)[:5]
     no_grad = jax.jit(lambda *a: ffi_ops.forward_ffi(*a, save=False))(bank, k_idx, q_idx, v, beta, p1, minv)
     # The final bank is a buffer of its own (rows read from the initial bank until their first write): the
     # initial bank stays as it was.
