@@ -22,8 +22,8 @@ __host__ __device__ inline int tile_rows(int64_t C) { return static_cast<int>((C
 
 // A dense kernel reads the unit's C x C matrices from shared memory when they fit next to its slices ("staged"),
 // else from global memory through L1. Staged, a block issues every load it needs at its start as asynchronous
-// copies and waits once: the kernels were bound by serial rounds of global loads (the slice, then each matrix, then
-// the epilogue's rows), with one block of a few warps per SM to hide them. The in-loop kernels are staged up to
+// copies and waits once, instead of waiting on serial rounds of global loads (the slice, then each matrix, then the
+// epilogue's rows) with one block of a few warps per SM to hide them. The in-loop kernels are staged up to
 // C = kStagedLoopMaxC where the device allows a block the shared memory (the forward's: 67 KB at C = 64, 199 KB at
 // C = 128, within the 227 KB of sm_90); the dy part (all chunks in one launch, throughput-bound with several
 // blocks per SM) up to kStagedDyMaxC. Host-side (dense_staged in launch.cuh).
