@@ -63,7 +63,7 @@ if has tests; then
   if [ -n "${GPU_TEST_FILES:-}" ]; then
     files=($GPU_TEST_FILES)
   else
-    files=(test_ffi_op.py test_nn.py test_gpu_steps.py test_gpu_phase1.py $(cd "$REPO/tests" && ls test_gpu_*.py |
+    files=(test_kernel_path.py test_nn.py test_gpu_steps.py test_gpu_phase1.py $(cd "$REPO/tests" && ls test_gpu_*.py |
       grep -v -e test_gpu_steps.py -e test_gpu_phase1.py) test_oracles.py test_grad_bank.py test_step.py
       ${GPU_TEST_EXTRA:-})
   fi
@@ -140,7 +140,7 @@ if has sanitize; then
       XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
       timeout ${SANITIZE_TIMEOUT:-200} compute-sanitizer --tool "$tool" --error-exitcode 3 "${regex[@]}" \
         --print-limit ${SANITIZE_PRINT_LIMIT:-100} \
-        python3 "$REPO/scripts/sanitize_case.py" --pdl $expect ${SANITIZE_CASES:+--cases $SANITIZE_CASES} > "$log" 2>&1
+        python3 "$REPO/tests/sanitize_case.py" --pdl $expect ${SANITIZE_CASES:+--cases $SANITIZE_CASES} > "$log" 2>&1
     summary "sanitize $tool${SANITIZE_TAG:-} rc=$?: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|results," "$log" | tr '\n' ' ')"
     # The reports counted by kind and kernel location (the full log can be large).
     grep -E "^========= +(Uninitialized|Invalid|Race|Barrier|Error|at )" "$log" | sed -E 's/\(.*\)\+/+/' \
@@ -159,9 +159,9 @@ if has profile; then
         # XLA must not preallocate (the profiler needs device memory) nor autotune (its kernels would be profiled).
         XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 \
         timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes.sum --csv \
-          python3 "$REPO/scripts/profile_steps.py" "$shape" "$chunk" "$mode" > "$OUT/$name.csv" 2>> "$OUT/ncu_err.log"
+          python3 "$REPO/benchmarks/profile_steps.py" "$shape" "$chunk" "$mode" > "$OUT/$name.csv" 2>> "$OUT/ncu_err.log"
         summary "profile $shape C$chunk $mode rc=$?"
-        python3 "$REPO/scripts/ncu_summary.py" "$OUT/$name.csv" | tee "$OUT/$name.txt" | head -30
+        python3 "$REPO/benchmarks/ncu_summary.py" "$OUT/$name.csv" | tee "$OUT/$name.txt" | head -30
       done
     done
   done
@@ -171,7 +171,7 @@ if has profile; then
     XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 \
     timeout 300 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \
       --section MemoryWorkloadAnalysis --section LaunchStats --kernel-id "::regex:$PROFILE_KERNELS:${PROFILE_INVOCATION:-30}" \
-      python3 "$REPO/scripts/profile_steps.py" flagship ${PROFILE_DETAIL_CHUNK:-64} \
+      python3 "$REPO/benchmarks/profile_steps.py" flagship ${PROFILE_DETAIL_CHUNK:-64} \
       > "$OUT/ncu_detail.txt" 2>> "$OUT/ncu_err.log"
     summary "profile detail rc=$?"
   fi
@@ -182,7 +182,7 @@ if has timeline; then
   for shape in ${PROFILE_SHAPES:-flagship}; do
     for mode in ${PROFILE_MODES:-grad nograd}; do
       name=timeline_${shape}_${PROFILE_CHUNKS:-64}_$mode${TIMELINE_TAG:-}
-      timeout 200 python3 "$REPO/scripts/timeline.py" "$shape" ${PROFILE_CHUNKS:-64} "$mode" > "$OUT/$name.txt" 2>&1
+      timeout 200 python3 "$REPO/benchmarks/timeline.py" "$shape" ${PROFILE_CHUNKS:-64} "$mode" > "$OUT/$name.txt" 2>&1
       summary "timeline $shape $mode${TIMELINE_TAG:-} rc=$?: $(grep -E "^span" "$OUT/$name.txt" | head -1)"
     done
   done

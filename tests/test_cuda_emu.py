@@ -1,4 +1,4 @@
-"""The CUDA kernels run on the CPU by the host emulation of scripts/cuda_emu, against the CPU kernels.
+"""The CUDA kernels run on the CPU by the host emulation of tests/cuda_emu, against the CPU kernels.
 
 - The chunk steps (kernels/chunk_steps/) against kernels/chunk_steps/cpu.cc: a smoke run of four tiny cases of the
   steps check (a float32 bank with 4-column rows, C = 5, V = 2; a bfloat16 bank and gradient bank with 16-byte rows
@@ -9,7 +9,7 @@
 - The decode step (kernels/decode_step_cuda.cu) against kernels/decode_step_cpu.cc, bitwise.
 - The solve (kernels/solve_cuda.cu, both of its kernels) against kernels/solve_cpu.cc, bitwise.
 
-The full checks are `bash scripts/cuda_emu/run.sh plain steps|decode|solve` (developer tools: a few minutes).
+The full checks are `bash tests/cuda_emu/run.sh plain steps|decode|solve` (developer tools: a few minutes).
 Skipped without a C++20 g++ or bash."""
 import os
 import pathlib
@@ -21,7 +21,7 @@ import tempfile
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-RUN = ROOT / "scripts" / "cuda_emu" / "run.sh"
+RUN = ROOT / "tests" / "cuda_emu" / "run.sh"
 
 
 def _has_cxx20_barrier():

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from jax_sdm import ffi_ops, layout
-from jax_sdm.testing import random_problem, rel_err
+from jax_sdm.testing import random_problem
+
+from .helpers import rel_err
 
 
 def kernel_layout(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):

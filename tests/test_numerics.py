@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from jax_sdm import sdm_write_read
-from jax_sdm.testing import FLOAT_ARGS, cotangents, extreme_gates, outputs_and_grads, random_problem, \
-    rel_err, token_loop64
+from jax_sdm.testing import random_problem
+
+from .helpers import FLOAT_ARGS, cotangents, extreme_gates, outputs_and_grads, rel_err, token_loop64
 
 CHUNKED = ("ffi", "xla")
 TOL = 1e-5

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from jax_sdm import kernel_path, sdm_write_read
-from jax_sdm.testing import FLOAT_ARGS, outputs_and_grads, random_problem, rel_err, run_on_host_devices
+from jax_sdm.testing import random_problem
+
+from .helpers import FLOAT_ARGS, outputs_and_grads, rel_err, run_on_host_devices
 
 TOKEN_ARGS = ("k_idx", "k_val", "v", "beta", "g", "q_idx", "q_val")
 TOL = 2e-5

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from jax_sdm import sdm_reference, sdm_write_read
-from jax_sdm.testing import (FLOAT_ARGS, check_against_reference, cotangents, outputs_and_grads,
-                             random_problem, rel_err)
+from jax_sdm.testing import random_problem
+
+from .helpers import FLOAT_ARGS, check_against_reference, cotangents, outputs_and_grads, rel_err
 
 xla_op = functools.partial(sdm_write_read, impl="xla")
 

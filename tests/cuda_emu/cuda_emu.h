@@ -1,5 +1,5 @@
 // Host emulation of the CUDA features the kernels of kernels/phase1_cuda.cu and kernels/chunk_steps/ use
-// (scripts/cuda_emu/run.sh): one block at a time, one std::thread per CUDA thread (the threads of a launch are
+// (tests/cuda_emu/run.sh): one block at a time, one std::thread per CUDA thread (the threads of a launch are
 // started once and walk its blocks in turn), std::barrier for __syncthreads / __syncwarp and the warp collectives.
 // 1-3D grids and blocks (threads numbered x fastest, warps of 32 consecutive threads), dynamic shared memory (one
 // buffer of exactly the launch's size, refilled with a byte pattern before every block: 0xff, a float NaN, so that

@@ -13,7 +13,9 @@ import numpy as np
 
 import jax_sdm
 from jax_sdm import lowering, sdm_step, sdm_write_read
-from jax_sdm.testing import FLOAT_ARGS, cotangents, random_problem
+from jax_sdm.testing import random_problem
+
+from helpers import FLOAT_ARGS, cotangents
 
 
 def op_case(seed, dtype, bank_grad_dtype=None, chunk=16, segment_ids=None, **shape):

@@ -4,9 +4,9 @@
 # __syncthreads, __syncwarp and the warp collectives are barriers (cuda_emu.h). It says nothing about speed, and a
 # GPU run stays the final word.
 #
-#   bash scripts/cuda_emu/run.sh [plain|tsan|asan] [phase1|steps|decode|solve|all] [CASE [SEED] | random SEED COUNT]
-#   bash scripts/cuda_emu/run.sh [plain|tsan|asan] steps [cpu-both] [CASE [SEED] | random SEED COUNT]
-#   bash scripts/cuda_emu/run.sh [plain|tsan|asan] steps [cpu-both] shape V NC P C W R K D f32|bf16 f32|bf16 INVALID
+#   bash tests/cuda_emu/run.sh [plain|tsan|asan] [phase1|steps|decode|solve|all] [CASE [SEED] | random SEED COUNT]
+#   bash tests/cuda_emu/run.sh [plain|tsan|asan] steps [cpu-both] [CASE [SEED] | random SEED COUNT]
+#   bash tests/cuda_emu/run.sh [plain|tsan|asan] steps [cpu-both] shape V NC P C W R K D f32|bf16 f32|bf16 INVALID
 #        PAD [SEED [SEGS]]
 #
 # Checks: phase1 (the default, as before) runs kernels/phase1_cuda.cu against kernels/phase1_cpu.cc
