@@ -1,6 +1,6 @@
-// CPU chunk steps (kernels/chunk_steps.h): the forward chunk step of docs/MATH.md "Chunked form" (gather, apply
-// the inverse, write with snapshot) and the backward of docs/MATH.md "Backward of a chunk" (GWR, the readings' and
-// the inverse's adjoints, Phase A, read side), one function per phase.
+// CPU chunk steps (kernels/chunk_steps.h): the forward chunk step of docs/MATH.md "The forward chunk step" (gather,
+// apply the inverse, write with snapshot) and the backward of docs/MATH.md "Backward of a chunk" (GWR, the readings'
+// and the inverse's adjoints, Phase A, read side), one function per phase.
 //
 // Streams are independent through every chunk, so each thread takes whole streams and runs their chunks in
 // order; every value is computed by one thread in a fixed order, whatever the split.
@@ -83,9 +83,9 @@ inline int32_t group_slot(const int32_t* order, const int32_t* group, const int3
   return (s >= 0 && s < K) ? s : -1;
 }
 
-// One unit's view of the packed sequences (kernels/chunk_steps.h, StepSegments): which bank a token reads a row from, and
-// which write groups the chunk stores. Without segments every row is read from the working bank and every group
-// is stored.
+// One unit's view of the packed sequences (kernels/chunk_steps.h, StepSegments): which bank a token reads a row
+// from, and which write groups the chunk stores. Without segments every row is read from the working bank and every
+// group is stored.
 template <typename BankT>
 struct UnitSegments {
   const int32_t* local = nullptr;  // null: no segments
@@ -120,7 +120,7 @@ struct Scratch {
   explicit Scratch(int64_t n) : a(n), b(n), c(n), d(n), e(n) {}
 };
 
-// The snapshot (MATH.md "Backward of a chunk"; ForwardIO::snapshot): per unit and write group g, the row of the
+// The snapshot (MATH.md "The forward chunk step"; ForwardIO::snapshot): per unit and write group g, the row of the
 // group's slot before the chunk's write, in the bank's dtype. The forward stores it (store_snapshot), Phase A reads
 // it as S0 and puts it back into the bank (restore_snapshot); these are the only functions that know its layout.
 template <typename BankT>
@@ -140,7 +140,7 @@ void restore_snapshot(const BankT* snap_row, BankT* row, int64_t D) {
   std::copy(snap_row, snap_row + D, row);
 }
 
-// ---- The forward chunk step (MATH.md "Chunked form"): gather, apply the inverse, write.
+// ---- The forward chunk step (MATH.md "The forward chunk step"): gather, apply the inverse, write.
 
 // Apply the inverse: u = beta (v - G), delta = Minv u, y = Q0 + QK delta. G becomes v - G when `save_vg`.
 void apply_inverse(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, int64_t u, float* G, bool save_vg,

@@ -1,4 +1,4 @@
-// The kernels of the forward chunk step (docs/MATH.md "Chunked form": the forward chunk step), one launch each per
+// The kernels of the forward chunk step (docs/MATH.md "The forward chunk step"), one launch each per
 // chunk: the gathers G and Q0 (fwd_gather_kernel), applying the inverse (fwd_apply_inverse_kernel: u, Delta, Y),
 // and the write with its snapshot (fwd_write_kernel; with packed sequences packed.cuh's).
 #ifndef JAX_SDM_KERNELS_CHUNK_STEPS_FORWARD_CUH_

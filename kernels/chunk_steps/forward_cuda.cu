@@ -1,5 +1,5 @@
-// The CUDA forward chunk loop, forward_cuda (kernels/chunk_steps.h; docs/MATH.md "Chunked form": the forward chunk
-// step; docs/DESIGN.md "Forward steps"): the math of cpu.cc laid out for the GPU. Before the loop, for a fresh
+// The CUDA forward chunk loop, forward_cuda (kernels/chunk_steps.h; docs/MATH.md "The forward chunk
+// step"; docs/DESIGN.md "Forward steps"): the math of cpu.cc laid out for the GPU. Before the loop, for a fresh
 // result, each slot's first writing chunk and the gather lanes' row tags (fresh.cuh), then the write groups' tables
 // (groups.cuh); per chunk, three maximally parallel kernels on the caller's stream (forward.cuh):
 //

@@ -1,6 +1,6 @@
 // The group kernels of the chunk steps with packed sequences (docs/DESIGN.md "Packed sequences"): the forward
-// write (docs/MATH.md "Chunked form") and the backward's Phase A and read side (docs/MATH.md "Backward of a chunk"),
-// each row taken as of its segment's start. The gathers (forward.cuh, backward_rows.cuh) serve packed sequences
+// write (docs/MATH.md "The forward chunk step") and the backward's Phase A and read side (docs/MATH.md "Backward of
+// a chunk"), each row taken as of its segment's start. The gathers (forward.cuh, backward_rows.cuh) serve packed sequences
 // through their row sources (rows.cuh).
 //
 // Phase 1 ran on virtual slots (slot + K * local), so a group holds the entries of one slot and one segment of the

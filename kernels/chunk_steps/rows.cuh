@@ -1,5 +1,5 @@
-// Where the chunk-step kernels read bank rows, and the per-token gather of rows (docs/MATH.md "Chunked form": the
-// gathers G and Q0 of the forward chunk step; "Backward of a chunk": GWR): the per-chunk scratch rows of the
+// Where the chunk-step kernels read bank rows, and the per-token gather of rows (docs/MATH.md "The forward
+// chunk step": the gathers G and Q0; "Backward of a chunk": GWR): the per-chunk scratch rows of the
 // workspace, the sources of a gathered row (one bank; with packed sequences the working or the initial bank; a fresh
 // result's input or result, by row tag) and gather_row, the gather of one token's row.
 #ifndef JAX_SDM_KERNELS_CHUNK_STEPS_ROWS_CUH_

@@ -1,4 +1,4 @@
-// The snapshot of the CUDA chunk steps (docs/MATH.md "Backward of a chunk": the snapshot; kernels/chunk_steps.h
+// The snapshot of the CUDA chunk steps (docs/MATH.md "The forward chunk step": the snapshot; kernels/chunk_steps.h
 // ForwardIO::snapshot): for every unit and write group g, the row of the group's slot as it was before the chunk's
 // write, in the bank's dtype, at [unit, g]. The forward's write kernels store it (snapshot_store), VEC columns per
 // lane at a time; Phase A reads it as S0 for its dots (a row of the bank's dtype at snapshot_row) and puts it back
