@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import lowering
-from .xla import Phase1
+from .layout import Phase1
 
 
 def _call(target, results, aliases=None, **operands):
@@ -92,7 +92,7 @@ def phase1_ffi(k_idx, k_val, x, q_idx, q_val, num_slots):
       num_slots: ``K``, a Python int; ids outside ``[0, K)`` are invalid entries.
 
     Returns:
-      A ``jax_sdm.xla.Phase1`` ``(log_k, rex, cpe, k_eff, w, log_q, q_w, A, QK, w_order, w_group, r_order,
+      A ``Phase1`` (``jax_sdm.layout``) ``(log_k, rex, cpe, k_eff, w, log_q, q_w, A, QK, w_order, w_group, r_order,
       r_group, repeats)`` with the batch shape ``...`` in front of the per-unit shapes of DESIGN.md.
     """
     batch, C, W, R, K = _phase1_dims("phase1_ffi", k_idx, k_val, x, q_idx, q_val, num_slots)

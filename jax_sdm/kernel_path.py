@@ -15,8 +15,8 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.interpreters import ad
 
 from . import ffi_ops, layout, lowering, segments
+from .layout import Phase1
 from .sharding import BANK, UNITS, explicit_out_sharding, merge, per_stream, split, to_varying, varying_axes
-from .xla import Phase1
 
 
 class Packed(NamedTuple):

@@ -1,5 +1,6 @@
-// The bank-dependent chunk steps (docs/MATH.md "Chunked form" and "Backward of a chunk"), plain C++ / CUDA on
-// raw pointers.
+// The bank-dependent chunk steps (docs/MATH.md "The forward chunk step" and "Backward of a chunk"), plain C++ / CUDA
+// on raw pointers: the interface of kernels/chunk_steps/ (cpu.cc; the CUDA loops forward_cuda.cu and backward_cuda.cu
+// with the kernels in their headers). The extension modules give Python the workspace sizes below (ffi/targets.h).
 //
 // Layout (docs/DESIGN.md): per-token arrays are [V, NC, P, C, ...] (V independent problems, e.g. from vmap,
 // NC chunks, P streams), the unit (v, c, p) at index (v*NC + c)*P + p; the bank is [V, P, K, D], the rows of

@@ -191,18 +191,30 @@ def entry_ops_of_shape(hlo, shape):
     return re.findall(rf"= [a-z0-9]+{dims}\S* ([\w-]+)\(", entry)
 
 
+# Runs the test module tests/<name>.py as __main__ inside the package `tests` (so that its relative imports work)
+# without putting the repository on sys.path (which would shadow the installed jax_sdm with the source tree's).
+_RUN_TEST_MODULE = """
+import importlib.util, runpy, sys
+spec = importlib.util.spec_from_file_location("tests", {init!r}, submodule_search_locations=[{tests!r}])
+package = importlib.util.module_from_spec(spec)
+sys.modules["tests"] = package
+spec.loader.exec_module(package)
+runpy.run_module("tests.{name}", run_name="__main__", alter_sys=True)
+"""
+
+
 def run_on_host_devices(script, n_devices, timeout):
-    """Run `python script` in a fresh process whose CPU backend has `n_devices` devices (XLA's host-platform device
-    count is fixed when jax starts, so a test needing several devices runs its body there); return the JSON object
-    on the last line of its output."""
+    """Run the test module `script` (its `__file__`) as `__main__` in a fresh process whose CPU backend has
+    `n_devices` devices (XLA's host-platform device count is fixed when jax starts, so a test needing several
+    devices runs its body there); return the JSON object on the last line of its output."""
     import json
     import os
     import subprocess
-    import sys
 
     flags = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n_devices}").strip()
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=timeout)
+    code = _RUN_TEST_MODULE.format(init=str(TESTS / "__init__.py"), tests=str(TESTS), name=pathlib.Path(script).stem)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
