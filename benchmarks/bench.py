@@ -1,6 +1,6 @@
 """Time `sdm_write_read` forward and forward+backward for each implementation; print a Markdown table.
 
-    python benchmarks/bench.py [--impls reference,xla,ffi] [--shape cpu-small|cpu-large|small|mid|flagship]
+    python benchmarks/bench.py [--impls reference,xla,ffi] [--shape cpu-small|cpu-large|small|mid|flagship|paper|mid-16k|...]
                                [--repeats N] [--pipeline N] [--chunk C] [--detail] [--loss y+bank|y]
 
 * forward: `jax.jit` of the op, returning `(y, final_bank)`.
@@ -54,15 +54,22 @@ SHAPES = {
     "small": dict(B=8, H=1, T=2048, K=16384, D=128, W=16, R=16, chunk=64, dtype="bfloat16"),
     "mid": dict(B=4, H=1, T=4096, K=65536, D=512, W=32, R=32, chunk=64, dtype="bfloat16"),
     "flagship": dict(B=4, H=1, T=4096, K=65536, D=1024, W=64, R=64, chunk=64, dtype="bfloat16"),
+    # the shape the reference's authors benchmarked their first version at: one head of width 2048, 512^2 slots
+    "paper": dict(B=2, H=1, T=8192, K=262144, D=2048, W=64, R=64, chunk=64, dtype="bfloat16"),
 }
+# Long-context variants of the anchors: the same streams and bank, 4x and 8x the tokens.
+for _name in ("mid", "flagship"):
+    for _T in (16384, 32768):
+        SHAPES[f"{_name}-{_T // 1024}k"] = dict(SHAPES[_name], T=_T)
 
-# The reference PyTorch package on one H200, bfloat16 bank, at its best chunk size (measured 2026-12-01; ms, GiB):
-# forward + backward, no-grad forward, peak training memory. A user picks the best chunk of each implementation, so
-# the ratios compare against these whatever chunk we run.
+# The reference PyTorch package on one H200, bfloat16 bank, at its best chunk size (measured side by side with ours
+# on 2026-12-03; ms, GiB): forward + backward, no-grad forward, peak training memory. A user picks the best chunk of
+# each implementation, so the ratios compare against these whatever chunk we run.
 ANCHORS = {
-    "small": dict(fwd_bwd=5.50, nograd_fwd=1.93, peak_gib=0.39),
-    "mid": dict(fwd_bwd=6.65, nograd_fwd=2.09, peak_gib=1.56),
-    "flagship": dict(fwd_bwd=12.50, nograd_fwd=3.85, peak_gib=3.92),
+    "small": dict(fwd_bwd=6.35, nograd_fwd=1.91, peak_gib=0.32),
+    "mid": dict(fwd_bwd=7.46, nograd_fwd=2.68, peak_gib=1.54),
+    "flagship": dict(fwd_bwd=13.41, nograd_fwd=4.59, peak_gib=3.99),
+    "paper": dict(fwd_bwd=25.15, nograd_fwd=7.77, peak_gib=9.54),
 }
 
 NA, OOM, ERROR = "n/a", "OOM", "error"

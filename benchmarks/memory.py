@@ -30,17 +30,21 @@ def main(argv=None):
     ap.add_argument("--shape", default="flagship", choices=sorted(SHAPES))
     ap.add_argument("--chunk", type=int)
     ap.add_argument("--impl", default="ffi")
+    ap.add_argument("--T", type=int, help="override the shape's sequence length")
+    ap.add_argument("--nograd-only", action="store_true", help="only the no-grad forward")
     ap.add_argument("--hlo", help="write each compiled module's text here")
     ap.add_argument("--loss", choices=["y+bank", "y"], default="y+bank",
                     help="bench.py's training loss (y: the readings only, no bank-sized cotangent)")
     a = ap.parse_args(argv)
     shape = dict(SHAPES[a.shape])
+    if a.T:
+        shape["T"] = a.T
     chunk = a.chunk or shape["chunk"]
     args, dy, dbank = abstract_inputs(shape)
     fwd, grad = make_functions(a.impl, chunk, dy, None if a.loss == "y" else dbank)
     gib = 2.0**30
-    print(f"{a.impl} {a.shape} chunk {chunk} on {jax.devices()[0].platform}, loss {a.loss}")
-    for name, fn in (("no-grad fwd", fwd), ("fwd+bwd (one jit)", grad)):
+    print(f"{a.impl} {a.shape} T {shape['T']} chunk {chunk} on {jax.devices()[0].platform}, loss {a.loss}")
+    for name, fn in (("no-grad fwd", fwd), ("fwd+bwd (one jit)", grad))[:1 if a.nograd_only else 2]:
         compiled = fn.lower(*args).compile()
         m = compiled.memory_analysis()
         peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)

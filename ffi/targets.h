@@ -14,6 +14,7 @@
 #include "ffi/chunk_steps_common.h"
 #include "ffi/decode_step_common.h"
 #include "ffi/phase1_common.h"
+#include "ffi/product_key_topk_common.h"
 #include "ffi/solve_common.h"
 #include "kernels/chunk_steps.h"
 #include "kernels/phase1.h"
@@ -27,7 +28,9 @@
   X(P, "sdm_backward", Backward, SDM_BACKWARD_BUFFERS)                     \
   X(P, "sdm_forward_packed", ForwardPacked, SDM_FORWARD_PACKED_BUFFERS)    \
   X(P, "sdm_backward_packed", BackwardPacked, SDM_BACKWARD_PACKED_BUFFERS) \
-  X(P, "sdm_decode_step", DecodeStep, SDM_DECODE_BUFFERS)
+  X(P, "sdm_decode_step", DecodeStep, SDM_DECODE_BUFFERS)                  \
+  X(P, "sdm_product_key_topk", ProductKeyTopk, SDM_PKTOPK_BUFFERS)         \
+  X(P, "sdm_product_key_topk_bwd", ProductKeyTopkBwd, SDM_PKTOPK_BWD_BUFFERS)
 
 // The handler symbols of platform P (Cpu or Cuda), and their capsules by target name in the dict `d`.
 #define SDM_FFI_DECLARE_HANDLER(P, name, stem, LIST) extern "C" XLA_FFI_Error* Sdm##stem##P(XLA_FFI_CallFrame*);

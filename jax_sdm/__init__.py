@@ -3,10 +3,11 @@ import importlib
 from importlib import metadata as _metadata
 
 from .ops import default_chunk_size, sdm_write_read
+from .product_key import product_key_topk
 from .reference import sdm_reference
 from .step import sdm_step
 
-__all__ = ["sdm_write_read", "sdm_step", "sdm_reference", "default_chunk_size"]
+__all__ = ["sdm_write_read", "sdm_step", "sdm_reference", "default_chunk_size", "product_key_topk"]
 
 try:  # one version number: pyproject.toml's, read from the installed package's metadata
     __version__ = _metadata.version("jax_sdm")

@@ -243,7 +243,7 @@ def _phase1_operands(p1, names):
     return {n: getattr(p1, n) for n in names}
 
 
-def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None):
+def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_place=False):
     """The forward chunk loop (docs/DESIGN.md "Forward steps").
 
     Args:
@@ -254,6 +254,8 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None):
       k_idx, q_idx, v, beta: `[..., NC, P, C, W|R|D]` / `[..., NC, P, C]` (kernel layout).
       p1: Phase 1's outputs (`Phase1`) in the same layout; minv: the solve's `[..., NC, P, C, C]`.
       save: keep the residuals for the backward (else they come back empty and nothing is saved).
+      in_place: without `segments`, the final bank aliases `bank` (updated in place: the chunk loop of a
+        forward in slabs carries the bank from one slab to the next without copying it).
       segments: None, or a `ForwardSegments` for packed sequences. `p1` must then come from the virtual slot ids
         (`segments.virtual_slots`); `k_idx` and `q_idx` are the real ones.
 
@@ -279,7 +281,7 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None):
                     beta=beta.astype(f32), minv=minv,
                     **_phase1_operands(p1, ("k_eff", "w", "cpe", "q_w", "QK", "w_order", "w_group")))
     if segments is None:
-        outs = _call("sdm_forward", results, **operands)
+        outs = _call("sdm_forward", results, aliases=dict(bank="bank_out") if in_place else None, **operands)
     else:
         results.update(stamp=jax.ShapeDtypeStruct(bank.shape[:-1], i32),
                        stamp_snapshot=residual(tokens[:-1] + (C * W,), i32))

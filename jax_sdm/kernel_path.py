@@ -95,10 +95,56 @@ def _phase1_slots(k_idx, q_idx, packed, num_slots):
             segments.virtual_slot_count(num_slots, k_idx.shape[-2]))
 
 
-def _sdm_kernels_fwd(inputs, num_slots, save=True):
+# A forward without residuals runs in slabs of chunks of about this many tokens, carrying the bank from one to the
+# next: its temporaries (Phase 1's records, the solves, the steps' float32 vectors) are a slab's, whatever T is.
+NOGRAD_SLAB_TOKENS = 4096
+
+
+def _forward_in_slabs(inputs, num_slots, slab):
+    """The kernels' forward without residuals (`_sdm_kernels_fwd` with `save=False`, no packed sequences) in slabs
+    of `slab` chunks: `(y [NC, P, C, D] in the bank's dtype, final_bank, repeats [NC, P])`, the same bits as one
+    call over all chunks (every phase works chunk by chunk). The first slab makes a new final bank (the kernels read
+    each row from the input until its first write); the later ones update it in place inside a `lax.scan`, and write
+    their readings into the one output array."""
+    NC = inputs.k_idx.shape[0]
+    tokens = inputs._replace(bank=None, packed=None)  # the per-token arrays [NC, ...]
+
+    def run(bank, chunks, in_place):
+        p1 = ffi_ops.phase1_ffi(chunks.k_idx, chunks.k_val, chunks.x, chunks.q_idx, chunks.q_val, num_slots)
+        minv = ffi_ops.solve_ffi(p1.A, chunks.beta)
+        out = ffi_ops.forward_ffi(bank, chunks.k_idx, chunks.q_idx, chunks.v, chunks.beta, p1, minv, False,
+                                  in_place=in_place)
+        return out.bank, out.y.astype(bank.dtype), p1.repeats
+
+    slice_tokens = lambda f: jax.tree_util.tree_map(f, tokens)
+    final, y0, r0 = run(inputs.bank, slice_tokens(lambda a: a[:slab]), False)
+    y = jnp.zeros((NC,) + y0.shape[1:], y0.dtype).at[:slab].set(y0)
+    repeats = jnp.zeros((NC,) + r0.shape[1:], r0.dtype).at[:slab].set(r0)
+
+    def body(carry, start):
+        final, y, repeats = carry
+        final, y_s, r_s = run(final, slice_tokens(lambda a: jax.lax.dynamic_slice_in_dim(a, start, slab)), True)
+        return (final, jax.lax.dynamic_update_slice_in_dim(y, y_s, start, 0),
+                jax.lax.dynamic_update_slice_in_dim(repeats, r_s, start, 0)), None
+
+    full = NC // slab
+    starts = jnp.arange(1, full, dtype=jnp.int32) * slab
+    (final, y, repeats), _ = jax.lax.scan(body, (final, y, repeats), starts)
+    if NC > full * slab:  # the last, partial slab
+        final, y_s, r_s = run(final, slice_tokens(lambda a: a[full * slab:]), True)
+        y, repeats = y.at[full * slab:].set(y_s), repeats.at[full * slab:].set(r_s)
+    return y, final, repeats
+
+
+def _sdm_kernels_fwd(inputs, num_slots, save=True, slab_tokens=None):
     """The kernels' forward on `Inputs` in kernel layout (bank `[P, K, D]`): `((y [NC, P, C, D] float32, final_bank,
     repeats [NC, P]), saved)`, `saved` the `Saved` residuals for the backward (None with `save=False`).
-    `stream_kernels` runs it (and `_sdm_kernels_bwd`) per shard inside its custom VJP."""
+    `stream_kernels` runs it (and `_sdm_kernels_bwd`) per shard inside its custom VJP. Without `save` and packed
+    sequences, a sequence of more than `slab_tokens` tokens runs in slabs (`_forward_in_slabs`); `y` is then in the
+    bank's dtype already."""
+    slab = max(1, (slab_tokens or NOGRAD_SLAB_TOKENS) // inputs.k_idx.shape[-2])
+    if not save and inputs.packed is None and inputs.k_idx.shape[0] > slab:
+        return _forward_in_slabs(inputs, num_slots, slab), None
     bank, packed = inputs.bank, inputs.packed
     p1_k_idx, p1_q_idx, p1_slots = _phase1_slots(inputs.k_idx, inputs.q_idx, packed, num_slots)
     p1 = ffi_ops.phase1_ffi(p1_k_idx, inputs.k_val, inputs.x, p1_q_idx, inputs.q_val, p1_slots)
@@ -129,8 +175,9 @@ def _sdm_kernels_bwd(num_slots, inputs, final, saved, dy, dfinal):
         # The final bank's rows of the last segment are the working bank's, the others the initial bank's.
         current = (stamp == packed.last[..., None])[..., None]
         zero = jnp.zeros((), dfinal.dtype)
-        out = ffi_ops.backward_ffi(work, jnp.where(current, dfinal, zero), *steps, segments=ffi_ops.BackwardSegments(
-            inputs.bank, packed.local, packed.seg0, stamp, saved.packed.stamp_snapshot, jnp.where(current, zero, dfinal)))
+        segs = ffi_ops.BackwardSegments(inputs.bank, packed.local, packed.seg0, stamp, saved.packed.stamp_snapshot,
+                                        jnp.where(current, zero, dfinal))
+        out = ffi_ops.backward_ffi(work, jnp.where(current, dfinal, zero), *steps, segments=segs)
         dbank = out.dbank.astype(jnp.float32) + out.dinitial.astype(jnp.float32)
     p1_k_idx, p1_q_idx, p1_slots = _phase1_slots(inputs.k_idx, inputs.q_idx, packed, num_slots)
     dk_val, dx, dq_val = ffi_ops.phase1_bwd_ffi(p1_k_idx, inputs.k_val, inputs.x, p1_q_idx, inputs.q_val, p1_slots,

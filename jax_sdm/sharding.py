@@ -208,3 +208,70 @@ def explicit_out_sharding(bank, *tokens):
     y = named(k_spec[0] or b, k_spec[1], k_spec[2] or h, None)
     final = named(bank_spec[0] or b, bank_spec[1] or h, *bank_spec[2:4])
     return (y, final, named()), tuple(mesh.explicit_axes)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Row-wise partitioning: functions that act on each row (the last axis) of their operands independently
+
+
+@functools.lru_cache(maxsize=None)
+def _rowwise_partitioned(local_fn, in_ranks, out_ranks, replicated):
+    """`local_fn(static, *arrays)` as a custom-partitioned function whose operands and results share their leading
+    axes (every axis but the last), each of which may be sharded; the last axis, and every axis of the operands in
+    `replicated`, is replicated."""
+    fn = custom_partitioning(local_fn, static_argnums=(0,))
+    lead = in_ranks[next(i for i in range(len(in_ranks)) if i not in replicated)] - 1
+    others = []
+
+    def mapping(prefix, i, rank, rows):
+        names = [f"r{d}" for d in range(lead)] if rows else []
+        for d in range(len(names), rank):
+            names.append(f"{prefix}{i}d{d}")
+            others.append(names[-1])
+        return " ".join(names)
+
+    ins = ", ".join(mapping("i", i, r, i not in replicated) for i, r in enumerate(in_ranks))
+    outs = ", ".join(mapping("o", i, r, True) for i, r in enumerate(out_ranks))
+
+    def shardings(mesh, arg_shapes, result_shape):
+        row_op = next(s for i, s in enumerate(arg_shapes) if i not in replicated)
+        spec = tuple(getattr(row_op.sharding, "spec", None) or ()) + (None,) * lead
+        rows = spec[:lead]
+        ins = tuple(NamedSharding(mesh, PartitionSpec()) if i in replicated else
+                    NamedSharding(mesh, PartitionSpec(*rows, None)) for i in range(len(arg_shapes)))
+        outs = tuple(NamedSharding(mesh, PartitionSpec(*rows, None)) for _ in result_shape)
+        return ins, outs
+
+    def partition(static, mesh, arg_shapes, result_shape):
+        ins, outs = shardings(mesh, arg_shapes, result_shape)
+        return mesh, functools.partial(local_fn, static), outs, ins
+
+    def infer_sharding_from_operands(static, mesh, arg_shapes, result_shape):
+        return shardings(mesh, arg_shapes, result_shape)[1]
+
+    fn.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands,
+                     sharding_rule=f"{ins} -> {outs}", need_replication_factors=tuple(others))
+    return fn
+
+
+def rowwise(local_fn, static, arrays, replicated=()):
+    """Call `local_fn(static, *arrays) -> tuple of arrays` row by row: under SPMD each device runs the rows of its
+    shard (the leading axes keep their sharding, the last axis and the `replicated` operands are replicated; no
+    all-gather of the rows); under `vmap` the mapped axis joins the rows (still one call)."""
+    replicated = tuple(replicated)
+
+    @custom_vmap
+    def call(*arrays):
+        out_ranks = tuple(len(o.shape) for o in jax.eval_shape(functools.partial(local_fn, static), *arrays))
+        fn = _rowwise_partitioned(local_fn, tuple(a.ndim for a in arrays), out_ranks, replicated)
+        return tuple(fn(static, *arrays))
+
+    @call.def_vmap
+    def call_vmap(axis_size, in_batched, *arrays):
+        arrays = [a if i in replicated else a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+                  for i, (a, b) in enumerate(zip(arrays, in_batched))]
+        if any(b for i, b in enumerate(in_batched) if i in replicated):
+            raise NotImplementedError("rowwise: a replicated operand cannot be mapped by vmap")
+        return call(*arrays), (True,) * len(jax.eval_shape(functools.partial(local_fn, static), *arrays))
+
+    return call(*arrays)

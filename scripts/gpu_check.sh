@@ -2,7 +2,7 @@
 # The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
 #
 #   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,memory,profile,
-#                                          timeline,sanitize,rowbw (default: build,tests,determinism,bench)
+#                                          timeline,sanitize,rowbw,layer (default: build,tests,determinism,bench)
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
 # metadata, so the commit the logs name is taken from SDM_COMMIT when set.
@@ -65,7 +65,7 @@ if has tests; then
   else
     files=(test_kernel_path.py test_nn.py test_gpu_steps.py test_gpu_phase1.py $(cd "$REPO/tests" && ls test_gpu_*.py |
       grep -v -e test_gpu_steps.py -e test_gpu_phase1.py) test_oracles.py test_grad_bank.py test_step.py
-      ${GPU_TEST_EXTRA:-})
+      test_slab_forward.py ${GPU_TEST_EXTRA:-})
   fi
   jobs=${GPU_TEST_JOBS:-3}
   if [ "$jobs" -le 1 ]; then
@@ -111,6 +111,14 @@ if has bench; then
     > "$OUT/bench_decode.log" 2>&1
   summary "bench_decode rc=$?"
   grep "^|" "$OUT/bench_decode.log" | tee -a "$OUT/summary.txt"
+fi
+pack
+if has layer; then
+  # The Flax layer against the op alone at the layer configs (benchmarks/bench_layer.py), with device timelines
+  # of the layer's calls grouped by its named scopes. LAYER_ARGS: extra arguments (e.g. "--config a").
+  timeout 400 python3 "$REPO/benchmarks/bench_layer.py" --trace ${LAYER_ARGS:-} > "$OUT/bench_layer.log" 2>&1
+  summary "bench_layer rc=$?"
+  grep -E "^\|" "$OUT/bench_layer.log" | tee -a "$OUT/summary.txt"
 fi
 pack
 if has sanitize; then

@@ -191,6 +191,71 @@ def entry_ops_of_shape(hlo, shape):
     return re.findall(rf"= [a-z0-9]+{dims}\S* ([\w-]+)\(", entry)
 
 
+def kernel_layout(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
+    """The kernels' arguments in kernel layout as `kernel_path.Inputs` (no packed sequences): bank `[P, K, D]` and
+    per-token arrays `[NC, P, C, ...]` (`layout.stream_arguments` with `B, H` merged into `P`)."""
+    from jax_sdm import kernel_path, layout
+
+    bank, *tokens = layout.stream_arguments(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
+    return kernel_path.Inputs(bank.reshape(dims.P, dims.K, dims.D),
+                              *(a.reshape((dims.NC, dims.P) + a.shape[3:]) for a in tokens), None)
+
+
+def product_key_brute_force(x, factors, k):
+    """`product_key_topk`'s slot ids `[..., k]` the slow way, for tests: every slot scored (numpy, float32 sums in
+    factor order) and all of them sorted by (score desc with NaN last, rank tuple lexicographic), the order that
+    `product_key_topk` documents."""
+    x = np.asarray(np.asarray(x, np.float32))
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    offsets = np.cumsum((0,) + tuple(factors))
+    out = np.empty((rows.shape[0], k), np.int32)
+    for r, row in enumerate(rows):
+        grid, rank_key = None, np.zeros((), np.int64)
+        for f, n in enumerate(factors):
+            s = row[offsets[f]:offsets[f + 1]]
+            rank = np.empty(n, np.int64)
+            rank[np.argsort(-s, kind="stable")] = np.arange(n)  # numpy sorts NaN last and -0 with +0
+            grid = s if grid is None else np.add.outer(grid, s).astype(np.float32)
+            rank_key = np.add.outer(rank_key * n, rank)
+        out[r] = np.lexsort((rank_key.ravel(), -grid.ravel()))[:k]
+    return out.reshape(lead + (k,))
+
+
+def product_key_slot_scores(x, factors, ids):
+    """Differentiable: the scores of slots `ids` from the full grid of sums (broadcast in factor order)."""
+    import jax.numpy as jnp
+
+    x = x.astype(jnp.float32)
+    offsets = np.cumsum((0,) + tuple(factors))
+    grid = None
+    for f in range(len(factors)):
+        s = x[..., offsets[f]:offsets[f + 1]]
+        s = s.reshape(s.shape[:-1] + (1,) * f + (factors[f],))
+        grid = s if grid is None else grid[..., None] + s
+    grid = grid.reshape(x.shape[:-1] + (-1,))
+    return jnp.take_along_axis(grid, jnp.asarray(ids), axis=-1)
+
+
+def product_key_scores(seed, lead, factors, kind="normal", dtype=None):
+    """Factor scores `[*lead, sum(factors)]` (default float32): standard normal, or with ties: "ints" (small integers:
+    exact ties within a factor and between slots), "equal", "special" (NaN, -inf, signed zeros, repeated values)."""
+    import jax.numpy as jnp
+
+    dtype = jnp.float32 if dtype is None else dtype
+    rng = np.random.default_rng(seed)
+    shape = tuple(lead) + (sum(factors),)
+    if kind == "normal":
+        x = rng.standard_normal(shape)
+    elif kind == "ints":
+        x = rng.integers(-2, 3, shape)
+    elif kind == "equal":
+        x = np.full(shape, 0.75)
+    elif kind == "special":
+        x = rng.choice(np.array([np.nan, -np.inf, -0.0, 0.0, 1.0, -1.0, 2.5]), shape)
+    return jnp.asarray(x, dtype)
+
+
 # Runs the test module tests/<name>.py as __main__ inside the package `tests` (so that its relative imports work)
 # without putting the repository on sys.path (which would shadow the installed jax_sdm with the source tree's).
 _RUN_TEST_MODULE = """

@@ -1,7 +1,8 @@
 """A small workload that runs every CUDA kernel of jax_sdm once, for compute-sanitizer (`gpu_check.sh sanitize`):
 the op's forward and backward (float32 and bfloat16 banks, both gradient-bank dtypes, per-token and per-write
 gates, repeated and out-of-range slot ids, packed sequences), Phase 1's workspace paths (a unit's run arrays, or
-all of its scratch, in the workspace: too large for shared memory), and the decode step (`--cases` picks some).
+all of its scratch, in the workspace: too large for shared memory), the decode step, and the product-key top-k's
+forward and backward (`--cases` picks some).
 Exits non-zero if a result is not finite."""
 import argparse
 import functools
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_sdm
-from jax_sdm import lowering, sdm_step, sdm_write_read
+from jax_sdm import lowering, product_key_topk, sdm_step, sdm_write_read
 from jax_sdm.testing import random_problem
 
 from helpers import FLOAT_ARGS, cotangents
@@ -47,6 +48,20 @@ def step_case():
     return [y, bank]
 
 
+def topk_case(seed, dtype, rows, factors, k):
+    """`product_key_topk`'s scores, ids and gradient in one `jax.jit` (scores and cotangents arguments)."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((rows, sum(factors))), dtype)
+    ct = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+
+    @jax.jit
+    def run(x, ct):
+        (scores, ids), vjp = jax.vjp(lambda a: product_key_topk(a, factors, k, impl="ffi"), x)
+        return scores, ids, vjp((ct, np.zeros(ids.shape, jax.dtypes.float0)))[0]
+
+    return list(run(x, ct))
+
+
 CASES = [
     lambda: op_case(0, np.float32, T=40, K=64, D=24, W=3, R=2, distinct=False, repeats=True),  # partial last chunk
     lambda: op_case(1, jnp.bfloat16, T=40, K=64, D=64, W=4, R=4, per_write_gates=True),
@@ -59,12 +74,16 @@ CASES = [
                     segment_ids=np.array([[0] * 5 + [1] * 11 + [2] * 16 + [-1] * 8, [4] * 16 + [2] * 3 + [9] * 21])),
     # Phase 1: all of the scratch in the workspace
     lambda: op_case(6, np.float32, chunk=128, B=1, H=1, T=128, K=4096, D=8, W=100, R=60),
+    # the product-key top-k: keys in registers, a block's last warps idle; keys recomputed (a factor and the
+    # candidates past 1024), backward rows of two tiles
+    lambda: topk_case(7, jnp.bfloat16, 37, (256, 256), 64),
+    lambda: topk_case(8, np.float32, 5, (1500, 1500), 256),
 ]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--cases", default="0,1,2,3,4,5,6,7", help="comma list of CASES indices")
+    parser.add_argument("--cases", default=",".join(map(str, range(len(CASES)))), help="comma list of CASES indices")
     parser.add_argument("--pdl", choices=("on", "off"),
                         help="the build expected: the CUDA chunk steps with programmatic dependent launch (on) or "
                              "without (off: built with the CMake option SDM_CUDA_PDL=OFF); exits 2 on the other")

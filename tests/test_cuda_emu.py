@@ -8,8 +8,11 @@
   SDM_CUDA_PDL=0 (kernels/chunk_steps.h) none, with the same results.
 - The decode step (kernels/decode_step_cuda.cu) against kernels/decode_step_cpu.cc, bitwise.
 - The solve (kernels/solve_cuda.cu, both of its kernels) against kernels/solve_cpu.cc, bitwise.
+- The product-key top-k (kernels/product_key_topk_cuda.cu, forward and backward) against
+  kernels/product_key_topk_cpu.cc, bitwise.
 
-The full checks are `bash tests/cuda_emu/run.sh plain steps|decode|solve` (developer tools: a few minutes).
+The full checks are `bash tests/cuda_emu/run.sh plain steps|decode|solve|product_key` (developer tools: a few
+minutes).
 Skipped without a C++20 g++ or bash."""
 import os
 import pathlib
@@ -76,3 +79,7 @@ def test_cuda_decode_step_on_cpu_matches_cpu_kernel():
 
 def test_cuda_solve_on_cpu_matches_cpu_kernel():
     run_check("solve", cases=10, opt="-O1")
+
+
+def test_cuda_product_key_topk_on_cpu_matches_cpu_kernel():
+    run_check("product_key", cases=88, opt="-O1")

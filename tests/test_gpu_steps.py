@@ -10,15 +10,8 @@ import pytest
 from jax_sdm import ffi_ops, layout
 from jax_sdm.testing import random_problem
 
-from .helpers import rel_err
+from .helpers import kernel_layout, rel_err
 
-
-def kernel_layout(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
-    """The kernels' arguments in kernel layout: bank `[P, K, D]` and per-token arrays `[NC, P, C, ...]`, in the
-    order (bank, k_idx, k_val, x, v, beta, q_idx, q_val) (`layout.stream_arguments` with `B, H` merged into `P`)."""
-    bank, *tokens = layout.stream_arguments(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
-    return (bank.reshape(dims.P, dims.K, dims.D),) + tuple(
-        a.reshape((dims.NC, dims.P) + a.shape[3:]) for a in tokens)
 
 def poison_allocator(device, nbytes=1 << 28):
     """Fill and free a large buffer with NaN so that fresh result buffers are unlikely to start at zero."""
@@ -30,8 +23,7 @@ def kernel_inputs(seed, chunk, **kw):
     with jax.default_device(jax.devices("cpu")[0]):
         args = {k: jnp.asarray(v) for k, v in random_problem(seed, **kw).items()}
         dims = layout.validate(*[args[k] for k in names], chunk)
-        bank, k_idx, k_val, x, v, beta, q_idx, q_val = kernel_layout(
-            *[args[k] for k in names], dims)
+        bank, k_idx, k_val, x, v, beta, q_idx, q_val, _ = kernel_layout(*[args[k] for k in names], dims)
         p1 = ffi_ops.phase1_ffi(k_idx, k_val, x, q_idx, q_val, dims.K)
         minv = ffi_ops.solve_ffi(p1.A, beta)
     return bank, k_idx, q_idx, v, beta, p1, minv

@@ -9,6 +9,9 @@ except ImportError as err:  # pragma: no cover - exercised only without flax
     raise ImportError('jax_sdm.nn needs flax: install the extra with pip install "jax_sdm[nn]"') from err
 
 from .addressing import balanced_factors, product_key_slots, topk_slots
-from .layer import SparseDeltaMemory
+from .parallel import head_parallel_specs
+from .layer import ACTIVATIONS, SparseDeltaMemory, decode_loop, memory_access_stats, weight_decay_mask
+from .reference_checkpoint import load_reference_state_dict
 
-__all__ = ["SparseDeltaMemory", "balanced_factors", "product_key_slots", "topk_slots"]
+__all__ = ["SparseDeltaMemory", "ACTIVATIONS", "balanced_factors", "decode_loop", "head_parallel_specs",
+           "load_reference_state_dict", "memory_access_stats", "product_key_slots", "topk_slots", "weight_decay_mask"]

@@ -3,10 +3,13 @@
 Both functions return `(scores [..., k], slot_ids [..., k])`, best first. The slot ids are discrete; the scores
 are gathered from the inputs, so gradients flow to the scores of the selected slots (and only to those).
 """
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+
+import jax_sdm
 
 
 def balanced_factors(num_slots, num_factors):
@@ -31,32 +34,36 @@ def balanced_factors(num_slots, num_factors):
 
 
 def topk_slots(scores, k):
-    """Top-`k` over all slots: `scores [..., K]` -> `(scores [..., k], slot_ids [..., k] int32)`."""
+    """Top-`k` over all slots: `scores [..., K]` -> `(scores [..., k], slot_ids [..., k] int32)`; among equal
+    scores the smaller slot id comes first."""
     if not 1 <= k <= scores.shape[-1]:
         raise ValueError(f"topk_slots: need 1 <= k <= K = {scores.shape[-1]}, got k = {k}")
-    values, ids = jax.lax.top_k(scores, k)
-    return values, ids.astype(jnp.int32)
+    # On a matrix of rows: XLA's fast top-k kernels match a matrix (on a higher rank it may sort every row).
+    values, ids = jax.lax.top_k(scores.reshape(-1, scores.shape[-1]), k)
+    return values.reshape(scores.shape[:-1] + (k,)), ids.astype(jnp.int32).reshape(scores.shape[:-1] + (k,))
 
 
-def product_key_slots(factor_scores, k):
-    """Top-`k` over the product of factors, without scoring all of them.
+def product_key_slots(factor_scores, k, *, impl="auto"):
+    """Top-`k` over the product of factors, exactly, without scoring all of them: `jax_sdm.product_key_topk` on
+    the factors' scores side by side.
 
-    `factor_scores` is a sequence of `F >= 1` arrays `[..., n_f]`; slot `(i_1, ..., i_F)` (mixed radix, the first
-    factor most significant: `id = (i_1 * n_2 + i_2) * n_3 + ...`) scores `sum_f factor_scores[f][..., i_f]`.
-    Returns the `k` best slots of all `prod(n_f)`, exactly: the top `k` of each factor, then factor by factor the
-    top `k` of the sums of the candidates kept so far with the next factor's (a slot among the best `k` has
-    every partial sum among the best `k` partial sums, so pruning to `k` at every step loses none).
+    `factor_scores` is a sequence of `F >= 1` arrays `[..., n_f]` (float32 or bfloat16); slot `(j_1, ..., j_F)`
+    (mixed radix, the first factor most significant: `id = (j_1 * n_2 + j_2) * n_3 + ...`) scores
+    `sum_f factor_scores[f][..., j_f]` (in float32, in factor order). Returns `(scores [..., k] float32,
+    slot_ids [..., k] int32)`, the best `k` of all `prod(n_f)` slots, best first, ties by the factors' rank
+    tuples (docs/MATH.md "Product-key top-k"); only the rank tuples with `prod(r_f + 1) <= k` are scored.
+    Gradients reach the selected slots' factor scores only. `impl` as for `product_key_topk`.
     """
     factor_scores = list(factor_scores)
-    total = math.prod(s.shape[-1] for s in factor_scores)
-    if not factor_scores or not 1 <= k <= total:
-        raise ValueError(f"product_key_slots: need at least one factor and 1 <= k <= {total} slots, got k = {k}")
-    scores, ids = jax.lax.top_k(factor_scores[0], min(k, factor_scores[0].shape[-1]))
-    for nxt in factor_scores[1:]:
-        n = nxt.shape[-1]
-        s2, i2 = jax.lax.top_k(nxt, min(k, n))
-        pair_scores = (scores[..., :, None] + s2[..., None, :]).reshape(scores.shape[:-1] + (-1,))
-        pair_ids = (ids[..., :, None] * n + i2[..., None, :]).reshape(ids.shape[:-1] + (-1,))
-        scores, pos = jax.lax.top_k(pair_scores, min(k, pair_scores.shape[-1]))
-        ids = jnp.take_along_axis(pair_ids, pos, axis=-1)
-    return scores, ids.astype(jnp.int32)
+    if not factor_scores:
+        raise ValueError("product_key_slots: need at least one factor")
+    sizes = tuple(int(s.shape[-1]) for s in factor_scores)
+    if not 1 <= k <= math.prod(sizes):
+        raise ValueError(f"product_key_slots: need 1 <= k <= {math.prod(sizes)} slots (factors {sizes}), got k = {k}")
+    lead = factor_scores[0].shape[:-1]
+    if any(s.shape[:-1] != lead for s in factor_scores):
+        raise ValueError(f"product_key_slots: the factors' leading shapes differ: "
+                         f"{[tuple(s.shape) for s in factor_scores]}")
+    dtype = functools.reduce(jnp.promote_types, [s.dtype for s in factor_scores])
+    x = jnp.concatenate([s.astype(dtype) for s in factor_scores], axis=-1)
+    return jax_sdm.product_key_topk(x, sizes, k, impl=impl)

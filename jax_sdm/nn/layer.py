@@ -1,5 +1,6 @@
 """`SparseDeltaMemory`: the SDM sequence mixer as a Flax NNX layer (projections, sparse addressing, gates,
-learned initial bank, decode state)."""
+learned initial bank, decode state), and its jitted decode loop."""
+import functools
 import math
 
 import jax
@@ -9,33 +10,57 @@ from flax import nnx
 
 import jax_sdm
 
-from .addressing import balanced_factors, product_key_slots, topk_slots
+from .addressing import balanced_factors, topk_slots
 
 ADDRESSINGS = ("product_key", "topk")
+FACTOR_SCORES = ("direct", "sub_keys")
 GATES = ("token", "write")
 INITIAL_BANKS = ("learned", "zeros")
+READOUT_NORMS = ("rms", "layer")
 IMPLS = ("auto", "ffi", "xla", "reference")
 
 
-def _gate_params(rng, num_heads, param_dtype):
-    """`A_log`, `dt_bias` as in gated delta nets: the decay rate `exp(A_log)` uniform in [1, 16], and the step
-    `softplus(dt_bias)` log-uniform in [1e-3, 1e-1], so the initial per-token gates lie between about -1.6 and
-    -1e-3 (long and short memories mixed across heads)."""
+def l2_normalize(x, axis=-1, eps=1e-12):
+    """`x / (|x|_2 + eps)` along `axis`."""
+    return x / (jnp.sqrt(jnp.sum(x * x, axis=axis, keepdims=True)) + eps)
+
+
+# Weight activations, applied to the selected slots' scaled scores `[..., k]`. The names of the PyTorch reference
+# layer's options ("Softmax", "l2_normalize", or a torch.nn activation's class name) map to these in lower case.
+ACTIVATIONS = {
+    "softmax": lambda s: jax.nn.softmax(s, axis=-1),
+    "l2_normalize": l2_normalize,
+    "identity": lambda s: s,
+    "sigmoid": jax.nn.sigmoid,
+    "tanh": jnp.tanh,
+    "relu": jax.nn.relu,
+    "gelu": lambda s: jax.nn.gelu(s, approximate=False),
+    "silu": jax.nn.silu,
+    "softplus": jax.nn.softplus,
+}
+
+
+def _gate_params(rng, num_heads, A_init_range, param_dtype):
+    """`A_log`, `dt_bias` as in gated delta nets: the decay rate `A = exp(A_log)` uniform in `A_init_range`
+    (at least 1e-4), and the step `softplus(dt_bias)` log-uniform in [1e-3, 1e-1], so that at init the per-token
+    gates `-A * softplus(a + dt_bias)` mix long and short memories across heads."""
     rate_key, dt_key = jax.random.split(rng)
-    A_log = jnp.log(jax.random.uniform(rate_key, (num_heads,), jnp.float32, 1.0, 16.0))
+    low, high = (float(v) for v in A_init_range)
+    A = jnp.maximum(jax.random.uniform(rate_key, (num_heads,), jnp.float32, low, high), 1e-4)
     dt = jnp.exp(jax.random.uniform(dt_key, (num_heads,), jnp.float32, math.log(1e-3), math.log(1e-1)))
+    dt = jnp.maximum(dt, 1e-4)
     dt_bias = dt + jnp.log(-jnp.expm1(-dt))  # the inverse of softplus
-    return A_log.astype(param_dtype), dt_bias.astype(param_dtype)
+    return jnp.log(A).astype(param_dtype), dt_bias.astype(param_dtype)
 
 
 class SparseDeltaMemory(nnx.Module):
     """Sparse Delta Memory as a sequence-mixing layer: `x [B, T, d_model] -> y [B, T, d_model]`.
 
     Every head owns a bank of `slots_per_head` rows of width `head_dim`. At each token the layer projects `x`
-    to a write query, a read query, a value, a write strength `beta` and a log-gate `g`; the queries pick
-    `num_writes` slots to write and `num_reads` slots to read (sparse addressing), and `jax_sdm.sdm_write_read`
-    runs the gated delta-rule recurrence over the sequence. The readings go through an optional norm and sigmoid
-    output gate, then an output projection.
+    (one matmul for all of it) to write and read addresses, a value, a write strength `beta` and a log-gate `g`;
+    the addresses pick `num_writes` slots to write and `num_reads` slots to read (sparse addressing), and
+    `jax_sdm.sdm_write_read` runs the gated delta-rule recurrence over the sequence. The readings go through an
+    optional norm and sigmoid output gate, then an output projection.
 
     Args:
       d_model: width of the input and output.
@@ -43,138 +68,280 @@ class SparseDeltaMemory(nnx.Module):
       slots_per_head: bank rows `K` per head.
       num_writes, num_reads: slots `W` written and `R` read per token and head (at most `K`).
       head_dim: bank row width `D` (default `d_model // num_heads`).
-      addressing: `"product_key"`: `K` is the product of `num_factors` factors (`balanced_factors`); each factor
-        has its own learned sub-keys and a slot scores the sum of its factors' scores; the top `k` slots are
-        found from the top `k` of each factor, never scoring all `K`. `"topk"`: one learned key per slot, scores
-        against all `K` (for small `K`).
-      num_factors: factors of product-key addressing (2 or more).
-      key_dim: width of a query (per factor) and of a slot key (default `head_dim`).
-      chunk_size, impl: passed to `jax_sdm.sdm_write_read` (`impl` "auto", "ffi", "xla" or "reference").
-      initial_bank: `"learned"` (a parameter `[H, K, D]`, zero at init, shared by the batch) or `"zeros"`.
-      softmax_weights: write and read weights are the softmax of the selected slots' scaled scores (default);
-        otherwise the scaled scores themselves.
-      score_scale: multiplies the scores (default `1 / sqrt(key_dim)`).
+      addressing: `"product_key"` (default): `K` is a product of factors and a slot scores the sum of its
+        factors' scores; the top `k` slots come from the top `k` of each factor, exactly, never scoring all `K`
+        (`jax_sdm.product_key_topk`). `"topk"`: one score per slot, ranked over all `K` (for small `K`).
+      factor_scores: how a factor's scores are made. `"direct"` (default): columns of the address projection,
+        `sum(factors)` per head and address (a factor's column `c` is its score of index `c`). `"sub_keys"`: a
+        query of width `key_dim` per factor, against that factor's learned sub-keys (shared by writes and
+        reads).
+      product_key_factors: the factors, any number (at least 2) of any sizes whose product is `slots_per_head`,
+        e.g. `(256, 256)` or `(64, 32, 32)`; the first is the most significant digit of a slot id. Default:
+        `balanced_factors(slots_per_head, num_factors)`.
+      num_factors: the number of balanced factors when `product_key_factors` is not given (2 or more).
+      key_dim: width of a query per factor and of a sub-key, for `factor_scores="sub_keys"` (default
+        `head_dim`).
+      write_activation, read_activation: how the selected slots' scaled scores become weights, one of
+        `ACTIVATIONS` ("softmax" (default), "l2_normalize", "identity", "sigmoid", "tanh", "relu", "gelu",
+        "silu", "softplus"; case-insensitive) or a callable on `[..., k]`.
+      write_scale, read_scale: multiply the selected scores before the activation (default 1 for direct scores,
+        `1 / sqrt(key_dim)` for sub-keys).
       gate: `"token"`: one log-gate per token and head, `g = -exp(A_log) * softplus(a + dt_bias)`; `"write"`:
-        per written slot, key-weighted, `g * |k_n|` (a slot written with a small weight decays less).
+        key-weighted decay, per written slot `g * |k_n|` (a slot written with a small weight decays less; for
+        nonnegative weights this is `g * k_n`).
+      query_batchnorm: batch-normalise the write and read address projections (over batch and time, padding
+        excluded), against slot collapse. Its running statistics are `nnx.BatchStat`s: `layer.train()` (the
+        default) normalises with the batch's statistics and updates them, `layer.eval()` uses them; `decode`
+        always uses them.
       output_gate: multiply the (normed) readings by `sigmoid` of a projection of `x`.
-      readout_norm: RMS-normalise each head's readings (one learned scale of width `D`, shared by the heads).
-      dtype: the computation dtype and the bank's (float32 or bfloat16); `beta` and `g` stay float32.
+      readout_norm: normalise each head's readings: `"rms"` (RMSNorm, default; `True` means it), `"layer"`
+        (LayerNorm with bias), `None` or `False` (none). One learned scale of width `D`, shared by the heads.
+      norm_eps: the readout norm's epsilon.
+      use_bias: biases on every projection (default True).
+      init_std: the projections' weights are truncated normal (cut at 3 standard deviations) with this standard
+        deviation (default `d_model ** -0.5`); biases start at zero.
+      bank_init_std: the learned initial bank's init, truncated normal as above (default `init_std`; 0 gives
+        zeros).
+      A_init_range: the range of the decay rates `exp(A_log)` at init.
+      initial_bank: `"learned"` (a parameter `[H, K, D]`, shared by the batch) or `"zeros"`.
+      chunk_size, impl: passed to `jax_sdm.sdm_write_read` (`impl` "auto", "ffi", "xla" or "reference"); `impl`
+        also picks `product_key_topk`'s ("xla" for "xla" and "reference").
+      dtype: the computation dtype and the bank's (float32 or bfloat16); `beta` and `g` are float32.
       param_dtype: the parameters' dtype.
+      sequence_axis: sequence parallelism: the name of a mesh axis along which the caller shards the activations'
+        `T` axis. The op's inputs are then resharded to heads along that axis (an all-to-all: each device runs
+        the recurrence of its heads over the whole sequence) and the readings back to `T`. Needs a mesh in context
+        (`jax.set_mesh`) and `num_heads` divisible by the axis size. None (the default): the op runs on
+        the inputs as they are sharded.
       rngs: `nnx.Rngs` for the initialisation.
 
     Call: `y, state = layer(x, state=None, segment_ids=None)`. Without a state the sequence starts from the
     initial bank; `state` (from `init_state` or a previous call) is the bank `[B, H, K, D]` to continue from, and
     the returned state is the bank after the last token. A call with one token (`T == 1`) and a state is a decode
-    step: it runs `jax_sdm.sdm_step` (inference only: not differentiable). `segment_ids [B, T]` (packed and padded
-    sequences: a new id starts again from the initial bank or `state`, a negative id pads) go to
-    `sdm_write_read`, with the `impl`s that serve them.
+    step: it runs `jax_sdm.sdm_step` (inference only: not differentiable); `decode` and `decode_loop` are the
+    decode interface. `segment_ids [B, T]` (packed and padded sequences: a new id starts again from the initial
+    bank or `state`, a negative id pads) go to `sdm_write_read`, with the `impl`s that serve them.
+
+    Parameters: `write_query`, `read_query`, `value_proj`, `beta_proj`, `gate_proj`, `output_gate` (each an
+    `nnx.Linear` from `d_model`, used together as one matmul), `slot_keys` (sub-keys), `A_log`, `dt_bias`,
+    `norm`, `out_proj`, `bank`; `write_norm`, `read_norm` with `query_batchnorm`. `weight_decay_mask` marks the
+    ones to keep out of weight decay.
     """
 
     def __init__(self, d_model, *, num_heads, slots_per_head, num_writes, num_reads, head_dim=None,
-                 addressing="product_key", num_factors=2, key_dim=None, chunk_size=None, impl="auto",
-                 initial_bank="learned", softmax_weights=True, score_scale=None, gate="token", output_gate=True,
-                 readout_norm=True, dtype=jnp.float32, param_dtype=jnp.float32, rngs):
+                 addressing="product_key", factor_scores="direct", product_key_factors=None, num_factors=2,
+                 key_dim=None, write_activation="softmax", read_activation="softmax", write_scale=None,
+                 read_scale=None, gate="token", query_batchnorm=False, output_gate=True, readout_norm="rms",
+                 norm_eps=1e-6, use_bias=True, init_std=None, bank_init_std=None, A_init_range=(0.0, 16.0),
+                 initial_bank="learned", chunk_size=None, impl="auto", dtype=jnp.float32,
+                 param_dtype=jnp.float32, sequence_axis=None, rngs):
+        def fail(message):
+            raise ValueError(f"SparseDeltaMemory: {message}")
+
         def choice(name, value, options):
             if value not in options:
-                raise ValueError(f"SparseDeltaMemory: `{name}` must be one of {options}, got {value!r}")
+                fail(f"`{name}` must be one of {options}, got {value!r}")
 
         choice("addressing", addressing, ADDRESSINGS)
+        choice("factor_scores", factor_scores, FACTOR_SCORES)
         choice("gate", gate, GATES)
         choice("initial_bank", initial_bank, INITIAL_BANKS)
         choice("impl", impl, IMPLS)
+        if isinstance(readout_norm, bool):
+            readout_norm = "rms" if readout_norm else None
+        if readout_norm is not None:
+            choice("readout_norm", readout_norm, READOUT_NORMS)
         if head_dim is None:
             if d_model % num_heads:
-                raise ValueError(f"SparseDeltaMemory: d_model = {d_model} is not a multiple of num_heads = "
-                                 f"{num_heads}; pass head_dim")
+                fail(f"d_model = {d_model} is not a multiple of num_heads = {num_heads}; pass head_dim")
             head_dim = d_model // num_heads
         for name, value in (("d_model", d_model), ("num_heads", num_heads), ("slots_per_head", slots_per_head),
                             ("head_dim", head_dim), ("num_writes", num_writes), ("num_reads", num_reads)):
             if not (isinstance(value, (int, np.integer)) and value >= 1):
-                raise ValueError(f"SparseDeltaMemory: `{name}` must be a positive integer, got {value!r}")
+                fail(f"`{name}` must be a positive integer, got {value!r}")
         for name, value in (("num_writes", num_writes), ("num_reads", num_reads)):
             if value > slots_per_head:
-                raise ValueError(f"SparseDeltaMemory: `{name}` = {value} exceeds slots_per_head = {slots_per_head}")
+                fail(f"`{name}` = {value} exceeds slots_per_head = {slots_per_head}")
         if addressing == "product_key":
-            if num_factors < 2:
-                raise ValueError(f"SparseDeltaMemory: product-key addressing needs num_factors >= 2, got "
-                                 f"{num_factors} (use addressing='topk' for one factor)")
-            factors = balanced_factors(slots_per_head, num_factors)
+            if product_key_factors is not None:
+                factors = tuple(int(f) for f in product_key_factors)
+                if len(factors) < 2 or min(factors) < 1 or math.prod(factors) != slots_per_head:
+                    fail(f"`product_key_factors` must be 2 or more positive integers whose product is "
+                         f"slots_per_head = {slots_per_head}, got {tuple(product_key_factors)}")
+            else:
+                if num_factors < 2:
+                    fail(f"product-key addressing needs num_factors >= 2, got {num_factors} (use "
+                         f"addressing='topk' for one factor)")
+                factors = balanced_factors(slots_per_head, num_factors)
         else:
+            if product_key_factors is not None:
+                fail("`product_key_factors` is for addressing='product_key'")
             factors = (slots_per_head,)
         if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
             raise TypeError(f"SparseDeltaMemory: `dtype` must be float32 or bfloat16 (the bank's), got {dtype}")
+        activations = {}
+        for name, act in (("write_activation", write_activation), ("read_activation", read_activation)):
+            if isinstance(act, str):
+                if act.lower() not in ACTIVATIONS:
+                    fail(f"`{name}` must be a callable or one of {tuple(ACTIVATIONS)}, got {act!r}")
+                act = ACTIVATIONS[act.lower()]
+            elif not callable(act):
+                fail(f"`{name}` must be a callable or one of {tuple(ACTIVATIONS)}, got {act!r}")
+            activations[name] = act
 
         self.d_model, self.num_heads, self.head_dim = d_model, num_heads, head_dim
         self.slots_per_head, self.num_writes, self.num_reads = slots_per_head, num_writes, num_reads
-        self.addressing, self.factors = addressing, factors
+        self.addressing, self.factors, self.factor_scores = addressing, factors, factor_scores
         self.key_dim = key_dim or head_dim
-        self.score_scale = 1.0 / math.sqrt(self.key_dim) if score_scale is None else float(score_scale)
-        self.softmax_weights, self.gate = softmax_weights, gate
+        default_scale = 1.0 if factor_scores == "direct" else 1.0 / math.sqrt(self.key_dim)
+        self.write_scale = default_scale if write_scale is None else float(write_scale)
+        self.read_scale = default_scale if read_scale is None else float(read_scale)
+        self.write_activation = activations["write_activation"]
+        self.read_activation = activations["read_activation"]
+        self.gate = gate
         self.chunk_size, self.impl = chunk_size, impl
         self.initial_bank_kind = initial_bank
         self.dtype, self.param_dtype = dtype, param_dtype
+        self.sequence_axis = sequence_axis
 
         H, D, F = num_heads, head_dim, len(factors)
-        linear = lambda n_in, n_out, **kw: nnx.Linear(n_in, n_out, dtype=dtype, param_dtype=param_dtype,
-                                                      rngs=rngs, **kw)
-        self.write_query = linear(d_model, H * F * self.key_dim, use_bias=False)
-        self.read_query = linear(d_model, H * F * self.key_dim, use_bias=False)
+        std = d_model ** -0.5 if init_std is None else float(init_std)
+        weight_init = jax.nn.initializers.truncated_normal(std, lower=-3.0, upper=3.0)
+        linear = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=use_bias, kernel_init=weight_init,
+                                                dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        # The address projection's width per head: the factors' scores, or a query per factor.
+        self.address_width = sum(factors) if factor_scores == "direct" else F * self.key_dim
+        self.write_query = linear(d_model, H * self.address_width)
+        self.read_query = linear(d_model, H * self.address_width)
         # Sub-keys of every factor, concatenated along the slot axis (slot keys for "topk"); shared by writes and
         # reads, since both must find the same rows.
-        self.slot_keys = nnx.Param(jax.random.normal(rngs.params(), (H, sum(factors), self.key_dim), param_dtype))
-        self.value_proj = linear(d_model, H * D, use_bias=False)
+        self.slot_keys = (nnx.Param(jax.random.normal(rngs.params(), (H, sum(factors), self.key_dim), param_dtype))
+                          if factor_scores == "sub_keys" else None)
+        self.value_proj = linear(d_model, H * D)
         self.beta_proj = linear(d_model, H)
-        self.gate_proj = linear(d_model, H, use_bias=False)
-        A_log, dt_bias = _gate_params(rngs.params(), H, param_dtype)
+        self.gate_proj = linear(d_model, H)
+        A_log, dt_bias = _gate_params(rngs.params(), H, A_init_range, param_dtype)
         self.A_log, self.dt_bias = nnx.Param(A_log), nnx.Param(dt_bias)
         self.output_gate = linear(d_model, H * D) if output_gate else None
-        self.norm = (nnx.RMSNorm(D, dtype=dtype, param_dtype=param_dtype, rngs=rngs) if readout_norm else None)
-        self.out_proj = linear(H * D, d_model, use_bias=False)
-        self.bank = (nnx.Param(jnp.zeros((H, slots_per_head, D), param_dtype)) if initial_bank == "learned"
-                     else None)
+        batchnorm = lambda: nnx.BatchNorm(H * self.address_width, momentum=0.9, epsilon=1e-5, dtype=dtype,
+                                          param_dtype=param_dtype, rngs=rngs)
+        self.write_norm = batchnorm() if query_batchnorm else None
+        self.read_norm = batchnorm() if query_batchnorm else None
+        self.readout_norm_kind = readout_norm
+        if readout_norm == "rms":
+            self.norm = nnx.RMSNorm(D, epsilon=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        elif readout_norm == "layer":
+            self.norm = nnx.LayerNorm(D, epsilon=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        else:
+            self.norm = None
+        self.out_proj = linear(H * D, d_model)
+        bank_std = std if bank_init_std is None else float(bank_init_std)
+        if initial_bank == "learned":
+            shape = (H, slots_per_head, D)
+            bank = (jax.nn.initializers.truncated_normal(bank_std, lower=-3.0, upper=3.0)(
+                rngs.params(), shape, param_dtype) if bank_std > 0 else jnp.zeros(shape, param_dtype))
+            self.bank = nnx.Param(bank)
+        else:
+            self.bank = None
 
     # -- the pieces ------------------------------------------------------------------------------------------
 
-    def address(self, query, k):
-        """Slots and weights for queries `[B, T, H * F * key_dim]`: `(slot_ids [B, T, H, k] int32,
-        weights [B, T, H, k])` (softmax of the scaled scores when `softmax_weights`)."""
-        B, T = query.shape[:2]
-        F = len(self.factors)
-        query = query.reshape(B, T, self.num_heads, F, self.key_dim)
-        keys = jnp.split(self.slot_keys[...].astype(query.dtype), np.cumsum(self.factors)[:-1], axis=1)
-        scores = [jnp.einsum("bthd,hnd->bthn", query[..., f, :], keys[f]) for f in range(F)]
-        if self.addressing == "product_key":
-            scores, ids = product_key_slots(scores, k)
-        else:
-            scores, ids = topk_slots(scores[0], k)
-        scores = scores.astype(jnp.float32) * self.score_scale
-        weights = jax.nn.softmax(scores, axis=-1) if self.softmax_weights else scores
-        return ids, weights.astype(self.dtype)
+    def _input_projections(self):
+        """The projections of `x` made in one matmul, in column order."""
+        mods = [self.write_query, self.read_query, self.value_proj, self.beta_proj, self.gate_proj]
+        return mods + ([self.output_gate] if self.output_gate is not None else [])
 
-    def memory_inputs(self, x):
-        """The op's per-token arguments for `x [B, T, d_model]`: `(k_idx, k_val, v, beta, g, q_idx, q_val)`
-        in the layout of `jax_sdm.sdm_write_read`."""
-        B, T, _ = x.shape
+    def project(self, x):
+        """`x [B, T, d_model]` -> `(write_address [B, T, H, address_width], read_address, value [B, T, H, D],
+        b [B, T, H], a [B, T, H], output_gate [B, T, H, D] or None)`: every projection of `x` as one matmul in the
+        computation dtype, the kernels concatenated per head (so that a head-sharded layer stays head-sharded)."""
         H = self.num_heads
-        k_idx, k_val = self.address(self.write_query(x), self.num_writes)
-        q_idx, q_val = self.address(self.read_query(x), self.num_reads)
-        v = self.value_proj(x).reshape(B, T, H, self.head_dim).astype(self.dtype)
-        beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
-        a = self.gate_proj(x).astype(jnp.float32)
+        mods = self._input_projections()
+        widths = [m.out_features // H for m in mods]
+        kernel = jnp.concatenate([m.kernel[...].astype(self.dtype).reshape(self.d_model, H, w)
+                                  for m, w in zip(mods, widths)], axis=2)
+        out = jnp.einsum("btd,dhw->bthw", x.astype(self.dtype), kernel)
+        if mods[0].bias is not None:
+            out = out + jnp.concatenate([m.bias[...].astype(self.dtype).reshape(H, w)
+                                         for m, w in zip(mods, widths)], axis=1)
+        parts = jnp.split(out, np.cumsum(widths)[:-1], axis=-1)
+        parts[3], parts[4] = parts[3][..., 0], parts[4][..., 0]  # b, a: one column per head
+        return tuple(parts) + ((None,) if self.output_gate is None else ())
+
+    def address(self, write_address, read_address):
+        """Slots and weights for the address projections `[B, T, H, address_width]`: `(k_idx, k_val, q_idx,
+        q_val)`, ids `[B, T, H, W]` / `[B, T, H, R]` int32 and weights `activation(scale * scores)` of the selected
+        slots. Writes and reads are ranked in one search (`max(W, R)` slots each; the best `R` are the first `R`
+        of the best `max(W, R)`), so that a decode step launches few kernels."""
+        B, T, H = write_address.shape[:3]
+        F = len(self.factors)
+        projection = jnp.stack([write_address, read_address])  # [2, B, T, H, address_width]
+        if self.factor_scores == "direct":
+            scores = projection  # the factors' scores side by side
+        else:
+            query = projection.reshape(2, B, T, H, F, self.key_dim)
+            keys = jnp.split(self.slot_keys[...].astype(query.dtype), np.cumsum(self.factors)[:-1], axis=1)
+            scores = jnp.concatenate([jnp.einsum("abthd,hnd->abthn", query[..., f, :], keys[f]) for f in range(F)],
+                                     axis=-1)
+        k = max(self.num_writes, self.num_reads)
+        if self.addressing == "product_key":
+            topk_impl = "xla" if self.impl in ("xla", "reference") else self.impl
+            scores, ids = jax_sdm.product_key_topk(scores, self.factors, k, impl=topk_impl)
+        else:
+            scores, ids = topk_slots(scores, k)
+        scores = scores.astype(jnp.float32)
+        W, R = self.num_writes, self.num_reads
+        # The activations run on both halves and are then split: a split of the top-k's scores themselves lets
+        # XLA move the slice into the top-k, which then compiles to a full sort of every row.
+        k_val = self.write_activation(scores[..., :W] * self.write_scale)[0].astype(self.dtype)
+        q_val = self.read_activation(scores[..., :R] * self.read_scale)[1].astype(self.dtype)
+        return ids[0, ..., :W], k_val, ids[1, ..., :R], q_val
+
+    def _gates(self, b, a, k_val):
+        """`beta [B, T, H]` and `g` (`[B, T, H]`, or `[B, T, H, W]` key-weighted) in float32."""
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
-            a + self.dt_bias[...].astype(jnp.float32))
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
         if self.gate == "write":
             g = g[..., None] * jnp.abs(k_val.astype(jnp.float32))
-        return k_idx, k_val, v, beta, g, q_idx, q_val
+        return beta, g
+
+    def _memory_inputs(self, x, segment_ids=None, use_running_average=None):
+        """The op's arguments and the output gate's projection for `x [B, T, d_model]`."""
+        B, T, _ = x.shape
+        H = self.num_heads
+        # Named scopes: a device trace groups the layer's kernels by them (benchmarks/bench_layer.py --trace).
+        with jax.named_scope("project"):
+            write_address, read_address, v, b, a, gate_in = self.project(x)
+        with jax.named_scope("address"):
+            if self.write_norm is not None:
+                shape = (B, T, H * self.address_width)
+                mask = None if segment_ids is None else jnp.broadcast_to((segment_ids >= 0)[..., None], shape)
+                normed = lambda norm, z: norm(z.reshape(shape), use_running_average, mask=mask).reshape(z.shape)
+                write_address = normed(self.write_norm, write_address)
+                read_address = normed(self.read_norm, read_address)
+            k_idx, k_val, q_idx, q_val = self.address(write_address, read_address)
+        with jax.named_scope("project"):
+            beta, g = self._gates(b, a, k_val)
+        return (k_idx, k_val, v, beta, g, q_idx, q_val), gate_in
+
+    def memory_inputs(self, x, segment_ids=None):
+        """The op's per-token arguments for `x [B, T, d_model]`: `(k_idx, k_val, v, beta, g, q_idx, q_val)`
+        in the layout of `jax_sdm.sdm_write_read`."""
+        return self._memory_inputs(x, segment_ids)[0]
 
     def readout(self, x, y):
-        """Readings `y [B, T, H, D]` -> the layer's output `[B, T, d_model]`."""
+        """Readings `y [B, T, H, D]` of `x [B, T, d_model]` -> the layer's output `[B, T, d_model]`."""
+        return self._readout(y, None if self.output_gate is None else self.output_gate(x))
+
+    def _readout(self, y, gate_in):
+        """`readout` with the output gate's projection of `x` given (`[B, T, H * D]`, from `project`)."""
         B, T = y.shape[:2]
         if self.norm is not None:
             y = self.norm(y)
-        if self.output_gate is not None:
-            y = y * jax.nn.sigmoid(self.output_gate(x).reshape(y.shape)).astype(y.dtype)
-        return self.out_proj(y.reshape(B, T, self.num_heads * self.head_dim))
+        if gate_in is not None:
+            y = y * jax.nn.sigmoid(gate_in.reshape(y.shape)).astype(y.dtype)
+        return self.out_proj(y.reshape(B, T, self.num_heads * self.head_dim).astype(self.dtype))
 
     def initial_bank(self):
         """The bank every sequence starts from, `[H, K, D]` in the layer's dtype."""
@@ -187,23 +354,153 @@ class SparseDeltaMemory(nnx.Module):
         bank = self.initial_bank()
         return jnp.broadcast_to(bank[None], (batch_size,) + bank.shape)
 
+    def access_stats(self, x, segment_ids=None):
+        """Memory-access statistics of `x [B, T, d_model]` per head (`memory_access_stats` of the layer's
+        memory inputs; padding tokens excluded). Jittable: call it inside a training step to watch for slot
+        collapse."""
+        mask = None if segment_ids is None else segment_ids >= 0
+        return memory_access_stats(self.memory_inputs(x, segment_ids), self.slots_per_head, mask=mask)
+
     # -- the call --------------------------------------------------------------------------------------------
+
+    def _check_state(self, state, batch_size):
+        bank_shape = (batch_size, self.num_heads, self.slots_per_head, self.head_dim)
+        if state is not None and tuple(state.shape) != bank_shape:
+            raise ValueError(f"SparseDeltaMemory: `state` must be the bank [B, H, K, D] = {bank_shape}, got "
+                             f"{tuple(state.shape)} (make one with init_state(batch_size))")
 
     def __call__(self, x, *, state=None, segment_ids=None):
         """`x [B, T, d_model]` -> `(y [B, T, d_model], state [B, H, K, D])` (see the class docstring)."""
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"SparseDeltaMemory: `x` must be [B, T, d_model={self.d_model}], got {x.shape}")
         B, T, _ = x.shape
-        bank_shape = (B, self.num_heads, self.slots_per_head, self.head_dim)
-        if state is not None and tuple(state.shape) != bank_shape:
-            raise ValueError(f"SparseDeltaMemory: `state` must be the bank [B, H, K, D] = {bank_shape}, got "
-                             f"{tuple(state.shape)} (make one with init_state(batch_size))")
-        bank = self.initial_bank() if state is None else state.astype(self.dtype)
-        args = self.memory_inputs(x)
+        self._check_state(state, B)
         if state is not None and T == 1 and segment_ids is None:
-            y, bank = jax_sdm.sdm_step(bank, *(a[:, 0] for a in args), impl=self.impl)
-            y = y[:, None]
-        else:
+            return self._decode(x, state, use_running_average=None)
+        bank = self.initial_bank() if state is None else state.astype(self.dtype)
+        args, gate_in = self._memory_inputs(x, segment_ids)
+        if self.sequence_axis is not None:
+            # T-sharded activations: the op runs on heads. Each input is pinned T-sharded where it is made, then
+            # resharded to heads, so XLA moves it by an all-to-all (left alone, it may all-gather `x` instead).
+            spec = jax.sharding.PartitionSpec
+            pin = lambda a, s: jax.lax.with_sharding_constraint(a, s)
+            args = tuple(pin(pin(a, spec(None, self.sequence_axis)), spec(None, None, self.sequence_axis))
+                         for a in args)
+        with jax.named_scope("memory"):
             y, bank = jax_sdm.sdm_write_read(bank, *args, chunk_size=self.chunk_size, impl=self.impl,
                                              segment_ids=segment_ids)
-        return self.readout(x, y), bank
+        if self.sequence_axis is not None:  # back to T; pinned on heads first, so that its cotangent reaches the op so
+            spec = jax.sharding.PartitionSpec
+            pin = lambda a, s: jax.lax.with_sharding_constraint(a, s)
+            y = pin(pin(y, spec(None, None, self.sequence_axis)), spec(None, self.sequence_axis))
+        with jax.named_scope("readout"):
+            return self._readout(y, gate_in), bank
+
+    def _decode(self, x, state, use_running_average):
+        args, gate_in = self._memory_inputs(x, use_running_average=use_running_average)
+        with jax.named_scope("memory"):
+            y, bank = jax_sdm.sdm_step(state.astype(self.dtype), *(a[:, 0] for a in args), impl=self.impl)
+        with jax.named_scope("readout"):
+            return self._readout(y[:, None], gate_in), bank
+
+    def decode(self, x_t, state):
+        """One decode step: `x_t [B, d_model]` (or `[B, 1, d_model]`) and the state `[B, H, K, D]` ->
+        `(y_t, state)`, `y_t` shaped like `x_t`. Runs `jax_sdm.sdm_step` (inference only) with the batch-norm
+        running statistics. Under `jax.jit` with the state donated (`decode_loop` does that) the bank is
+        updated in place; an undonated state is copied every step."""
+        squeeze = x_t.ndim == 2
+        x = x_t[:, None] if squeeze else x_t
+        if x.ndim != 3 or x.shape[1:] != (1, self.d_model):
+            raise ValueError(f"SparseDeltaMemory.decode: `x_t` must be [B, d_model={self.d_model}] or "
+                             f"[B, 1, d_model], got {x_t.shape}")
+        self._check_state(state, x.shape[0])
+        y, state = self._decode(x, state, use_running_average=True)
+        return (y[:, 0] if squeeze else y), state
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def _decode_loop(graphdef, params, x, state):
+    layer = nnx.merge(graphdef, params)
+
+    def body(state, x_t):
+        y_t, state = layer.decode(x_t, state)
+        return state, y_t
+
+    state, ys = jax.lax.scan(body, state, jnp.swapaxes(x, 0, 1))
+    return jnp.swapaxes(ys, 0, 1), state
+
+
+def decode_loop(layer, x, state):
+    """Decode `x [B, T, d_model]` token by token through `layer`: one `jax.jit` with a `lax.scan` over the
+    tokens of `layer.decode`, the state donated (updated in place, never copied; the `state` passed in is
+    deleted). Returns `(y [B, T, d_model], state)`: the same as `layer(x, state=state)` up to rounding, at the
+    cost of `T` decode steps. For a model of your own, write the scan body around your model's step the same
+    way and jit it with the state in `donate_argnums`."""
+    if x.ndim != 3 or x.shape[-1] != layer.d_model:
+        raise ValueError(f"decode_loop: `x` must be [B, T, d_model={layer.d_model}], got {x.shape}")
+    layer._check_state(state, x.shape[0])
+    graphdef, params = nnx.split(layer)
+    return _decode_loop(graphdef, params, x, state)
+
+
+def memory_access_stats(memory_inputs, num_slots, mask=None):
+    """Per-head statistics of sparse memory access, for diagnosing slot collapse; jittable.
+
+    `memory_inputs` is `(k_idx, k_val, v, beta, g, q_idx, q_val)` as for `sdm_write_read` (e.g.
+    `layer.memory_inputs(x)`), `num_slots` the static `K`, `mask [B, T]` (optional) true on the tokens to count.
+    Returns a dict of float32 arrays `[H]`:
+      `write_touched`, `read_touched`: the fraction of the `K` slots written (read) at least once;
+      `write_entropy`, `read_entropy`: the entropy of the slots' write (read) counts as a distribution, over
+        `log K` (1: uniform use of all slots, 0: one slot);
+      `beta_mean`, `beta_min`, `g_mean`, `g_min`: the write strengths' and log-gates' mean and minimum.
+    """
+    k_idx, _, _, beta, g, q_idx, _ = memory_inputs
+    B, T, H = beta.shape
+    weight = jnp.ones((B, T), jnp.float32) if mask is None else mask.astype(jnp.float32)
+    stats = {}
+    for name, idx in (("write", k_idx), ("read", q_idx)):
+        heads = jnp.arange(H, dtype=jnp.int32)[:, None] * num_slots
+        flat = (idx.astype(jnp.int32) + heads).reshape(-1)
+        w = jnp.broadcast_to(weight[:, :, None, None], idx.shape).reshape(-1)
+        counts = jax.ops.segment_sum(w, flat, num_segments=H * num_slots).reshape(H, num_slots)
+        total = jnp.sum(counts, axis=1, keepdims=True)
+        p = counts / jnp.maximum(total, 1e-30)
+        entropy = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=1)
+        stats[f"{name}_touched"] = jnp.mean((counts > 0).astype(jnp.float32), axis=1)
+        stats[f"{name}_entropy"] = entropy / (math.log(num_slots) if num_slots > 1 else 1.0)
+    for name, val in (("beta", beta), ("g", g)):
+        val = val.astype(jnp.float32)
+        w = jnp.broadcast_to(weight.reshape(B, T, *([1] * (val.ndim - 2))), val.shape)
+        axes = tuple(i for i in range(val.ndim) if i != 2)
+        stats[f"{name}_mean"] = jnp.sum(val * w, axis=axes) / jnp.maximum(jnp.sum(w, axis=axes), 1.0)
+        stats[f"{name}_min"] = jnp.min(jnp.where(w > 0, val, jnp.inf), axis=axes)
+    return stats
+
+
+def weight_decay_mask(model, *, decay_bank=True):
+    """An optax mask for `model` (any NNX module holding `SparseDeltaMemory` layers): a function of the
+    parameters that gives True where weight decay applies, False on every layer's `A_log` and `dt_bias` (the
+    reference layer's no-weight-decay marks) and, with `decay_bank=False`, on its learned initial bank. Use it
+    as `optax.adamw(lr, weight_decay=wd, mask=weight_decay_mask(model))` with
+    `nnx.Optimizer(model, tx, wrt=nnx.Param)`; it accepts the parameter state (`nnx.State`) or the same tree
+    as a pure dict."""
+    excluded = set()
+    names = ("A_log", "dt_bias") + (() if decay_bank else ("bank",))
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, SparseDeltaMemory):
+            excluded.update(tuple(str(p) for p in path) + (n,) for n in names)
+
+    def key_name(entry):
+        for attr in ("key", "name", "idx"):
+            if hasattr(entry, attr):
+                return str(getattr(entry, attr))
+        return str(entry)
+
+    def mask(params):
+        def leaf(path, _):
+            keys = tuple(key_name(p) for p in path)
+            # A leaf is the Variable's value under its own path (or one level deeper in a pure dict's "value").
+            return not any(keys[:len(e)] == e for e in excluded if len(keys) >= len(e))
+        return jax.tree_util.tree_map_with_path(leaf, params)
+
+    return mask

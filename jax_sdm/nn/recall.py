@@ -8,6 +8,7 @@ The task: a sequence lists `num_pairs` key-value pairs `k1 v1 k2 v2 ...` (distin
 sequence left to right and must predict each answer `a_j` at its query `q_j`; only those predictions count.
 """
 import dataclasses
+import functools
 import time
 
 import jax
@@ -142,8 +143,10 @@ def evaluate(model, task, *, batches=4, batch_size=256, seed=12345):
     return float(np.mean([evaluate_batch(model, *task.batch(rng, batch_size))[1] for _ in range(batches)]))
 
 
-@nnx.jit
+@functools.partial(nnx.jit, donate_argnums=2)
 def decode_call(model, tokens, state):
+    """`model(tokens, state)` jitted with the state donated: the bank is updated in place, and the `state` passed
+    in is deleted (use the returned one)."""
     return model(tokens, state)
 
 

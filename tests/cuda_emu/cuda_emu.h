@@ -262,6 +262,13 @@ inline unsigned __match_any_sync(unsigned, unsigned v) {
 inline unsigned __ballot_sync(unsigned, bool p) {
   return emu::collective(p, [](const unsigned* w) { return emu::lanes_where(w, 0, true); });
 }
+inline unsigned __reduce_add_sync(unsigned, unsigned v) {
+  return emu::collective(v, [](const unsigned* w) {
+    unsigned sum = 0;
+    for (int l = 0; l < 32; ++l) sum += w[l];
+    return sum;
+  });
+}
 inline int __shfl_up_sync(unsigned, int x, int o) {
   return emu::collective(static_cast<unsigned>(x), [&](const unsigned* w) {
     return emu::lane() >= o ? static_cast<int>(w[emu::lane() - o]) : x;

@@ -9,22 +9,12 @@
 #include <random>
 #include <vector>
 
+#include "check_values.h"
 #include "kernels/bf16.h"
 
 using namespace sdm;
 
 namespace {
-
-template <typename T>
-T value(float x) {
-  if constexpr (std::is_same_v<T, float>) return x;
-  else return from_float<bf16>(x);
-}
-
-template <typename T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
 
 template <typename T>
 bool run(const DecodeDims& dm, unsigned seed) {

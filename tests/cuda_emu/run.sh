@@ -4,7 +4,8 @@
 # __syncthreads, __syncwarp and the warp collectives are barriers (cuda_emu.h). It says nothing about speed, and a
 # GPU run stays the final word.
 #
-#   bash tests/cuda_emu/run.sh [plain|tsan|asan] [phase1|steps|decode|solve|all] [CASE [SEED] | random SEED COUNT]
+#   bash tests/cuda_emu/run.sh [plain|tsan|asan] [phase1|steps|decode|solve|product_key|all]
+#        [CASE [SEED] | random SEED COUNT]
 #   bash tests/cuda_emu/run.sh [plain|tsan|asan] steps [cpu-both] [CASE [SEED] | random SEED COUNT]
 #   bash tests/cuda_emu/run.sh [plain|tsan|asan] steps [cpu-both] shape V NC P C W R K D f32|bf16 f32|bf16 INVALID
 #        PAD [SEED [SEGS]]
@@ -13,7 +14,9 @@
 # (phase1_check.cc); steps runs the CUDA chunk steps of kernels/chunk_steps/ (forward_cuda, backward_cuda) against
 # the CPU ones of kernels/chunk_steps/cpu.cc (steps_check.cc), on Phase 1's outputs from the CPU kernels; decode runs
 # kernels/decode_step_cuda.cu against kernels/decode_step_cpu.cc (decode_check.cc) and solve kernels/solve_cuda.cu
-# against kernels/solve_cpu.cc (solve_check.cc), both bitwise, on fixed cases; all runs every check (then without
+# against kernels/solve_cpu.cc (solve_check.cc), both bitwise, on fixed cases; product_key runs
+# kernels/product_key_topk_cuda.cu against kernels/product_key_topk_cpu.cc (product_key_check.cc), bitwise, forward
+# and backward, on fixed cases; all runs every check (then without
 # further arguments). The check may be left out: `run.sh plain 3` is Phase 1's case 3.
 # tsan: ThreadSanitizer reports any shared- or global-memory race that the barriers do not order; asan: out-of-range
 # accesses (the block's dynamic shared memory is a buffer of exactly the launch's size) and undefined behaviour
@@ -40,7 +43,7 @@ MODE=${1:-plain}
 shift || true
 CHECK=phase1
 case "${1:-}" in
-  phase1|steps|decode|solve|all) CHECK=$1; shift ;;
+  phase1|steps|decode|solve|product_key|all) CHECK=$1; shift ;;
 esac
 case "$MODE" in
   plain) FLAGS="${CUDA_EMU_OPT:--O1}" ;;
@@ -101,6 +104,10 @@ fi
 if [[ $CHECK == solve || $CHECK == all ]]; then
   build solve solve_cuda.cu 2 "$REPO/kernels/solve_cpu.cc"
   "$WORK/solve_check"
+fi
+if [[ $CHECK == product_key || $CHECK == all ]]; then
+  build product_key product_key_topk_cuda.cu 1 "$REPO/kernels/product_key_topk_cpu.cc"
+  "$WORK/product_key_check"
 fi
 if [[ $CHECK == steps || $CHECK == all ]]; then
   build_steps "$REPO/kernels/chunk_steps/cpu.cc" "$REPO/kernels/phase1_cpu.cc" "$REPO/kernels/solve_cpu.cc"

@@ -1,0 +1,289 @@
+// The product-key top-k on the GPU (kernels/product_key_topk.h): one warp per row, kWarps rows per block, no
+// barrier but the warp's own. Each selection (a factor's top m_f of n_f, then the top k of the C candidates) is
+//   1. a search for the threshold T, the m-th largest key: bit by bit from the top, counting the keys >= a trial
+//      value with one warp reduction per bit, and stopping early at a trial value that exactly m keys reach;
+//   2. one pass that keeps the keys > T and, in element order, the first keys == T that complete m (ballots give
+//      every kept element its place);
+//   3. a bitonic sort of the m kept composites (padded to a power of two) in the warp's shared memory.
+// Keys of up to 1024 elements stay in registers (32 per lane); longer lists are recomputed on every pass. The
+// composites order the elements totally, so the result is the CPU kernel's, bit for bit, whatever the search does.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/bf16_cuda.cuh"
+#include "kernels/product_key_topk.h"
+
+namespace sdm {
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kWarps = 4;  // rows per block
+constexpr int kThreads = 32 * kWarps;
+constexpr int64_t kSharedBytes = 48 * 1024;  // the default dynamic shared memory limit (no opt-in needed)
+constexpr int kBwdTile = 2048;              // gradient columns a warp accumulates at once
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float from_f(float x, float*) { return x; }
+__device__ __forceinline__ __nv_bfloat16 from_f(float x, __nv_bfloat16*) { return __float2bfloat16_rn(x); }
+
+struct Top {
+  float score;
+  int32_t index;
+};
+
+// The keys of elements e = 32 s + lane, s < chunks (e >= N reads as 0, below every real element's composite and
+// after it in element order, so it is never kept). E > 0: all in registers (chunks <= E); E == 0: key_of(e) on
+// every pass.
+template <int E, typename KeyOf>
+struct Keys {
+  KeyOf key_of;
+  int N, chunks, lane;
+  uint32_t r[E > 0 ? E : 1];
+
+  __device__ Keys(KeyOf k, int n, int l) : key_of(k), N(n), chunks((n + 31) / 32), lane(l) {
+    if constexpr (E > 0) {
+#pragma unroll
+      for (int s = 0; s < E; ++s) {
+        const int e = 32 * s + lane;
+        r[s] = s < chunks && e < N ? key_of(e) : 0u;
+      }
+    }
+  }
+  // f(s, key) for every chunk s of this lane, in order.
+  template <typename F>
+  __device__ __forceinline__ void each(F&& f) const {
+    if constexpr (E > 0) {
+#pragma unroll
+      for (int s = 0; s < E; ++s)
+        if (s < chunks) f(s, r[s]);
+    } else {
+      for (int s = 0; s < chunks; ++s) {
+        const int e = 32 * s + lane;
+        f(s, e < N ? key_of(e) : 0u);
+      }
+    }
+  }
+};
+
+// Sorts buf[0, P) descending (P a power of two), the warp's lanes together.
+__device__ void warp_sort_desc(uint64_t* buf, int P, int lane) {
+  for (int size = 2; size <= P; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int t = lane; t < P / 2; t += 32) {
+        const int i = 2 * t - (t & (stride - 1));
+        const int j = i + stride;
+        const uint64_t a = buf[i], b = buf[j];
+        if ((a < b) == ((i & size) == 0)) {
+          buf[i] = b;
+          buf[j] = a;
+        }
+      }
+      __syncwarp();
+    }
+  }
+}
+
+// The m best of the N elements (1 <= m <= N) into buf[0, m), best first; buf[m, P) padding (P >= m a power of
+// two). Composites (key, element), so ties go to the smaller element.
+template <typename K>
+__device__ void warp_top(const K& keys, int N, int m, int P, uint64_t* buf, int lane) {
+  const unsigned below = (1u << lane) - 1u;
+  if (m == N) {
+    keys.each([&](int s, uint32_t key) {
+      const int e = 32 * s + lane;
+      if (e < N) buf[e] = composite(key, static_cast<uint32_t>(e));
+    });
+  } else {
+    uint32_t T = 0;  // the largest value that at least m keys reach, once the loop ends without a break
+    for (int b = 31; b >= 0; --b) {
+      const uint32_t trial = T | (1u << b);
+      unsigned c = 0;
+      keys.each([&](int, uint32_t key) { c += key >= trial ? 1u : 0u; });
+      c = __reduce_add_sync(kFull, c);
+      if (c >= static_cast<unsigned>(m)) {
+        T = trial;
+        if (c == static_cast<unsigned>(m)) break;  // exactly m keys >= T: those are the m
+      }
+    }
+    unsigned above = 0;
+    keys.each([&](int, uint32_t key) { above += key > T ? 1u : 0u; });
+    const unsigned need = static_cast<unsigned>(m) - __reduce_add_sync(kFull, above);  // keys == T to keep
+    unsigned kept = 0, equal = 0;  // before this chunk, in element order
+    keys.each([&](int s, uint32_t key) {
+      const bool eq = key == T;
+      const unsigned eq_mask = __ballot_sync(kFull, eq);
+      const bool keep = key > T || (eq && equal + __popc(eq_mask & below) < need);
+      const unsigned keep_mask = __ballot_sync(kFull, keep);
+      if (keep) buf[kept + __popc(keep_mask & below)] = composite(key, static_cast<uint32_t>(32 * s + lane));
+      kept += __popc(keep_mask);
+      equal += __popc(eq_mask);
+    });
+  }
+  for (int i = m + lane; i < P; i += 32) buf[i] = 0;
+  __syncwarp();
+  warp_sort_desc(buf, P, lane);
+}
+
+// warp_top with the keys in registers when they fit, recomputed on every pass otherwise.
+template <typename KeyOf>
+__device__ void warp_top_of(KeyOf key_of, int N, int m, int P, uint64_t* buf, int lane) {
+  if (N <= 32 * 8) {
+    warp_top(Keys<8, KeyOf>(key_of, N, lane), N, m, P, buf, lane);
+  } else if (N <= 32 * 32) {
+    warp_top(Keys<32, KeyOf>(key_of, N, lane), N, m, P, buf, lane);
+  } else {
+    warp_top(Keys<0, KeyOf>(key_of, N, lane), N, m, P, buf, lane);
+  }
+}
+
+// A warp's row (one per warp, kWarps per block) and its part of the block's dynamic shared memory.
+struct WarpRow {
+  int64_t row;
+  int lane;
+  unsigned char* shared;
+};
+__device__ __forceinline__ WarpRow warp_row(int64_t bytes_per_warp) {
+  extern __shared__ __align__(16) unsigned char shared[];
+  const int warp = static_cast<int>(threadIdx.x >> 5);
+  return WarpRow{static_cast<int64_t>(blockIdx.x) * kWarps + warp, static_cast<int>(threadIdx.x & 31),
+                 shared + warp * bytes_per_warp};
+}
+
+// Shared memory of one warp: the sort buffer (p_k composites), then the row's top lists (tops entries).
+int64_t warp_bytes(const ProductKeyDims& d) { return 8 * int64_t{d.p_k} + 8 * int64_t{d.tops}; }
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1)
+    product_key_topk_kernel(ProductKeyDims d, const T* __restrict__ x, const int32_t* __restrict__ table,
+                            float* __restrict__ scores, int32_t* __restrict__ ids, int64_t bytes_per_warp) {
+  const WarpRow w = warp_row(bytes_per_warp);
+  const int64_t row = w.row;
+  const int lane = w.lane;
+  if (row >= d.rows) return;
+  uint64_t* buf = reinterpret_cast<uint64_t*>(w.shared);
+  Top* tops = reinterpret_cast<Top*>(buf + d.p_k);
+  const T* xr = x + row * d.width;
+
+  for (int f = 0; f < d.F; ++f) {
+    const T* xf = xr + d.x_offset[f];
+    warp_top_of([xf](int e) { return order_key(to_f(xf[e])); }, d.n[f], d.m[f], d.p[f], buf, lane);
+    Top* tf = tops + d.top_offset[f];
+    for (int r = lane; r < d.m[f]; r += 32) {
+      const uint32_t e = composite_pos(buf[r]);
+      tf[r] = Top{to_f(xf[e]), static_cast<int32_t>(e)};
+    }
+    __syncwarp();
+  }
+  float* sr = scores + row * d.k;
+  int32_t* ir = ids + row * d.k;
+  if (d.F == 1) {
+    for (int r = lane; r < d.k; r += 32) {
+      sr[r] = tops[r].score;
+      ir[r] = tops[r].index;
+    }
+    return;
+  }
+  // A candidate's score, summed in factor order (the CPU kernel's order), and its slot id.
+  const ProductKeyDims* dp = &d;
+  auto candidate = [dp, tops, table](int c) {
+    const Top t0 = tops[dp->top_offset[0] + __ldg(table + c)];
+    Top slot = t0;  // (score, slot id)
+    for (int f = 1; f < dp->F; ++f) {
+      const Top t = tops[dp->top_offset[f] + __ldg(table + static_cast<int64_t>(f) * dp->C + c)];
+      slot.score = slot.score + t.score;
+      slot.index = slot.index * dp->n[f] + t.index;
+    }
+    return slot;
+  };
+  warp_top_of([&candidate](int c) { return order_key(candidate(c).score); }, d.C, d.k, d.p_k, buf, lane);
+  for (int r = lane; r < d.k; r += 32) {
+    const Top slot = candidate(static_cast<int>(composite_pos(buf[r])));
+    sr[r] = slot.score;
+    ir[r] = slot.index;
+  }
+}
+
+// The backward, one warp per row: the row's dscores and ids in shared memory, then per tile of kBwdTile columns
+// lane f adds the cotangents of factor f into the tile in selection order (one writer per column), and the warp
+// writes the tile out.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1)
+    product_key_topk_bwd_kernel(ProductKeyDims d, const float* __restrict__ dscores, const int32_t* __restrict__ ids,
+                                T* __restrict__ dx, int64_t bytes_per_warp) {
+  const WarpRow w = warp_row(bytes_per_warp);
+  const int64_t row = w.row;
+  const int lane = w.lane;
+  if (row >= d.rows) return;
+  float* ds = reinterpret_cast<float*>(w.shared);
+  int32_t* id = reinterpret_cast<int32_t*>(ds + d.k);
+  float* acc = reinterpret_cast<float*>(id + d.k);
+  const int tile = d.width < kBwdTile ? d.width : kBwdTile;
+  for (int j = lane; j < d.k; j += 32) {
+    ds[j] = dscores[row * d.k + j];
+    id[j] = ids[row * d.k + j];
+  }
+  T* out = dx + row * d.width;
+  for (int c0 = 0; c0 < d.width; c0 += tile) {
+    const int len = d.width - c0 < tile ? d.width - c0 : tile;
+    for (int i = lane; i < len; i += 32) acc[i] = 0.0f;
+    __syncwarp();
+    for (int f = lane; f < d.F; f += 32) {
+      const int lo = d.x_offset[f] - c0;  // the factor's columns in the tile: [lo, lo + n_f) within [0, len)
+      if (lo >= len || lo + d.n[f] <= 0) continue;
+      for (int j = 0; j < d.k; ++j) {
+        if (id[j] < 0 || id[j] >= d.slots) continue;
+        const uint32_t i = static_cast<uint32_t>(id[j]) / d.weight[f] % static_cast<uint32_t>(d.n[f]);
+        const int col = lo + static_cast<int>(i);
+        if (col >= 0 && col < len) acc[col] += ds[j];
+      }
+    }
+    __syncwarp();
+    for (int i = lane; i < len; i += 32) out[c0 + i] = from_f(acc[i], out);
+    __syncwarp();
+  }
+}
+
+int64_t bwd_warp_bytes(const ProductKeyDims& d) {
+  const int64_t tile = d.width < kBwdTile ? d.width : kBwdTile;
+  return 8 * int64_t{d.k} + 4 * tile;
+}
+
+template <typename Kernel, typename... Args>
+int launch(Kernel kernel, const ProductKeyDims& d, int64_t bytes_per_warp, cudaStream_t stream, Args... args) {
+  if (d.rows <= 0) return static_cast<int>(cudaSuccess);
+  const int64_t blocks = (d.rows + kWarps - 1) / kWarps;
+  if (kWarps * bytes_per_warp > kSharedBytes || blocks > 0x7fffffff) return static_cast<int>(cudaErrorInvalidValue);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, kWarps * bytes_per_warp, stream>>>(d, args..., bytes_per_warp);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+template <typename T>
+int product_key_topk_cuda(const ProductKeyDims& d, const T* x, const int32_t* table, float* scores, int32_t* ids,
+                          CUstream_st* stream) {
+  using D = typename Device<T>::type;
+  return launch(product_key_topk_kernel<D>, d, warp_bytes(d), stream, reinterpret_cast<const D*>(x), table, scores,
+                ids);
+}
+
+template <typename T>
+int product_key_topk_bwd_cuda(const ProductKeyDims& d, const float* dscores, const int32_t* ids, T* dx,
+                              CUstream_st* stream) {
+  using D = typename Device<T>::type;
+  return launch(product_key_topk_bwd_kernel<D>, d, bwd_warp_bytes(d), stream, dscores, ids, reinterpret_cast<D*>(dx));
+}
+
+template int product_key_topk_cuda<float>(const ProductKeyDims&, const float*, const int32_t*, float*, int32_t*,
+                                          CUstream_st*);
+template int product_key_topk_cuda<bf16>(const ProductKeyDims&, const bf16*, const int32_t*, float*, int32_t*,
+                                         CUstream_st*);
+template int product_key_topk_bwd_cuda<float>(const ProductKeyDims&, const float*, const int32_t*, float*,
+                                              CUstream_st*);
+template int product_key_topk_bwd_cuda<bf16>(const ProductKeyDims&, const float*, const int32_t*, bf16*,
+                                             CUstream_st*);
+
+}  // namespace sdm

@@ -1,0 +1,120 @@
+// The CUDA product-key top-k (kernels/product_key_topk_cuda.cu, rewritten for the host by transform.py) against the
+// CPU kernels (kernels/product_key_topk_cpu.cc), bitwise, forward and backward: one to three factors, float32 and
+// bfloat16 scores, continuous and tied values (small integers, all equal, NaN, infinities of one sign, signed
+// zeros), lists that take each of the CUDA kernel's key paths (registers up to 256 and up to 1024 elements,
+// recomputed beyond), row counts that leave a block's last warps idle, and backward rows of several tiles.
+#include "product_key_emu.inc"
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "check_values.h"
+#include "kernels/bf16.h"
+
+using namespace sdm;
+
+namespace {
+
+// The rank tuples with prod(r_f + 1) <= k, r_f < min(k, n_f), in lexicographic order, factor-major [F, C].
+std::vector<int32_t> candidate_table(const std::vector<int64_t>& factors, int64_t k, int64_t* C) {
+  std::vector<std::vector<int32_t>> tuples;
+  std::vector<int32_t> t;
+  std::function<void(size_t, int64_t)> walk = [&](size_t f, int64_t budget) {
+    if (f == factors.size()) {
+      tuples.push_back(t);
+      return;
+    }
+    for (int64_t r = 0; r < std::min(factors[f], k) && r + 1 <= budget; ++r) {
+      t.push_back(static_cast<int32_t>(r));
+      walk(f + 1, budget / (r + 1));
+      t.pop_back();
+    }
+  };
+  walk(0, k);
+  *C = static_cast<int64_t>(tuples.size());
+  std::vector<int32_t> table(factors.size() * tuples.size());
+  for (size_t c = 0; c < tuples.size(); ++c)
+    for (size_t f = 0; f < factors.size(); ++f) table[f * tuples.size() + c] = tuples[c][f];
+  return table;
+}
+
+enum Kind { kNormal, kInts, kEqual, kSpecial };
+const char* kKindNames[] = {"normal", "ints", "equal", "special"};
+
+template <typename T>
+bool run(int64_t rows, const std::vector<int64_t>& factors, int64_t k, Kind kind, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  const float special[] = {NAN, -INFINITY, -0.0f, 0.0f, 1.0f, -1.0f, 2.5f};
+  int64_t C = 0;
+  const std::vector<int32_t> table = factors.size() > 1 ? candidate_table(factors, k, &C) : [&] {
+    std::vector<int32_t> r(k);
+    for (int64_t i = 0; i < k; ++i) r[i] = static_cast<int32_t>(i);
+    C = k;
+    return r;
+  }();
+  const ProductKeyDims d = product_key_dims(rows, factors.data(), static_cast<int>(factors.size()), k, C);
+  std::vector<T> x(rows * d.width);
+  for (auto& v : x) {
+    const float f = kind == kNormal ? normal(rng)
+                    : kind == kInts ? static_cast<float>(static_cast<int>(rng() % 5) - 2)
+                    : kind == kEqual ? 0.75f
+                                     : special[rng() % 7];
+    v = value<T>(f);
+  }
+  std::vector<float> s_cpu(rows * k), s_cuda(rows * k, -7.0f), ds(rows * k);
+  std::vector<int32_t> i_cpu(rows * k), i_cuda(rows * k, -7);
+  product_key_topk_cpu<T>(d, x.data(), table.data(), s_cpu.data(), i_cpu.data());
+  const int rc = product_key_topk_cuda<T>(d, x.data(), table.data(), s_cuda.data(), i_cuda.data(), nullptr);
+  for (auto& v : ds) v = normal(rng);
+  std::vector<T> dx_cpu(rows * d.width), dx_cuda(rows * d.width, value<T>(-7.0f));
+  product_key_topk_bwd_cpu<T>(d, ds.data(), i_cpu.data(), dx_cpu.data());
+  const int rc_bwd = product_key_topk_bwd_cuda<T>(d, ds.data(), i_cpu.data(), dx_cuda.data(), nullptr);
+  const bool fwd = same_bits(s_cpu, s_cuda) && same_bits(i_cpu, i_cuda);
+  const bool bwd = same_bits(dx_cpu, dx_cuda);
+  const bool ok = rc == 0 && rc_bwd == 0 && fwd && bwd;
+  std::printf("%s rows %lld factors (", ok ? "ok  " : "FAIL", static_cast<long long>(rows));
+  for (size_t f = 0; f < factors.size(); ++f) std::printf("%s%lld", f ? ", " : "", static_cast<long long>(factors[f]));
+  std::printf(") k %lld C %lld %s %s rc %d/%d%s%s\n", static_cast<long long>(k), static_cast<long long>(C),
+              std::is_same_v<T, float> ? "f32" : "bf16", kKindNames[kind], rc, rc_bwd, fwd ? "" : " forward differs",
+              bwd ? "" : " backward differs");
+  return ok;
+}
+
+struct Case {
+  int64_t rows;
+  std::vector<int64_t> factors;
+  int64_t k;
+};
+
+}  // namespace
+
+int main() {
+  const Case cases[] = {
+      {6, {256, 256}, 64},   // the layer's shape; C = 280 in registers
+      {5, {128, 128}, 32},   // C = 119
+      {3, {64, 32, 32}, 64}, // C = 732: the 1024-element register path
+      {2, {3, 5, 7}, 105},   // k = prod(factors): every list taken whole
+      {4, {8, 512}, 64},     // k > n_1; n_2 in the 1024-element path
+      {3, {300}, 64},        // one factor
+      {2, {1500}, 200},      // one factor past 1024: keys recomputed on every pass
+      {2, {256, 256}, 256},  // C = 1466: candidates recomputed on every pass
+      {1, {1500, 1500}, 64}, // a backward row of two tiles
+      {3, {4, 1, 6}, 10},    // a factor of one entry
+      {9, {16, 16}, 1},      // k = 1; three blocks, the last with one row
+  };
+  int failing = 0;
+  unsigned seed = 1;
+  for (const Case& c : cases) {
+    for (int kind = 0; kind < 4; ++kind) {
+      failing += !run<float>(c.rows, c.factors, c.k, static_cast<Kind>(kind), seed++);
+      failing += !run<bf16>(c.rows, c.factors, c.k, static_cast<Kind>(kind), seed++);
+    }
+  }
+  std::printf("%d failing cases\n", failing);
+  return failing != 0;
+}
