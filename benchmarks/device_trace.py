@@ -1,5 +1,4 @@
-"""Reading the device's activity out of a `jax.profiler` trace (used by benchmarks/bench_decode.py and
-scripts/timeline.py).
+"""Reading the device's activity out of a `jax.profiler` trace (used by bench_decode.py and timeline.py).
 
 `record(run)` traces one call of `run()` and returns the trace (the Chrome/Perfetto JSON the profiler writes);
 `device_events(trace)` keeps the complete events on the device's streams; `activity_time(events)` measures how long

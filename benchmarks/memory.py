@@ -8,14 +8,12 @@ works on any backend for any shape:
 the runtime's own buffers.
 """
 import argparse
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import SHAPES, make_functions  # noqa: E402
+from bench import SHAPES, make_functions
 
 
 def abstract_inputs(shape):

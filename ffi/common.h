@@ -19,6 +19,7 @@ using F32 = ffi::Buffer<ffi::F32>;
 using S32 = ffi::Buffer<ffi::S32>;
 using R32 = ffi::ResultBuffer<ffi::F32>;
 using RS32 = ffi::ResultBuffer<ffi::S32>;
+using AnyBuffer = ffi::AnyBuffer;
 
 inline std::string DimsToString(ffi::Span<const int64_t> dims) {
   std::string s = "[";
@@ -70,6 +71,29 @@ ffi::Error RunCatching(const char* op, Kernel&& kernel) {
 }
 
 }  // namespace sdm_ffi
+
+// The interface of a handler, declared once: a list macro LIST(X, SEP) names its buffers and attributes in order,
+// X(kind, type, name) per entry with SEP() between entries. kind is Arg (an operand of that buffer type), Ret (a
+// result), Attr (an attribute of that type, by name) or Rest (any remaining results, ffi::RemainingRets). From the
+// list: the handler's parameters (SDM_FFI_PARAMS), their names as arguments (SDM_FFI_NAMES), the binding
+// (SDM_FFI_BINDING, after ffi::Ffi::Bind() and any context) and the description of the target that the extension
+// modules give Python (ffi/targets.h), so that jax_sdm/ffi_ops.py passes operands and reads results by name.
+#define SDM_FFI_COMMA() ,
+#define SDM_FFI_NOTHING()
+#define SDM_FFI_PARAM_Arg(T, name) T name
+#define SDM_FFI_PARAM_Ret(T, name) ::xla::ffi::Result<T> name
+#define SDM_FFI_PARAM_Attr(T, name) T name
+#define SDM_FFI_PARAM_Rest(T, name) ::xla::ffi::RemainingRets name
+#define SDM_FFI_PARAM(kind, T, name) SDM_FFI_PARAM_##kind(T, name)
+#define SDM_FFI_NAME(kind, T, name) name
+#define SDM_FFI_BIND_Arg(T, name) .Arg<T>()
+#define SDM_FFI_BIND_Ret(T, name) .Ret<T>()
+#define SDM_FFI_BIND_Attr(T, name) .Attr<T>(#name)
+#define SDM_FFI_BIND_Rest(T, name) .RemainingRets()
+#define SDM_FFI_BIND(kind, T, name) SDM_FFI_BIND_##kind(T, name)
+#define SDM_FFI_PARAMS(LIST) LIST(SDM_FFI_PARAM, SDM_FFI_COMMA)
+#define SDM_FFI_NAMES(LIST) LIST(SDM_FFI_NAME, SDM_FFI_COMMA)
+#define SDM_FFI_BINDING(LIST) LIST(SDM_FFI_BIND, SDM_FFI_NOTHING)
 
 // Return the error of a check if it failed.
 #define SDM_RETURN_IF_ERROR(expr)            \

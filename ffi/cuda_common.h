@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "ffi/common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace sdm_ffi {
@@ -19,5 +20,12 @@ inline xla::ffi::Error CudaStatus(const char* op, int rc) {
 }
 
 }  // namespace sdm_ffi
+
+// Defines the CUDA handler `symbol`: `fn(stream, buffers of LIST...)` (ffi/common.h SDM_FFI_PARAMS) on XLA's stream,
+// capturable in command buffers (CUDA graphs).
+#define SDM_CUDA_HANDLER(symbol, fn, LIST)                                                                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                             \
+      symbol, fn, ::xla::ffi::Ffi::Bind().Ctx<::xla::ffi::PlatformStream<cudaStream_t>>() SDM_FFI_BINDING(LIST), \
+      {::xla::ffi::Traits::kCmdBufferCompatible})
 
 #endif  // JAX_SDM_FFI_CUDA_COMMON_H_

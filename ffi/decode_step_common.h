@@ -9,6 +9,15 @@
 #include "ffi/common.h"
 #include "kernels/decode_step.h"
 
+// The buffers of `sdm_decode_step`, in order (docs/DESIGN.md "Decode step"; ffi/common.h SDM_FFI_PARAMS), shared
+// by the CPU and CUDA handlers; the bank arrives aliased to its result.
+#define SDM_DECODE_BUFFERS(X, SEP)                                                                              \
+  X(Arg, ::sdm_ffi::AnyBuffer, bank) SEP() X(Arg, ::sdm_ffi::S32, k_idx) SEP()                                  \
+  X(Arg, ::sdm_ffi::AnyBuffer, k_val) SEP() X(Arg, ::sdm_ffi::F32, x) SEP() X(Arg, ::sdm_ffi::AnyBuffer, v)     \
+  SEP() X(Arg, ::sdm_ffi::F32, beta) SEP() X(Arg, ::sdm_ffi::S32, q_idx) SEP()                                  \
+  X(Arg, ::sdm_ffi::AnyBuffer, q_val) SEP() X(Ret, ::sdm_ffi::AnyBuffer, bank_out) SEP()                        \
+  X(Ret, ::sdm_ffi::AnyBuffer, y)
+
 namespace sdm_ffi {
 
 // A checked call, ready for a platform's kernel.
@@ -43,10 +52,7 @@ inline ffi::Error CheckValueType(const char* op, const char* name, const ffi::An
 // Shapes: bank [S..., K, D], k_idx / k_val [S..., W], x [S...] or [S..., W], v [S..., D], beta [S...],
 // q_idx / q_val [S..., R]; results bank [S..., K, D] and y [S..., D] in the bank's dtype. S... is any batch shape
 // (the streams, and a leading axis per vmap).
-inline ffi::Error PrepareDecodeStep(const char* op, const ffi::AnyBuffer& bank, const S32& k_idx,
-                                    const ffi::AnyBuffer& k_val, const F32& x, const ffi::AnyBuffer& v,
-                                    const F32& beta, const S32& q_idx, const ffi::AnyBuffer& q_val,
-                                    ffi::AnyBuffer& bank_out, ffi::AnyBuffer& y, DecodeCall* call) {
+inline ffi::Error PrepareDecodeStep(const char* op, SDM_FFI_PARAMS(SDM_DECODE_BUFFERS), DecodeCall* call) {
   auto bd = bank.dimensions();
   if (bd.size() < 2 || k_idx.dimensions().size() < 1 || q_idx.dimensions().size() < 1)
     return ffi::Error::InvalidArgument(std::string(op) + ": bank must be [..., K, D] and k_idx, q_idx [..., W|R]");
@@ -71,10 +77,10 @@ inline ffi::Error PrepareDecodeStep(const char* op, const ffi::AnyBuffer& bank, 
   SDM_RETURN_IF_ERROR(CheckShape(op, "beta", beta, dm.S, {}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "q_idx", q_idx, dm.S, {dm.R}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "q_val", q_val, dm.S, {dm.R}));
-  SDM_RETURN_IF_ERROR(CheckShape(op, "bank (result)", bank_out, dm.S, {dm.K, dm.D}));
-  SDM_RETURN_IF_ERROR(CheckShape(op, "y (result)", y, dm.S, {dm.D}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "bank (result)", *bank_out, dm.S, {dm.K, dm.D}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "y (result)", *y, dm.S, {dm.D}));
   for (auto [name, a] : {std::pair<const char*, const ffi::AnyBuffer*>{"k_val", &k_val}, {"v", &v},
-                         {"q_val", &q_val}, {"bank (result)", &bank_out}, {"y (result)", &y}}) {
+                         {"q_val", &q_val}, {"bank (result)", &*bank_out}, {"y (result)", &*y}}) {
     SDM_RETURN_IF_ERROR(CheckValueType(op, name, *a, type));
   }
   *call = DecodeCall{dm,
@@ -86,32 +92,13 @@ inline ffi::Error PrepareDecodeStep(const char* op, const ffi::AnyBuffer& bank, 
                      beta.typed_data(),
                      q_idx.typed_data(),
                      q_val.untyped_data(),
-                     y.untyped_data(),
+                     y->untyped_data(),
                      bank.untyped_data(),
-                     bank_out.untyped_data(),
+                     bank_out->untyped_data(),
                      bank.size_bytes()};
   return ffi::Error::Success();
 }
 
 }  // namespace sdm_ffi
-
-// The handler's parameters and buffers, in order (docs/DESIGN.md "Decode step"), shared by CPU and CUDA.
-#define SDM_DECODE_PARAMS                                                                                      \
-  ::xla::ffi::AnyBuffer bank, ::sdm_ffi::S32 k_idx, ::xla::ffi::AnyBuffer k_val, ::sdm_ffi::F32 x,              \
-      ::xla::ffi::AnyBuffer v, ::sdm_ffi::F32 beta, ::sdm_ffi::S32 q_idx, ::xla::ffi::AnyBuffer q_val,          \
-      ::xla::ffi::Result<::xla::ffi::AnyBuffer> bank_out, ::xla::ffi::Result<::xla::ffi::AnyBuffer> y
-#define SDM_DECODE_ARGS bank, k_idx, k_val, x, v, beta, q_idx, q_val, *bank_out, *y
-
-#define SDM_DECODE_BUFFERS                                     \
-  Arg<::xla::ffi::AnyBuffer>() /* bank (aliased) */            \
-      .Arg<::sdm_ffi::S32>()        /* k_idx */                \
-      .Arg<::xla::ffi::AnyBuffer>() /* k_val */                \
-      .Arg<::sdm_ffi::F32>()        /* x: log-gates */         \
-      .Arg<::xla::ffi::AnyBuffer>() /* v */                    \
-      .Arg<::sdm_ffi::F32>()        /* beta */                 \
-      .Arg<::sdm_ffi::S32>()        /* q_idx */                \
-      .Arg<::xla::ffi::AnyBuffer>() /* q_val */                \
-      .Ret<::xla::ffi::AnyBuffer>() /* bank (in place) */      \
-      .Ret<::xla::ffi::AnyBuffer>() /* y */
 
 #endif  // JAX_SDM_FFI_DECODE_STEP_COMMON_H_

@@ -10,10 +10,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-ffi::Error DecodeStepCpu(SDM_DECODE_PARAMS) {
+ffi::Error DecodeStepCpu(SDM_FFI_PARAMS(SDM_DECODE_BUFFERS)) {
   constexpr const char* op = "sdm_decode_step";
   sdm_ffi::DecodeCall call;
-  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareDecodeStep(op, SDM_DECODE_ARGS, &call));
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareDecodeStep(op, SDM_FFI_NAMES(SDM_DECODE_BUFFERS), &call));
   // Two buffers only when XLA could not alias them: then (and only then) the whole bank is copied.
   if (call.bank_in != call.bank) std::memcpy(call.bank, call.bank_in, call.bank_bytes);
   return sdm_ffi::RunCatching(op, [&] {
@@ -26,4 +26,5 @@ ffi::Error DecodeStepCpu(SDM_DECODE_PARAMS) {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmDecodeStepCpu, DecodeStepCpu, ffi::Ffi::Bind().SDM_DECODE_BUFFERS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmDecodeStepCpu, DecodeStepCpu,
+                              ffi::Ffi::Bind() SDM_FFI_BINDING(SDM_DECODE_BUFFERS));

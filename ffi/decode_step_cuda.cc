@@ -14,10 +14,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-ffi::Error DecodeStepCuda(cudaStream_t stream, SDM_DECODE_PARAMS) {
+ffi::Error DecodeStepCuda(cudaStream_t stream, SDM_FFI_PARAMS(SDM_DECODE_BUFFERS)) {
   constexpr const char* op = "sdm_decode_step (CUDA)";
   sdm_ffi::DecodeCall call;
-  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareDecodeStep(op, SDM_DECODE_ARGS, &call));
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareDecodeStep(op, SDM_FFI_NAMES(SDM_DECODE_BUFFERS), &call));
   if (call.dm.W > sdm::kDecodeCudaMaxLanes || call.dm.R > sdm::kDecodeCudaMaxLanes) {
     return ffi::Error::InvalidArgument(std::string(op) + ": W=" + std::to_string(call.dm.W) + " and R=" +
                                        std::to_string(call.dm.R) + " must be at most " +
@@ -37,6 +37,4 @@ ffi::Error DecodeStepCuda(cudaStream_t stream, SDM_DECODE_PARAMS) {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmDecodeStepCuda, DecodeStepCuda,
-                              ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().SDM_DECODE_BUFFERS,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+SDM_CUDA_HANDLER(SdmDecodeStepCuda, DecodeStepCuda, SDM_DECODE_BUFFERS);

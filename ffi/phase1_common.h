@@ -40,29 +40,31 @@ inline ffi::Error ReadPhase1Dims(const char* op, const S32& k_idx, const S32& q_
   return limits(op, *u);
 }
 
-// The handlers' parameters, in the order of the bindings below (docs/DESIGN.md); shared by CPU and CUDA. The
-// handlers take one more, the optional trailing workspace result (ffi::RemainingRets), which only CUDA uses.
-#define SDM_PHASE1_PARAMS                                                                                      \
-  ::sdm_ffi::S32 k_idx, ::sdm_ffi::F32 k_val, ::sdm_ffi::F32 x, ::sdm_ffi::S32 q_idx, ::sdm_ffi::F32 q_val,      \
-      int64_t num_slots, ::sdm_ffi::R32 log_k, ::sdm_ffi::R32 rex, ::sdm_ffi::R32 cpe, ::sdm_ffi::R32 k_eff,     \
-      ::sdm_ffi::R32 w, ::sdm_ffi::R32 log_q, ::sdm_ffi::R32 q_w, ::sdm_ffi::R32 A, ::sdm_ffi::R32 QK,          \
-      ::sdm_ffi::RS32 w_order, ::sdm_ffi::RS32 w_group, ::sdm_ffi::RS32 r_order, ::sdm_ffi::RS32 r_group,       \
-      ::sdm_ffi::RS32 repeats
-#define SDM_PHASE1_NAMES                                                                                        \
-  k_idx, k_val, x, q_idx, q_val, num_slots, log_k, rex, cpe, k_eff, w, log_q, q_w, A, QK, w_order, w_group,     \
-      r_order, r_group, repeats
+// The buffers and the attribute of the two targets, in order (docs/DESIGN.md "Phase 1", "Phase-1 backward";
+// ffi/common.h SDM_FFI_PARAMS), shared by the CPU and CUDA handlers. The last, the optional workspace (any
+// remaining results), only the CUDA kernels use (phase1_cuda.cc); the CPU handlers accept it and ignore it.
+#define SDM_PHASE1_BUFFERS(X, SEP)                                                                              \
+  X(Arg, ::sdm_ffi::S32, k_idx) SEP() X(Arg, ::sdm_ffi::F32, k_val) SEP() X(Arg, ::sdm_ffi::F32, x) SEP()       \
+  X(Arg, ::sdm_ffi::S32, q_idx) SEP() X(Arg, ::sdm_ffi::F32, q_val) SEP() X(Attr, int64_t, num_slots) SEP()     \
+  X(Ret, ::sdm_ffi::F32, log_k) SEP() X(Ret, ::sdm_ffi::F32, rex) SEP() X(Ret, ::sdm_ffi::F32, cpe) SEP()       \
+  X(Ret, ::sdm_ffi::F32, k_eff) SEP() X(Ret, ::sdm_ffi::F32, w) SEP() X(Ret, ::sdm_ffi::F32, log_q) SEP()       \
+  X(Ret, ::sdm_ffi::F32, q_w) SEP() X(Ret, ::sdm_ffi::F32, A) SEP() X(Ret, ::sdm_ffi::F32, QK) SEP()            \
+  X(Ret, ::sdm_ffi::S32, w_order) SEP() X(Ret, ::sdm_ffi::S32, w_group) SEP() X(Ret, ::sdm_ffi::S32, r_order)   \
+  SEP() X(Ret, ::sdm_ffi::S32, r_group) SEP() X(Ret, ::sdm_ffi::S32, repeats) SEP() X(Rest, _, workspace)
 
-#define SDM_PHASE1_BWD_PARAMS                                                                                  \
-  ::sdm_ffi::S32 k_idx, ::sdm_ffi::F32 k_val, ::sdm_ffi::F32 x, ::sdm_ffi::S32 q_idx, ::sdm_ffi::F32 q_val,      \
-      ::sdm_ffi::F32 log_k, ::sdm_ffi::F32 rex, ::sdm_ffi::F32 cpe, ::sdm_ffi::F32 log_q, ::sdm_ffi::F32 dk_eff, ::sdm_ffi::F32 dw,    \
-      ::sdm_ffi::F32 dcpe, ::sdm_ffi::F32 dq_w, ::sdm_ffi::F32 dA, ::sdm_ffi::F32 dQK, int64_t num_slots,       \
-      ::sdm_ffi::R32 dk_val, ::sdm_ffi::R32 dx, ::sdm_ffi::R32 dq_val
-#define SDM_PHASE1_BWD_NAMES \
-  k_idx, k_val, x, q_idx, q_val, log_k, rex, cpe, log_q, dk_eff, dw, dcpe, dq_w, dA, dQK, num_slots, dk_val, dx, dq_val
+#define SDM_PHASE1_BWD_BUFFERS(X, SEP)                                                                          \
+  X(Arg, ::sdm_ffi::S32, k_idx) SEP() X(Arg, ::sdm_ffi::F32, k_val) SEP() X(Arg, ::sdm_ffi::F32, x) SEP()       \
+  X(Arg, ::sdm_ffi::S32, q_idx) SEP() X(Arg, ::sdm_ffi::F32, q_val) SEP() X(Arg, ::sdm_ffi::F32, log_k) SEP()   \
+  X(Arg, ::sdm_ffi::F32, rex) SEP() X(Arg, ::sdm_ffi::F32, cpe) SEP() X(Arg, ::sdm_ffi::F32, log_q) SEP()       \
+  X(Arg, ::sdm_ffi::F32, dk_eff) SEP() X(Arg, ::sdm_ffi::F32, dw) SEP() X(Arg, ::sdm_ffi::F32, dcpe) SEP()      \
+  X(Arg, ::sdm_ffi::F32, dq_w) SEP() X(Arg, ::sdm_ffi::F32, dA) SEP() X(Arg, ::sdm_ffi::F32, dQK) SEP()         \
+  X(Attr, int64_t, num_slots) SEP() X(Ret, ::sdm_ffi::F32, dk_val) SEP() X(Ret, ::sdm_ffi::F32, dx) SEP()       \
+  X(Ret, ::sdm_ffi::F32, dq_val) SEP() X(Rest, _, workspace)
 
 // The Phase-1 arguments and results, checked against the sizes (`limits`: the platform's, see ReadPhase1Dims).
-inline ffi::Error CheckPhase1Args(const char* op, Phase1Limits limits, SDM_PHASE1_PARAMS,
+inline ffi::Error CheckPhase1Args(const char* op, Phase1Limits limits, SDM_FFI_PARAMS(SDM_PHASE1_BUFFERS),
                                   sdm::Phase1Dims* u) {
+  (void)workspace;
   SDM_RETURN_IF_ERROR(ReadPhase1Dims(op, k_idx, q_idx, num_slots, limits, u));
   const int64_t N = u->N, C = u->C, W = u->W, R = u->R, CW = C * W, CR = C * R;
   SDM_RETURN_IF_ERROR(CheckShape(op, "k_val", k_val, N, {C, W}));
@@ -86,8 +88,9 @@ inline ffi::Error CheckPhase1Args(const char* op, Phase1Limits limits, SDM_PHASE
 }
 
 // The Phase-1 backward's arguments and results, checked against the sizes.
-inline ffi::Error CheckPhase1BwdArgs(const char* op, Phase1Limits limits, SDM_PHASE1_BWD_PARAMS,
+inline ffi::Error CheckPhase1BwdArgs(const char* op, Phase1Limits limits, SDM_FFI_PARAMS(SDM_PHASE1_BWD_BUFFERS),
                                      sdm::Phase1Dims* u) {
+  (void)workspace;
   SDM_RETURN_IF_ERROR(ReadPhase1Dims(op, k_idx, q_idx, num_slots, limits, u));
   const int64_t N = u->N, C = u->C, W = u->W, R = u->R;
   SDM_RETURN_IF_ERROR(CheckShape(op, "k_val", k_val, N, {C, W}));
@@ -110,8 +113,8 @@ inline ffi::Error CheckPhase1BwdArgs(const char* op, Phase1Limits limits, SDM_PH
 }
 
 // The kernels' view of the buffers (kernels/phase1.h), the same for both platforms.
-inline sdm::Phase1Arrays Phase1ArraysOf(SDM_PHASE1_PARAMS) {
-  (void)num_slots;
+inline sdm::Phase1Arrays Phase1ArraysOf(SDM_FFI_PARAMS(SDM_PHASE1_BUFFERS)) {
+  (void)num_slots, (void)workspace;
   return {k_idx.typed_data(),    k_val.typed_data(),    x.typed_data(),        q_idx.typed_data(),
           q_val.typed_data(),    log_k->typed_data(),   rex->typed_data(),     cpe->typed_data(),
           k_eff->typed_data(),   w->typed_data(),       log_q->typed_data(),   q_w->typed_data(),
@@ -119,8 +122,8 @@ inline sdm::Phase1Arrays Phase1ArraysOf(SDM_PHASE1_PARAMS) {
           r_order->typed_data(), r_group->typed_data(), repeats->typed_data()};
 }
 
-inline sdm::Phase1GradArrays Phase1GradArraysOf(SDM_PHASE1_BWD_PARAMS) {
-  (void)num_slots;
+inline sdm::Phase1GradArrays Phase1GradArraysOf(SDM_FFI_PARAMS(SDM_PHASE1_BWD_BUFFERS)) {
+  (void)num_slots, (void)workspace;
   return {k_idx.typed_data(),  k_val.typed_data(), x.typed_data(),     q_idx.typed_data(),  q_val.typed_data(),
           log_k.typed_data(),  rex.typed_data(),   cpe.typed_data(),   log_q.typed_data(),  dk_eff.typed_data(),
           dw.typed_data(),     dcpe.typed_data(),  dq_w.typed_data(),  dA.typed_data(),     dQK.typed_data(),
@@ -128,50 +131,5 @@ inline sdm::Phase1GradArrays Phase1GradArraysOf(SDM_PHASE1_BWD_PARAMS) {
 }
 
 }  // namespace sdm_ffi
-
-// The buffers and the attribute of the two handlers, in order (docs/DESIGN.md), shared by the CPU and CUDA
-// bindings; each binding ends with .RemainingRets(), the optional trailing workspace.
-#define SDM_PHASE1_BUFFERS                                   \
-  Arg<::sdm_ffi::S32>() /* k_idx */                          \
-      .Arg<::sdm_ffi::F32>() /* k_val */                     \
-      .Arg<::sdm_ffi::F32>() /* x */                         \
-      .Arg<::sdm_ffi::S32>() /* q_idx */                     \
-      .Arg<::sdm_ffi::F32>() /* q_val */                     \
-      .Attr<int64_t>("num_slots")                            \
-      .Ret<::sdm_ffi::F32>() /* log_k */                     \
-      .Ret<::sdm_ffi::F32>() /* rex */                       \
-      .Ret<::sdm_ffi::F32>() /* cpe */                       \
-      .Ret<::sdm_ffi::F32>() /* k_eff */                     \
-      .Ret<::sdm_ffi::F32>() /* w */                         \
-      .Ret<::sdm_ffi::F32>() /* log_q */                     \
-      .Ret<::sdm_ffi::F32>() /* q_w */                       \
-      .Ret<::sdm_ffi::F32>() /* A */                         \
-      .Ret<::sdm_ffi::F32>() /* QK */                        \
-      .Ret<::sdm_ffi::S32>() /* w_order */                   \
-      .Ret<::sdm_ffi::S32>() /* w_group */                   \
-      .Ret<::sdm_ffi::S32>() /* r_order */                   \
-      .Ret<::sdm_ffi::S32>() /* r_group */                   \
-      .Ret<::sdm_ffi::S32>() /* repeats */
-
-#define SDM_PHASE1_BWD_BUFFERS                               \
-  Arg<::sdm_ffi::S32>() /* k_idx */                          \
-      .Arg<::sdm_ffi::F32>() /* k_val */                     \
-      .Arg<::sdm_ffi::F32>() /* x */                         \
-      .Arg<::sdm_ffi::S32>() /* q_idx */                     \
-      .Arg<::sdm_ffi::F32>() /* q_val */                     \
-      .Arg<::sdm_ffi::F32>() /* log_k */                     \
-      .Arg<::sdm_ffi::F32>() /* rex */                       \
-      .Arg<::sdm_ffi::F32>() /* cpe */                       \
-      .Arg<::sdm_ffi::F32>() /* log_q */                     \
-      .Arg<::sdm_ffi::F32>() /* dk_eff */                    \
-      .Arg<::sdm_ffi::F32>() /* dw */                        \
-      .Arg<::sdm_ffi::F32>() /* dcpe */                      \
-      .Arg<::sdm_ffi::F32>() /* dq_w */                      \
-      .Arg<::sdm_ffi::F32>() /* dA */                        \
-      .Arg<::sdm_ffi::F32>() /* dQK */                       \
-      .Attr<int64_t>("num_slots")                            \
-      .Ret<::sdm_ffi::F32>() /* dk_val */                    \
-      .Ret<::sdm_ffi::F32>() /* dx */                        \
-      .Ret<::sdm_ffi::F32>() /* dq_val */
 
 #endif  // JAX_SDM_FFI_PHASE1_COMMON_H_

@@ -58,43 +58,31 @@ ffi::Error GetWorkspace(const char* op, const ffi::RemainingRets& rest, const sd
   return ffi::Error::Success();
 }
 
-ffi::Error Phase1CudaImpl(cudaStream_t stream, SDM_PHASE1_PARAMS, ffi::RemainingRets rest) {
+ffi::Error Phase1CudaImpl(cudaStream_t stream, SDM_FFI_PARAMS(SDM_PHASE1_BUFFERS)) {
   constexpr const char* op = "sdm_phase1 (CUDA)";
   sdm::Phase1Dims u;
-  SDM_RETURN_IF_ERROR(sdm_ffi::CheckPhase1Args(op, CudaLimits, SDM_PHASE1_NAMES, &u));
+  SDM_RETURN_IF_ERROR(sdm_ffi::CheckPhase1Args(op, CudaLimits, SDM_FFI_NAMES(SDM_PHASE1_BUFFERS), &u));
   void* ws;
   int64_t ws_bytes;
-  SDM_RETURN_IF_ERROR(GetWorkspace(op, rest, u, /*backward=*/false, &ws, &ws_bytes));
-
-  const int rc = sdm::phase1_cuda(sdm_ffi::Phase1ArraysOf(SDM_PHASE1_NAMES), u, ws, ws_bytes, stream);
+  SDM_RETURN_IF_ERROR(GetWorkspace(op, workspace, u, /*backward=*/false, &ws, &ws_bytes));
+  const int rc =
+      sdm::phase1_cuda(sdm_ffi::Phase1ArraysOf(SDM_FFI_NAMES(SDM_PHASE1_BUFFERS)), u, ws, ws_bytes, stream);
   return sdm_ffi::CudaStatus(op, rc);
 }
 
-ffi::Error Phase1BwdCudaImpl(cudaStream_t stream, SDM_PHASE1_BWD_PARAMS, ffi::RemainingRets rest) {
+ffi::Error Phase1BwdCudaImpl(cudaStream_t stream, SDM_FFI_PARAMS(SDM_PHASE1_BWD_BUFFERS)) {
   constexpr const char* op = "sdm_phase1_bwd (CUDA)";
   sdm::Phase1Dims u;
-  SDM_RETURN_IF_ERROR(sdm_ffi::CheckPhase1BwdArgs(op, CudaLimits, SDM_PHASE1_BWD_NAMES, &u));
+  SDM_RETURN_IF_ERROR(sdm_ffi::CheckPhase1BwdArgs(op, CudaLimits, SDM_FFI_NAMES(SDM_PHASE1_BWD_BUFFERS), &u));
   void* ws;
   int64_t ws_bytes;
-  SDM_RETURN_IF_ERROR(GetWorkspace(op, rest, u, /*backward=*/true, &ws, &ws_bytes));
-
-  const int rc = sdm::phase1_bwd_cuda(sdm_ffi::Phase1GradArraysOf(SDM_PHASE1_BWD_NAMES), u, ws, ws_bytes,
-                                       stream);
+  SDM_RETURN_IF_ERROR(GetWorkspace(op, workspace, u, /*backward=*/true, &ws, &ws_bytes));
+  const int rc = sdm::phase1_bwd_cuda(sdm_ffi::Phase1GradArraysOf(SDM_FFI_NAMES(SDM_PHASE1_BWD_BUFFERS)), u, ws,
+                                      ws_bytes, stream);
   return sdm_ffi::CudaStatus(op, rc);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmPhase1Cuda, Phase1CudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .SDM_PHASE1_BUFFERS
-                                  .RemainingRets(),  // workspace (optional when not needed)
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmPhase1BwdCuda, Phase1BwdCudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .SDM_PHASE1_BWD_BUFFERS
-                                  .RemainingRets(),  // workspace (optional when not needed)
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+SDM_CUDA_HANDLER(SdmPhase1Cuda, Phase1CudaImpl, SDM_PHASE1_BUFFERS);
+SDM_CUDA_HANDLER(SdmPhase1BwdCuda, Phase1BwdCudaImpl, SDM_PHASE1_BWD_BUFFERS);

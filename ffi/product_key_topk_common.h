@@ -93,24 +93,14 @@ inline ffi::Error PrepareProductKeyTopkBwd(const char* op, const F32& dscores, c
 
 }  // namespace sdm_ffi
 
-// The handlers' parameters and bindings, in order, shared by CPU and CUDA.
-#define SDM_PKTOPK_PARAMS                                                                                    \
-  ::xla::ffi::AnyBuffer x, ::sdm_ffi::S32 table, ::sdm_ffi::Factors factors, int64_t k, ::sdm_ffi::R32 scores, \
-      ::sdm_ffi::RS32 ids
-#define SDM_PKTOPK_BUFFERS                                        \
-  Arg<::xla::ffi::AnyBuffer>() /* factor_scores [..., width] */   \
-      .Arg<::sdm_ffi::S32>()   /* candidate table [..., F, C] */  \
-      .Attr<::sdm_ffi::Factors>("factors")                        \
-      .Attr<int64_t>("k")                                         \
-      .Ret<::sdm_ffi::F32>() /* scores [..., k] */                \
-      .Ret<::sdm_ffi::S32>() /* ids [..., k] */
-
-#define SDM_PKTOPK_BWD_PARAMS \
-  ::sdm_ffi::F32 dscores, ::sdm_ffi::S32 ids, ::sdm_ffi::Factors factors, ::xla::ffi::Result<::xla::ffi::AnyBuffer> dx
-#define SDM_PKTOPK_BWD_BUFFERS                              \
-  Arg<::sdm_ffi::F32>()   /* dscores [..., k] */            \
-      .Arg<::sdm_ffi::S32>() /* ids [..., k] */             \
-      .Attr<::sdm_ffi::Factors>("factors")                  \
-      .Ret<::xla::ffi::AnyBuffer>() /* dx [..., width] */
+// The buffers and attributes of the two targets, in order (ffi/common.h SDM_FFI_PARAMS), shared by the CPU and
+// CUDA handlers: the factor scores [..., width] and the candidate table [..., F, C], the scores and ids [..., k];
+// the backward's dscores and ids [..., k] and dx [..., width].
+#define SDM_PKTOPK_BUFFERS(X, SEP)                                                                              \
+  X(Arg, ::sdm_ffi::AnyBuffer, x) SEP() X(Arg, ::sdm_ffi::S32, table) SEP() X(Attr, ::sdm_ffi::Factors, factors) \
+  SEP() X(Attr, int64_t, k) SEP() X(Ret, ::sdm_ffi::F32, scores) SEP() X(Ret, ::sdm_ffi::S32, ids)
+#define SDM_PKTOPK_BWD_BUFFERS(X, SEP)                                                                          \
+  X(Arg, ::sdm_ffi::F32, dscores) SEP() X(Arg, ::sdm_ffi::S32, ids) SEP() X(Attr, ::sdm_ffi::Factors, factors)   \
+  SEP() X(Ret, ::sdm_ffi::AnyBuffer, dx)
 
 #endif  // JAX_SDM_FFI_PRODUCT_KEY_TOPK_COMMON_H_

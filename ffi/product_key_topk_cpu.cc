@@ -7,7 +7,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-ffi::Error ProductKeyTopkCpu(SDM_PKTOPK_PARAMS) {
+ffi::Error ProductKeyTopkCpu(SDM_FFI_PARAMS(SDM_PKTOPK_BUFFERS)) {
   constexpr const char* op = "sdm_product_key_topk";
   sdm::ProductKeyDims d;
   SDM_RETURN_IF_ERROR(sdm_ffi::PrepareProductKeyTopk(op, x, table, factors, k, scores, ids, &d));
@@ -21,7 +21,7 @@ ffi::Error ProductKeyTopkCpu(SDM_PKTOPK_PARAMS) {
   });
 }
 
-ffi::Error ProductKeyTopkBwdCpu(SDM_PKTOPK_BWD_PARAMS) {
+ffi::Error ProductKeyTopkBwdCpu(SDM_FFI_PARAMS(SDM_PKTOPK_BWD_BUFFERS)) {
   constexpr const char* op = "sdm_product_key_topk_bwd";
   sdm::ProductKeyDims d;
   SDM_RETURN_IF_ERROR(sdm_ffi::PrepareProductKeyTopkBwd(op, dscores, ids, factors, *dx, &d));
@@ -36,5 +36,7 @@ ffi::Error ProductKeyTopkBwdCpu(SDM_PKTOPK_BWD_PARAMS) {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmProductKeyTopkCpu, ProductKeyTopkCpu, ffi::Ffi::Bind().SDM_PKTOPK_BUFFERS);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmProductKeyTopkBwdCpu, ProductKeyTopkBwdCpu, ffi::Ffi::Bind().SDM_PKTOPK_BWD_BUFFERS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmProductKeyTopkCpu, ProductKeyTopkCpu,
+                              ffi::Ffi::Bind() SDM_FFI_BINDING(SDM_PKTOPK_BUFFERS));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmProductKeyTopkBwdCpu, ProductKeyTopkBwdCpu,
+                              ffi::Ffi::Bind() SDM_FFI_BINDING(SDM_PKTOPK_BWD_BUFFERS));

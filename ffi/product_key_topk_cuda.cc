@@ -12,7 +12,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-ffi::Error ProductKeyTopkCuda(cudaStream_t stream, SDM_PKTOPK_PARAMS) {
+ffi::Error ProductKeyTopkCuda(cudaStream_t stream, SDM_FFI_PARAMS(SDM_PKTOPK_BUFFERS)) {
   constexpr const char* op = "sdm_product_key_topk (CUDA)";
   sdm::ProductKeyDims d;
   SDM_RETURN_IF_ERROR(sdm_ffi::PrepareProductKeyTopk(op, x, table, factors, k, scores, ids, &d));
@@ -24,7 +24,7 @@ ffi::Error ProductKeyTopkCuda(cudaStream_t stream, SDM_PKTOPK_PARAMS) {
   return sdm_ffi::CudaStatus(op, rc);
 }
 
-ffi::Error ProductKeyTopkBwdCuda(cudaStream_t stream, SDM_PKTOPK_BWD_PARAMS) {
+ffi::Error ProductKeyTopkBwdCuda(cudaStream_t stream, SDM_FFI_PARAMS(SDM_PKTOPK_BWD_BUFFERS)) {
   constexpr const char* op = "sdm_product_key_topk_bwd (CUDA)";
   sdm::ProductKeyDims d;
   SDM_RETURN_IF_ERROR(sdm_ffi::PrepareProductKeyTopkBwd(op, dscores, ids, factors, *dx, &d));
@@ -38,9 +38,5 @@ ffi::Error ProductKeyTopkBwdCuda(cudaStream_t stream, SDM_PKTOPK_BWD_PARAMS) {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmProductKeyTopkCuda, ProductKeyTopkCuda,
-                              ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().SDM_PKTOPK_BUFFERS,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmProductKeyTopkBwdCuda, ProductKeyTopkBwdCuda,
-                              ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().SDM_PKTOPK_BWD_BUFFERS,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+SDM_CUDA_HANDLER(SdmProductKeyTopkCuda, ProductKeyTopkCuda, SDM_PKTOPK_BUFFERS);
+SDM_CUDA_HANDLER(SdmProductKeyTopkBwdCuda, ProductKeyTopkBwdCuda, SDM_PKTOPK_BWD_BUFFERS);

@@ -29,4 +29,9 @@ inline ffi::Error CheckSolveArgs(const char* op, const F32& A, const F32& beta, 
 
 }  // namespace sdm_ffi
 
+// The buffers of `sdm_solve`, in order (docs/DESIGN.md "Solve"; ffi/common.h SDM_FFI_PARAMS), shared by the CPU and
+// CUDA handlers.
+#define SDM_SOLVE_BUFFERS(X, SEP) \
+  X(Arg, ::sdm_ffi::F32, A) SEP() X(Arg, ::sdm_ffi::F32, beta) SEP() X(Ret, ::sdm_ffi::F32, Minv)
+
 #endif  // JAX_SDM_FFI_SOLVE_COMMON_H_

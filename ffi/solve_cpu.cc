@@ -12,7 +12,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-ffi::Error SolveCpuImpl(sdm_ffi::F32 A, sdm_ffi::F32 beta, sdm_ffi::R32 Minv) {
+ffi::Error SolveCpuImpl(SDM_FFI_PARAMS(SDM_SOLVE_BUFFERS)) {
   constexpr const char* op = "sdm_solve";
   int64_t N, C;
   SDM_RETURN_IF_ERROR(sdm_ffi::CheckSolveArgs(op, A, beta, Minv, &N, &C));
@@ -22,9 +22,4 @@ ffi::Error SolveCpuImpl(sdm_ffi::F32 A, sdm_ffi::F32 beta, sdm_ffi::R32 Minv) {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmSolveCpu, SolveCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<sdm_ffi::F32>()  // A
-                                  .Arg<sdm_ffi::F32>()  // beta
-                                  .Ret<sdm_ffi::F32>()  // Minv
-);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmSolveCpu, SolveCpuImpl, ffi::Ffi::Bind() SDM_FFI_BINDING(SDM_SOLVE_BUFFERS));

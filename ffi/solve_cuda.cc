@@ -1,8 +1,7 @@
-// XLA FFI handler `sdm_solve` (platform CUDA): Minv = (I + diag(beta) A)^{-1}
-// per unit (docs/DESIGN.md "Solve"); any leading batch dims (their product is N). Runs on XLA's stream; no allocation, no
-// host synchronisation; the launch configuration depends on the shapes only, so
-// the handler is safe to capture in a CUDA graph (kCmdBufferCompatible). The
-// checks of the CPU handler (ffi/solve_common.h), then the kernel's limit on C.
+// XLA FFI handler `sdm_solve` (platform CUDA): Minv = (I + diag(beta) A)^{-1} per unit (docs/DESIGN.md "Solve");
+// any leading batch dims (their product is N). Runs on XLA's stream; no allocation, no host synchronisation; the
+// launch configuration depends on the shapes only, so the handler is safe to capture in a CUDA graph
+// (kCmdBufferCompatible). The checks of the CPU handler (ffi/solve_common.h), then the kernel's limit on C.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -17,8 +16,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-ffi::Error SolveCudaImpl(cudaStream_t stream, sdm_ffi::F32 A, sdm_ffi::F32 beta,
-                         sdm_ffi::R32 Minv) {
+ffi::Error SolveCudaImpl(cudaStream_t stream, SDM_FFI_PARAMS(SDM_SOLVE_BUFFERS)) {
   constexpr const char* op = "sdm_solve (CUDA)";
   int64_t N, C;
   SDM_RETURN_IF_ERROR(sdm_ffi::CheckSolveArgs(op, A, beta, Minv, &N, &C));
@@ -34,11 +32,4 @@ ffi::Error SolveCudaImpl(cudaStream_t stream, sdm_ffi::F32 A, sdm_ffi::F32 beta,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    SdmSolveCuda, SolveCudaImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Arg<sdm_ffi::F32>()  // A
-        .Arg<sdm_ffi::F32>()  // beta
-        .Ret<sdm_ffi::F32>(),  // Minv
-    {xla::ffi::Traits::kCmdBufferCompatible});
+SDM_CUDA_HANDLER(SdmSolveCuda, SolveCudaImpl, SDM_SOLVE_BUFFERS);

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "ffi/common.h"
+#include "ffi/token_recurrence_common.h"
 #include "kernels/bf16.h"
 #include "kernels/token_recurrence.h"
 
@@ -15,11 +16,8 @@ using sdm_ffi::S32;
 
 namespace {
 
-// Shapes: bank [V..., P, K, D]; k_idx, k_val, x [V..., NC, P, C, W]; v [.., D]; beta [V..., NC, P, C];
-// q_idx, q_val [.., R]; results bank like the input, y [.., D] float32 and repeats [V..., NC, P] int32.
-ffi::Error TokenRecurrenceCpu(ffi::AnyBuffer bank, S32 k_idx, F32 k_val, F32 x, F32 v, F32 beta, S32 q_idx,
-                              F32 q_val, ffi::Result<ffi::AnyBuffer> bank_out, ffi::ResultBuffer<ffi::F32> y,
-                              ffi::ResultBuffer<ffi::S32> repeats) {
+// The shapes: ffi/token_recurrence_common.h.
+ffi::Error TokenRecurrenceCpu(SDM_FFI_PARAMS(SDM_TOKEN_RECURRENCE_BUFFERS)) {
   constexpr const char* op = "sdm_token_recurrence";
   auto kd = k_idx.dimensions();
   auto bd = bank.dimensions();
@@ -61,15 +59,4 @@ ffi::Error TokenRecurrenceCpu(ffi::AnyBuffer bank, S32 k_idx, F32 k_val, F32 x, 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmTokenRecurrenceCpu, TokenRecurrenceCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // bank
-                                  .Arg<S32>()             // k_idx
-                                  .Arg<F32>()             // k_val
-                                  .Arg<F32>()             // x: log-gates per lane
-                                  .Arg<F32>()             // v
-                                  .Arg<F32>()             // beta
-                                  .Arg<S32>()             // q_idx
-                                  .Arg<F32>()             // q_val
-                                  .Ret<ffi::AnyBuffer>()  // the final bank
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y
-                                  .Ret<ffi::Buffer<ffi::S32>>());  // repeats
+                              ffi::Ffi::Bind() SDM_FFI_BINDING(SDM_TOKEN_RECURRENCE_BUFFERS));

@@ -1,37 +1,40 @@
 """``jax.ffi.ffi_call`` wrappers of the jax_sdm kernels, with the shape logic.
 
-Kernel layout and outputs: docs/DESIGN.md. Leading dimensions before the
-per-unit ones are a batch shape: the handlers take any number of them (their
-product is the unit count), so the wrappers pass them through and use
-``vmap_method="broadcast_all"``: a ``vmap`` adds a leading dim to one kernel call,
-never a loop of calls.
+Kernel layout and outputs: docs/DESIGN.md. Each target's operands, attributes and results are declared once, in
+C++ (ffi/targets.h), and described by the extension modules (``lowering.INTERFACES``): the wrappers pass and read
+them by name. Leading dimensions before the per-unit ones are a batch shape: the handlers take any number of them
+(their product is the unit count), so the wrappers pass them through and use ``vmap_method="broadcast_all"``: a
+``vmap`` adds a leading dim to one kernel call, never a loop of calls.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import lowering
-
-lowering.register()
-
-_PHASE1_FIELDS = (
-    "log_k", "rex", "cpe", "k_eff", "w", "log_q", "q_w", "A", "QK",
-    "w_order", "w_group", "r_order", "r_group", "repeats",
-)
+from .layout import Phase1
 
 
-def _phase1_result(values):
-    """The ``Phase1`` named tuple of ``jax_sdm.xla`` when it exists, else a tuple."""
-    try:
-        from .xla import Phase1
-    except ImportError:
-        return tuple(values)
-    return Phase1(*values)
+def _call(target, results, aliases=None, **operands):
+    """``jax.ffi.ffi_call`` of ``target`` with its operands and attributes by name (``operands``) and its results by
+    name (``results``: ``{name: jax.ShapeDtypeStruct}``, every result of the target and any of its optional ones);
+    ``aliases`` maps an operand's name to the name of the result it is updated into. Returns
+    ``{result name: array}``."""
+    face = lowering.interface(target)
+    names = face.results + tuple(n for n in face.optional_results if n in results)
+    expected = set(face.results), set(face.args + face.attrs)
+    assert expected[0] <= set(results) <= set(names) and set(operands) == expected[1], (target, sorted(results),
+                                                                                      sorted(operands))
+    call = jax.ffi.ffi_call(
+        target, [results[n] for n in names], vmap_method="broadcast_all",
+        input_output_aliases={face.args.index(a): names.index(r) for a, r in (aliases or {}).items()})
+    outs = call(*(operands[n] for n in face.args), **{n: operands[n] for n in face.attrs})
+    return dict(zip(names, outs))
 
 
 def _check_shape(op, name, a, shape):
@@ -70,41 +73,10 @@ def _phase1_dims(op, k_idx, k_val, x, q_idx, q_val, num_slots):
     return shape_w[:-2], shape_w[-2], shape_w[-1], shape_r[-1], K
 
 
-# kernels/phase1.h: kPhase1CudaSharedBytes, kPhase1CudaGlobalBlocks, kPhase1CudaWarps and the scratch formulas.
-_PHASE1_CUDA_SHARED_BYTES = 226 * 1024
-_PHASE1_CUDA_GLOBAL_BLOCKS = 128
-_PHASE1_CUDA_WARPS = 32
-
-# kernels/steps.h: kTableBatches and table_chunks, the chunks of group tables the backward holds at once.
-_TABLE_BATCHES = 4
-
-
-def _table_chunks(NC):
-    return (NC + _TABLE_BATCHES - 1) // _TABLE_BATCHES
-
-
-def _round_up_256(n):
-    return (n + 255) // 256 * 256
-
-
 def _phase1_workspace(batch, C, W, R, backward):
-    """The trailing workspace result of ``sdm_phase1`` / ``sdm_phase1_bwd`` (uint8, bytes).
-
-    The CUDA kernels keep each unit's sort buffers and runs in shared memory when they fit; else the run arrays
-    go to this workspace (one slice per block), or, when the rest does not fit either, all of it. The size
-    mirrors ``sdm::phase1_cuda_workspace_bytes`` in kernels/phase1.h. The CPU handlers ignore it.
-    """
-    E = C * (W + R)
-    base = _round_up_256(4 * (_PHASE1_CUDA_WARPS * max(256, 2 * C) + 3 * E))
-    runs = _round_up_256(4 * (2 if backward else 1) * E)
-    if base + runs <= _PHASE1_CUDA_SHARED_BYTES:
-        slice_bytes = 0
-    elif base <= _PHASE1_CUDA_SHARED_BYTES:
-        slice_bytes = runs
-    else:
-        slice_bytes = base + runs
-    n = math.prod(batch)
-    size = 0 if n <= 0 or slice_bytes == 0 else min(n, _PHASE1_CUDA_GLOBAL_BLOCKS) * slice_bytes
+    """The trailing workspace result of ``sdm_phase1`` / ``sdm_phase1_bwd`` (uint8): the CUDA kernels' scratch of
+    the units that do not fit in shared memory (``lowering.phase1_workspace_bytes``); the CPU handlers ignore it."""
+    size = lowering.phase1_workspace_bytes(math.prod(batch), C, W, R, backward)
     return jax.ShapeDtypeStruct((size,), jnp.uint8)
 
 
@@ -120,37 +92,21 @@ def phase1_ffi(k_idx, k_val, x, q_idx, q_val, num_slots):
       num_slots: ``K``, a Python int; ids outside ``[0, K)`` are invalid entries.
 
     Returns:
-      ``(log_k, rex, cpe, k_eff, w, log_q, q_w, A, QK, w_order, w_group, r_order,
-      r_group, repeats)`` (a ``jax_sdm.xla.Phase1`` when that type exists) with the
-      batch shape ``...`` in front of the per-unit shapes of DESIGN.md.
+      A ``Phase1`` (``jax_sdm.layout``) ``(log_k, rex, cpe, k_eff, w, log_q, q_w, A, QK, w_order, w_group, r_order,
+      r_group, repeats)`` with the batch shape ``...`` in front of the per-unit shapes of DESIGN.md.
     """
     batch, C, W, R, K = _phase1_dims("phase1_ffi", k_idx, k_val, x, q_idx, q_val, num_slots)
     f32, i32 = jnp.float32, jnp.int32
-    out_shapes = [
-        ((C, W), f32),          # log_k
-        ((C, W), f32),          # rex
-        ((C, W), f32),          # cpe
-        ((C, W), f32),          # k_eff
-        ((C, W), f32),          # w
-        ((C, R), f32),          # log_q
-        ((C, R), f32),          # q_w
-        ((C, C), f32),          # A
-        ((C, C), f32),          # QK
-        ((C * W,), i32),        # w_order
-        ((C * W + 1,), i32),    # w_group
-        ((C * R,), i32),        # r_order
-        ((C * R + 1,), i32),    # r_group
-        ((), i32),              # repeats
-    ]
-    call = jax.ffi.ffi_call(
-        "sdm_phase1",
-        [jax.ShapeDtypeStruct(batch + s, d) for s, d in out_shapes]
-        + [_phase1_workspace(batch, C, W, R, backward=False)],
-        vmap_method="broadcast_all",
-    )
-    outs = call(jnp.asarray(k_idx).astype(i32), jnp.asarray(k_val).astype(f32),
-                jnp.asarray(x).astype(f32), jnp.asarray(q_idx).astype(i32),
-                jnp.asarray(q_val).astype(f32), num_slots=np.int64(K))
+    shapes = dict(log_k=((C, W), f32), rex=((C, W), f32), cpe=((C, W), f32), k_eff=((C, W), f32), w=((C, W), f32),
+                  log_q=((C, R), f32), q_w=((C, R), f32), A=((C, C), f32), QK=((C, C), f32),
+                  w_order=((C * W,), i32), w_group=((C * W + 1,), i32), r_order=((C * R,), i32),
+                  r_group=((C * R + 1,), i32), repeats=((), i32))
+    results = {n: jax.ShapeDtypeStruct(batch + s, d) for n, (s, d) in shapes.items()}
+    outs = _call("sdm_phase1", dict(results, workspace=_phase1_workspace(batch, C, W, R, backward=False)),
+                 k_idx=jnp.asarray(k_idx).astype(i32), k_val=jnp.asarray(k_val).astype(f32),
+                 x=jnp.asarray(x).astype(f32), q_idx=jnp.asarray(q_idx).astype(i32),
+                 q_val=jnp.asarray(q_val).astype(f32), num_slots=np.int64(K))
+    return Phase1(**{n: outs[n] for n in Phase1._fields})
     return _phase1_result(outs[:len(out_shapes)])
 
 
@@ -176,7 +132,7 @@ def phase1_bwd_ffi(k_idx, k_val, x, q_idx, q_val, num_slots, p1, dk_eff, dw, dcp
     batch, C, W, R, K = _phase1_dims(op, k_idx, k_val, x, q_idx, q_val, num_slots)
     f32 = jnp.float32
     shape_w, shape_r, shape_c = batch + (C, W), batch + (C, R), batch + (C, C)
-    p1 = _phase1_result(p1)
+    p1 = Phase1(*p1)
     for name, shape in (("log_k", shape_w), ("rex", shape_w), ("cpe", shape_w),
                         ("log_q", shape_r)):
         _check_shape(op, f"p1.{name}", getattr(p1, name), shape)
@@ -187,19 +143,19 @@ def phase1_bwd_ffi(k_idx, k_val, x, q_idx, q_val, num_slots, p1, dk_eff, dw, dcp
         _check_shape(op, name, a, shape)
         return jnp.asarray(a).astype(f32)
 
-    cots = [cotangent(name, a, shape) for name, a, shape in (
+    cots = {name: cotangent(name, a, shape) for name, a, shape in (
         ("dk_eff", dk_eff, shape_w), ("dw", dw, shape_w), ("dcpe", dcpe, shape_w),
-        ("dq_w", dq_w, shape_r), ("dA", dA, shape_c), ("dQK", dQK, shape_c))]
-    call = jax.ffi.ffi_call(
-        "sdm_phase1_bwd",
-        (jax.ShapeDtypeStruct(shape_w, f32), jax.ShapeDtypeStruct(shape_w, f32),
-         jax.ShapeDtypeStruct(shape_r, f32), _phase1_workspace(batch, C, W, R, backward=True)),
-        vmap_method="broadcast_all",
-    )
-    dk_val, dx, dq_val, _ = call(jnp.asarray(k_idx).astype(jnp.int32), jnp.asarray(k_val).astype(f32),
-                jnp.asarray(x).astype(f32), jnp.asarray(q_idx).astype(jnp.int32), jnp.asarray(q_val).astype(f32),
-                *(jnp.asarray(getattr(p1, n)).astype(f32) for n in ("log_k", "rex", "cpe", "log_q")),
-                *cots, num_slots=np.int64(K))
+        ("dq_w", dq_w, shape_r), ("dA", dA, shape_c), ("dQK", dQK, shape_c))}
+    outs = _call("sdm_phase1_bwd", dict(dk_val=jax.ShapeDtypeStruct(shape_w, f32),
+                                        dx=jax.ShapeDtypeStruct(shape_w, f32),
+                                        dq_val=jax.ShapeDtypeStruct(shape_r, f32),
+                                        workspace=_phase1_workspace(batch, C, W, R, backward=True)),
+                 k_idx=jnp.asarray(k_idx).astype(jnp.int32), k_val=jnp.asarray(k_val).astype(f32),
+                 x=jnp.asarray(x).astype(f32), q_idx=jnp.asarray(q_idx).astype(jnp.int32),
+                 q_val=jnp.asarray(q_val).astype(f32),
+                 **{n: jnp.asarray(getattr(p1, n)).astype(f32) for n in ("log_k", "rex", "cpe", "log_q")},
+                 **cots, num_slots=np.int64(K))
+    return outs["dk_val"], outs["dx"], outs["dq_val"]
     return dk_val, dx, dq_val
 
 
@@ -221,12 +177,70 @@ def solve_ffi(A, beta):
         raise ValueError(
             f"solve_ffi: beta has shape {tuple(beta.shape)}, expected {tuple(A.shape[:-1])} "
             f"(A's shape without its last dim)")
-    call = jax.ffi.ffi_call(
-        "sdm_solve",
-        jax.ShapeDtypeStruct(A.shape, jnp.float32),
-        vmap_method="broadcast_all",
-    )
-    return call(A.astype(jnp.float32), beta.astype(jnp.float32))
+    return _call("sdm_solve", dict(Minv=jax.ShapeDtypeStruct(A.shape, jnp.float32)),
+                 A=A.astype(jnp.float32), beta=beta.astype(jnp.float32))["Minv"]
+
+
+class ForwardSegments(NamedTuple):
+    """Packed sequences for `forward_ffi` (`segments.chunk_segments`): the initial bank (like the bank), each token's
+    segment counted from its chunk's first `local [..., NC, P, C]` and each chunk's first segment `seg0 [..., NC, P]`
+    (int32)."""
+    initial: jax.Array
+    local: jax.Array
+    seg0: jax.Array
+
+
+class BackwardSegments(NamedTuple):
+    """Packed sequences for `backward_ffi`: those of `ForwardSegments`, the final stamps and their snapshot
+    (`Forward.stamp`, `Forward.stamp_snapshot`) and `dinitial`, the cotangent of the initial bank so far (dbank's
+    dtype): the gradient of the reads of stale rows is added to it."""
+    initial: jax.Array
+    local: jax.Array
+    seg0: jax.Array
+    stamp: jax.Array
+    stamp_snapshot: jax.Array
+    dinitial: jax.Array
+
+
+class Forward(NamedTuple):
+    """`forward_ffi`'s results: the final bank, the readings `y` and the residuals `delta`, `vg`, `snapshot`; with
+    packed sequences the stamps and their snapshot (else None)."""
+    bank: jax.Array
+    y: jax.Array
+    delta: jax.Array
+    vg: jax.Array
+    snapshot: jax.Array
+    stamp: jax.Array | None = None
+    stamp_snapshot: jax.Array | None = None
+
+
+class Backward(NamedTuple):
+    """`backward_ffi`'s results: the initial bank (restored), the gradient bank and the cotangents of Phase 1's
+    outputs and of `beta` and `v`; with packed sequences `dinitial` (else None)."""
+    bank: jax.Array
+    dbank: jax.Array
+    dk_eff: jax.Array
+    dw: jax.Array
+    dcpe: jax.Array
+    dq_w: jax.Array
+    dA: jax.Array
+    dQK: jax.Array
+    dbeta: jax.Array
+    dv: jax.Array
+    dinitial: jax.Array | None = None
+
+
+def _workspace(bank, k_idx, q_idx, backward):
+    """The chunk steps' workspace result, float32 (`lowering.chunk_steps_workspace_floats`, kernels/chunk_steps.h):
+    the CUDA kernels' per-chunk rows, group tables and fresh-result arrays; the CPU handlers ignore it."""
+    floats = lowering.chunk_steps_workspace_floats(
+        math.prod(bank.shape[:-3]), k_idx.shape[-4], bank.shape[-3], k_idx.shape[-2], k_idx.shape[-1],
+        q_idx.shape[-1], bank.shape[-2], bank.shape[-1], backward)
+    return jax.ShapeDtypeStruct((floats,), jnp.float32)
+
+
+def _phase1_operands(p1, names):
+    return {n: getattr(p1, n) for n in names}
 
 
 def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_place=False):
@@ -242,17 +256,14 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_p
       save: keep the residuals for the backward (else they come back empty and nothing is saved).
       in_place: without `segments`, the final bank aliases `bank` (updated in place: the chunk loop of a
         forward in slabs carries the bank from one slab to the next without copying it).
-      segments: None, or for packed sequences `(initial, local, seg0)`: the initial bank (like `bank`), each
-        token's segment counted from its chunk's first `[..., NC, P, C]` and each chunk's first segment
-        `[..., NC, P]` (int32; `segments.chunk_segments`). `p1` must then come from the virtual slot ids
+      segments: None, or a `ForwardSegments` for packed sequences. `p1` must then come from the virtual slot ids
         (`segments.virtual_slots`); `k_idx` and `q_idx` are the real ones.
 
     Returns:
-      `(final_bank, y, delta, vg, snapshot)`; `y`, `delta` and `vg = v - G` (G the gathers of the write lanes, the
-      backward's only use of `v`) float32, `snapshot` in the bank's dtype. With
-      `segments`, the final bank is the working bank (each row that of its stamp's segment) and two more
-      results follow: the stamps `[..., P, K]` int32 (each row's segment of its last write) and, with `save`,
-      the stamps' snapshot `[..., NC, P, C*W]` int32.
+      A `Forward`: the final bank; `y`, `delta` and `vg = v - G` (G the gathers of the write lanes, the backward's
+      only use of `v`) float32, `snapshot` in the bank's dtype. With `segments`, the final bank is the working bank
+      (each row that of its stamp's segment), and the stamps `[..., P, K]` int32 (each row's segment of its last
+      write) and, with `save`, the stamps' snapshot `[..., NC, P, C*W]` int32 follow.
     """
     C, W = k_idx.shape[-2:]
     D = bank.shape[-1]
@@ -262,36 +273,23 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_p
     def residual(shape, dtype):
         return jax.ShapeDtypeStruct(shape if save else (0,), dtype)
 
-    results = (jax.ShapeDtypeStruct(bank.shape, bank.dtype), jax.ShapeDtypeStruct(tokens + (D,), f32),
-               residual(tokens + (D,), f32), residual(tokens + (D,), f32),
-               residual(tokens[:-1] + (C * W, D), bank.dtype), _workspace(bank, k_idx, q_idx, forward=True))
-    args = (bank, k_idx.astype(i32), q_idx.astype(i32), v.astype(f32), beta.astype(f32),
-            p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.QK, p1.w_order, p1.w_group, minv)
+    results = dict(bank_out=jax.ShapeDtypeStruct(bank.shape, bank.dtype), y=jax.ShapeDtypeStruct(tokens + (D,), f32),
+                   delta=residual(tokens + (D,), f32), vg=residual(tokens + (D,), f32),
+                   snapshot=residual(tokens[:-1] + (C * W, D), bank.dtype),
+                   workspace=_workspace(bank, k_idx, q_idx, backward=False))
+    operands = dict(bank=bank, k_idx=k_idx.astype(i32), q_idx=q_idx.astype(i32), v=v.astype(f32),
+                    beta=beta.astype(f32), minv=minv,
+                    **_phase1_operands(p1, ("k_eff", "w", "cpe", "q_w", "QK", "w_order", "w_group")))
     if segments is None:
-        call = jax.ffi.ffi_call("sdm_forward", results, vmap_method="broadcast_all",
-                                input_output_aliases={0: 0} if in_place else None)
-        return call(*args)[:5]
-    initial, local, seg0 = segments
-    results += (jax.ShapeDtypeStruct(bank.shape[:-1], i32), residual(tokens[:-1] + (C * W,), i32))
-    call = jax.ffi.ffi_call("sdm_forward_packed", results, vmap_method="broadcast_all", input_output_aliases={0: 0})
-    outs = call(*args, initial.astype(bank.dtype), local.astype(i32), seg0.astype(i32))
-    return outs[:5] + outs[6:]
-
-
-def _workspace(bank, k_idx, q_idx, forward):
-    """The steps' scratch (kernels/steps.h `forward_workspace_floats` / `backward_workspace_floats`), float32: per
-    problem (leading dims of the bank `[..., P, K, D]`) `3 * P * C * D` floats rounded up to a multiple of 4, then 4
-    per slot group (the forward's write groups, `k_idx.size`; the backward's write and read groups of
-    `_table_chunks(NC)` chunks only: a ring rebuilt per batch of chunks), then one per bank row (each slot's first
-    writing step) and one per gather lane (the write lanes, and the forward's read lanes); the backward's row of
-    zeros last."""
-    P, D, NC, C = bank.shape[-3], bank.shape[-1], k_idx.shape[-4], k_idx.shape[-2]
-    rows = math.prod(bank.shape[:-3]) * ((3 * P * C * D + 3) // 4 * 4)
-    ring = math.prod(bank.shape[:-2]) * _table_chunks(NC) * C  # tokens of table_chunks chunks of every stream
-    groups = k_idx.size if forward else ring * (k_idx.shape[-1] + q_idx.shape[-1])
-    tags = k_idx.size + (q_idx.size if forward else 0)
-    zero_row = 0 if forward else (D + 3) // 4 * 4 + 4  # the backward's row of zeros, 16-byte aligned
-    return jax.ShapeDtypeStruct((rows + 4 * groups + math.prod(bank.shape[:-1]) + tags + zero_row,), jnp.float32)
+        outs = _call("sdm_forward", results, aliases=dict(bank="bank_out") if in_place else None, **operands)
+    else:
+        results.update(stamp=jax.ShapeDtypeStruct(bank.shape[:-1], i32),
+                       stamp_snapshot=residual(tokens[:-1] + (C * W,), i32))
+        outs = _call("sdm_forward_packed", results, aliases=dict(bank="bank_out"), **operands,
+                     initial=segments.initial.astype(bank.dtype), local=segments.local.astype(i32),
+                     seg0=segments.seg0.astype(i32))
+    return Forward(outs["bank_out"], outs["y"], outs["delta"], outs["vg"], outs["snapshot"], outs.get("stamp"),
+                   outs.get("stamp_snapshot"))
 
 
 def backward_ffi(bank, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snapshot, segments=None):
@@ -306,32 +304,33 @@ def backward_ffi(bank, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snaps
     `dy`, the readings' cotangent `[..., NC, P, C, D]`, goes to the kernels in the bank's dtype (they widen it on
     load): the readings leave the op in that dtype, so their cotangent is exact there at half float32's bytes.
 
-    `segments`: None, or for packed sequences `(initial, local, seg0, stamp, stamp_snapshot, dinitial)`: those
-    of `forward_ffi` (`bank` then is its working bank, `stamp` its final stamps) and `dinitial`, the cotangent of
-    the initial bank so far (dbank's dtype): the gradient of the reads of stale rows is added to it.
+    `segments`: None, or a `BackwardSegments` for packed sequences (`bank` then is the forward's working bank).
 
     Returns:
-      `(initial_bank, dbank, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv)`, then `dinitial` with `segments`; the
-      initial bank's whole gradient is then `dbank + dinitial`.
+      A `Backward`; with `segments` the initial bank's whole gradient is `dbank + dinitial`.
     """
     f32, i32 = jnp.float32, jnp.int32
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
-    results = (like(bank), jax.ShapeDtypeStruct(bank.shape, dbank.dtype), like(p1.k_eff), like(p1.w), like(p1.cpe),
-               like(p1.q_w), like(p1.A), like(p1.QK), like(beta.astype(f32)), jax.ShapeDtypeStruct(dy.shape, f32),
-               _workspace(bank, k_idx, q_idx, forward=False))
-    args = (bank, dbank, dy.astype(bank.dtype), k_idx.astype(i32), q_idx.astype(i32),
-            beta.astype(f32), p1.k_eff, p1.w, p1.cpe, p1.q_w, p1.A, p1.QK, p1.w_order,
-            p1.w_group, p1.r_order, p1.r_group, minv, delta, vg, snapshot)
+    results = dict(bank_out=like(bank), dbank_out=jax.ShapeDtypeStruct(bank.shape, dbank.dtype), dk_eff=like(p1.k_eff),
+                   dw=like(p1.w), dcpe=like(p1.cpe), dq_w=like(p1.q_w), dA=like(p1.A), dQK=like(p1.QK),
+                   dbeta=jax.ShapeDtypeStruct(beta.shape, f32), dv=jax.ShapeDtypeStruct(dy.shape, f32),
+                   workspace=_workspace(bank, k_idx, q_idx, backward=True))
+    operands = dict(bank=bank, dbank=dbank, dy=dy.astype(bank.dtype), k_idx=k_idx.astype(i32),
+                    q_idx=q_idx.astype(i32), beta=beta.astype(f32), minv=minv, delta=delta, vg=vg, snapshot=snapshot,
+                    **_phase1_operands(p1, ("k_eff", "w", "cpe", "q_w", "A", "QK", "w_order", "w_group", "r_order",
+                                            "r_group")))
     if segments is None:
-        call = jax.ffi.ffi_call("sdm_backward", results, vmap_method="broadcast_all", input_output_aliases={0: 0})
-        return call(*args)[:10]
-    initial, local, seg0, stamp, stamp_snapshot, dinitial = segments
-    n = len(args)  # the stamps and dinitial are updated in place, like the bank and dbank
-    call = jax.ffi.ffi_call("sdm_backward_packed", results + (like(stamp), like(dbank)), vmap_method="broadcast_all",
-                            input_output_aliases={0: 0, 1: 1, n + 3: len(results), n + 5: len(results) + 1})
-    outs = call(*args, initial.astype(bank.dtype), local.astype(i32), seg0.astype(i32), stamp.astype(i32),
-                stamp_snapshot.astype(i32), dinitial.astype(dbank.dtype))
-    return outs[:10] + outs[-1:]
+        outs = _call("sdm_backward", results, aliases=dict(bank="bank_out"), **operands)
+    else:  # the stamps and dinitial are updated in place, like the bank and dbank
+        results.update(stamp_out=like(segments.stamp), dinitial_out=like(dbank))
+        outs = _call("sdm_backward_packed", results,
+                     aliases=dict(bank="bank_out", dbank="dbank_out", stamp="stamp_out", dinitial="dinitial_out"),
+                     **operands, initial=segments.initial.astype(bank.dtype), local=segments.local.astype(i32),
+                     seg0=segments.seg0.astype(i32), stamp=segments.stamp.astype(i32),
+                     stamp_snapshot=segments.stamp_snapshot.astype(i32),
+                     dinitial=segments.dinitial.astype(dbank.dtype))
+    return Backward(*(outs[n] for n in ("bank_out", "dbank_out", "dk_eff", "dw", "dcpe", "dq_w", "dA", "dQK",
+                                        "dbeta", "dv")), outs.get("dinitial_out"))
 
 
 def decode_step_ffi(bank, k_idx, k_val, x, v, beta, q_idx, q_val):
@@ -348,13 +347,11 @@ def decode_step_ffi(bank, k_idx, k_val, x, v, beta, q_idx, q_val):
       `(new_bank, y)`: the bank after the token and the readings `[..., D]`, in the bank's dtype.
     """
     f32, i32 = jnp.float32, jnp.int32
-    call = jax.ffi.ffi_call(
-        "sdm_decode_step",
-        (jax.ShapeDtypeStruct(bank.shape, bank.dtype), jax.ShapeDtypeStruct(v.shape, bank.dtype)),
-        vmap_method="broadcast_all",
-        input_output_aliases={0: 0},
-    )
-    return call(bank, k_idx.astype(i32), k_val, x.astype(f32), v, beta.astype(f32), q_idx.astype(i32), q_val)
+    outs = _call("sdm_decode_step", dict(bank_out=jax.ShapeDtypeStruct(bank.shape, bank.dtype),
+                                         y=jax.ShapeDtypeStruct(v.shape, bank.dtype)),
+                 aliases=dict(bank="bank_out"), bank=bank, k_idx=k_idx.astype(i32), k_val=k_val, x=x.astype(f32),
+                 v=v, beta=beta.astype(f32), q_idx=q_idx.astype(i32), q_val=q_val)
+    return outs["bank_out"], outs["y"]
 
 
 def token_recurrence_ffi(bank, k_idx, k_val, x, v, beta, q_idx, q_val):
@@ -373,12 +370,9 @@ def token_recurrence_ffi(bank, k_idx, k_val, x, v, beta, q_idx, q_val):
       lane's slot in their token.
     """
     f32, i32 = jnp.float32, jnp.int32
-    call = jax.ffi.ffi_call(
-        "sdm_token_recurrence",
-        (jax.ShapeDtypeStruct(bank.shape, bank.dtype), jax.ShapeDtypeStruct(v.shape, f32),
-         jax.ShapeDtypeStruct(k_idx.shape[:-2], i32)),
-        vmap_method="broadcast_all",
-    )
-    final, y, repeats = call(bank, k_idx.astype(i32), k_val.astype(f32), x.astype(f32), v.astype(f32),
-                             beta.astype(f32), q_idx.astype(i32), q_val.astype(f32))
-    return y, final, repeats
+    outs = _call("sdm_token_recurrence",
+                 dict(bank_out=jax.ShapeDtypeStruct(bank.shape, bank.dtype), y=jax.ShapeDtypeStruct(v.shape, f32),
+                      repeats=jax.ShapeDtypeStruct(k_idx.shape[:-2], i32)),
+                 bank=bank, k_idx=k_idx.astype(i32), k_val=k_val.astype(f32), x=x.astype(f32), v=v.astype(f32),
+                 beta=beta.astype(f32), q_idx=q_idx.astype(i32), q_val=q_val.astype(f32))
+    return outs["y"], outs["bank_out"], outs["repeats"]

@@ -2,9 +2,12 @@
 
 `_sdm_kernels_fwd` / `_sdm_kernels_bwd` run the kernels (`ffi_ops.py`) on the streams `P = B*H` in kernel layout;
 `stream_kernels` is the custom VJP around them, with `B` and `H` explicit so that `sharding.per_stream` runs every
-shard's streams on its own device (and folds a `vmap` into `B`). `sdm_ffi` is the entry point of `ops.py`.
+shard's streams on its own device (and folds a `vmap` into `B`). `sdm_ffi` is the entry point of `ops.py`. The
+inputs, the saved residuals and the gradients travel as named tuples; where `per_stream` needs flat arrays each
+array's `B` axis follows from its field's name (`_flatten`).
 """
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +15,74 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.interpreters import ad
 
 from . import ffi_ops, layout, lowering, segments
+from .layout import Phase1
 from .sharding import BANK, UNITS, explicit_out_sharding, merge, per_stream, split, to_varying, varying_axes
+
+
+class Packed(NamedTuple):
+    """Packed sequences as the kernels take them (`segments.chunk_segments`, int32): the segment running at each
+    chunk's start `seg0 [NC, P]`, each token's segment counted from it `local [NC, P, C]`, and each stream's last
+    segment `last [P]` (with explicit streams `P` is `B, H`)."""
+    seg0: jax.Array
+    local: jax.Array
+    last: jax.Array
+
+
+class Inputs(NamedTuple):
+    """The kernels' inputs: the bank `[P, K, D]` and per-token arrays `[NC, P, C, ...]` in kernel layout (int32 ids,
+    float32 values, per-lane gates `x`; with explicit streams `P` is `B, H`), and `packed`: a `Packed`, or None
+    without packed sequences. The backward keeps them without `v` (it needs only the forward's `v - G`) and,
+    without packed sequences, without the bank (it restores it from the final bank): those are None there."""
+    bank: jax.Array | None
+    k_idx: jax.Array
+    k_val: jax.Array
+    x: jax.Array
+    v: jax.Array | None
+    beta: jax.Array
+    q_idx: jax.Array
+    q_val: jax.Array
+    packed: Packed | None
+
+
+class PackedSaved(NamedTuple):
+    """What the forward saves with packed sequences: the working bank and its stamps (bank layout) and the stamps'
+    snapshot (unit layout)."""
+    work: jax.Array
+    stamp: jax.Array
+    stamp_snapshot: jax.Array
+
+
+class Saved(NamedTuple):
+    """What the kernels' backward needs beyond the inputs and the final bank (unit layout `[NC, P, ...]`)."""
+    p1: Phase1
+    minv: jax.Array
+    delta: jax.Array
+    vg: jax.Array
+    snapshot: jax.Array
+    packed: PackedSaved | None
+
+
+class Grads(NamedTuple):
+    """Gradients of the float inputs of `Inputs`."""
+    bank: jax.Array
+    k_val: jax.Array
+    x: jax.Array
+    v: jax.Array
+    beta: jax.Array
+    q_val: jax.Array
+
+
+# Fields whose arrays are in bank layout (`[P, ...]`, or `[B, H, ...]`); every other array is in unit layout
+# (`[NC, P, ...]`): the B axis `per_stream` and `merge` / `split` need (sharding.BANK, sharding.UNITS).
+_BANK_FIELDS = frozenset({"bank", "last", "work", "stamp", "final", "dfinal"})
+
+
+def _flatten(tree):
+    """`(arrays, axes, treedef)`: the arrays of a tree of named tuples, each one's B axis (by the name of its field,
+    `_BANK_FIELDS`) and the tree's structure."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    axes = tuple(BANK if path[-1].name in _BANK_FIELDS else UNITS for path, _ in leaves)
+    return tuple(a for _, a in leaves), axes, treedef
 
 
 def _phase1_slots(k_idx, q_idx, packed, num_slots):
@@ -20,8 +90,8 @@ def _phase1_slots(k_idx, q_idx, packed, num_slots):
     `segments.virtual_slots` (each segment of a chunk on its own slots)."""
     if packed is None:
         return k_idx, q_idx, num_slots
-    local = packed[1]
-    return (segments.virtual_slots(k_idx, local, num_slots), segments.virtual_slots(q_idx, local, num_slots),
+    return (segments.virtual_slots(k_idx, packed.local, num_slots),
+            segments.virtual_slots(q_idx, packed.local, num_slots),
             segments.virtual_slot_count(num_slots, k_idx.shape[-2]))
 
 
@@ -30,30 +100,30 @@ def _phase1_slots(k_idx, q_idx, packed, num_slots):
 NOGRAD_SLAB_TOKENS = 4096
 
 
-def _forward_in_slabs(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots, slab):
+def _forward_in_slabs(inputs, num_slots, slab):
     """The kernels' forward without residuals (`_sdm_kernels_fwd` with `save=False`, no packed sequences) in slabs
     of `slab` chunks: `(y [NC, P, C, D] in the bank's dtype, final_bank, repeats [NC, P])`, the same bits as one
     call over all chunks (every phase works chunk by chunk). The first slab makes a new final bank (the kernels read
     each row from the input until its first write); the later ones update it in place inside a `lax.scan`, and write
     their readings into the one output array."""
-    NC = k_idx.shape[0]
-    tokens = (k_idx, k_val, x, v, beta, q_idx, q_val)
+    NC = inputs.k_idx.shape[0]
+    tokens = inputs._replace(bank=None, packed=None)  # the per-token arrays [NC, ...]
 
     def run(bank, chunks, in_place):
-        k_idx, k_val, x, v, beta, q_idx, q_val = chunks
-        p1 = ffi_ops.phase1_ffi(k_idx, k_val, x, q_idx, q_val, num_slots)
-        minv = ffi_ops.solve_ffi(p1.A, beta)
-        final, y = ffi_ops.forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, False, in_place=in_place)[:2]
-        return final, y.astype(bank.dtype), p1.repeats
+        p1 = ffi_ops.phase1_ffi(chunks.k_idx, chunks.k_val, chunks.x, chunks.q_idx, chunks.q_val, num_slots)
+        minv = ffi_ops.solve_ffi(p1.A, chunks.beta)
+        out = ffi_ops.forward_ffi(bank, chunks.k_idx, chunks.q_idx, chunks.v, chunks.beta, p1, minv, False,
+                                  in_place=in_place)
+        return out.bank, out.y.astype(bank.dtype), p1.repeats
 
-    final, y0, r0 = run(bank, tuple(a[:slab] for a in tokens), False)
+    slice_tokens = lambda f: jax.tree_util.tree_map(f, tokens)
+    final, y0, r0 = run(inputs.bank, slice_tokens(lambda a: a[:slab]), False)
     y = jnp.zeros((NC,) + y0.shape[1:], y0.dtype).at[:slab].set(y0)
     repeats = jnp.zeros((NC,) + r0.shape[1:], r0.dtype).at[:slab].set(r0)
 
     def body(carry, start):
         final, y, repeats = carry
-        chunks = tuple(jax.lax.dynamic_slice_in_dim(a, start, slab) for a in tokens)
-        final, y_s, r_s = run(final, chunks, True)
+        final, y_s, r_s = run(final, slice_tokens(lambda a: jax.lax.dynamic_slice_in_dim(a, start, slab)), True)
         return (final, jax.lax.dynamic_update_slice_in_dim(y, y_s, start, 0),
                 jax.lax.dynamic_update_slice_in_dim(repeats, r_s, start, 0)), None
 
@@ -61,41 +131,37 @@ def _forward_in_slabs(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots, s
     starts = jnp.arange(1, full, dtype=jnp.int32) * slab
     (final, y, repeats), _ = jax.lax.scan(body, (final, y, repeats), starts)
     if NC > full * slab:  # the last, partial slab
-        final, y_s, r_s = run(final, tuple(a[full * slab:] for a in tokens), True)
+        final, y_s, r_s = run(final, slice_tokens(lambda a: a[full * slab:]), True)
         y, repeats = y.at[full * slab:].set(y_s), repeats.at[full * slab:].set(r_s)
     return y, final, repeats
 
 
-def _sdm_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_slots, save=True,
-                     slab_tokens=None):
-    """The kernels' forward in kernel layout (bank `[P, K, D]`, tokens `[NC, P, C, ...]`, per-lane gates `x`;
-    `packed`: None, or for packed sequences `(seg0 [NC, P], local [NC, P, C], last [P])` of
-    `segments.chunk_segments`): `((y [NC, P, C, D] float32, final_bank, repeats [NC, P]), residuals)`.
-
-    `residuals = (banks, units)` are what the backward needs beyond the inputs and the final bank: arrays in bank
-    layout `[P, ...]` (with packed sequences the working bank and the stamps, none otherwise) and a tree of arrays
-    in unit layout `[NC, P, ...]`. With `save=False` nothing is kept for a backward. `stream_kernels` runs it
-    (and `_sdm_kernels_bwd`) per shard inside its custom VJP. Without `save` and packed sequences, a sequence of
-    more than `slab_tokens` tokens runs in slabs (`_forward_in_slabs`); `y` is then in the bank's dtype already."""
-    slab = max(1, (slab_tokens or NOGRAD_SLAB_TOKENS) // k_idx.shape[-2])
-    if not save and packed is None and k_idx.shape[0] > slab:
-        return _forward_in_slabs(bank, k_idx, k_val, x, v, beta, q_idx, q_val, num_slots, slab), ((), ())
-    p1_k_idx, p1_q_idx, p1_slots = _phase1_slots(k_idx, q_idx, packed, num_slots)
-    p1 = ffi_ops.phase1_ffi(p1_k_idx, k_val, x, p1_q_idx, q_val, p1_slots)
-    minv = ffi_ops.solve_ffi(p1.A, beta)
+def _sdm_kernels_fwd(inputs, num_slots, save=True, slab_tokens=None):
+    """The kernels' forward on `Inputs` in kernel layout (bank `[P, K, D]`): `((y [NC, P, C, D] float32, final_bank,
+    repeats [NC, P]), saved)`, `saved` the `Saved` residuals for the backward (None with `save=False`).
+    `stream_kernels` runs it (and `_sdm_kernels_bwd`) per shard inside its custom VJP. Without `save` and packed
+    sequences, a sequence of more than `slab_tokens` tokens runs in slabs (`_forward_in_slabs`); `y` is then in the
+    bank's dtype already."""
+    slab = max(1, (slab_tokens or NOGRAD_SLAB_TOKENS) // inputs.k_idx.shape[-2])
+    if not save and inputs.packed is None and inputs.k_idx.shape[0] > slab:
+        return _forward_in_slabs(inputs, num_slots, slab), None
+    bank, packed = inputs.bank, inputs.packed
+    p1_k_idx, p1_q_idx, p1_slots = _phase1_slots(inputs.k_idx, inputs.q_idx, packed, num_slots)
+    p1 = ffi_ops.phase1_ffi(p1_k_idx, inputs.k_val, inputs.x, p1_q_idx, inputs.q_val, p1_slots)
+    minv = ffi_ops.solve_ffi(p1.A, inputs.beta)
+    steps = (inputs.k_idx, inputs.q_idx, inputs.v, inputs.beta, p1, minv, save)
     if packed is None:
-        final, y, delta, vg, snapshot = ffi_ops.forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save)
-        banks, stamp_snapshot = (), ()
+        out = ffi_ops.forward_ffi(bank, *steps)
+        final, packed_saved = out.bank, None
     else:
-        seg0, local, last = packed
-        work, y, delta, vg, snapshot, stamp, stamp_snapshot = ffi_ops.forward_ffi(
-            bank, k_idx, q_idx, v, beta, p1, minv, save, segments=(bank, local, seg0))
-        final = segments.final_bank(work, bank, stamp, last)
-        banks, stamp_snapshot = (work, stamp), (stamp_snapshot,)
-    return (y, final, p1.repeats), (banks, (p1, minv, delta, vg, snapshot) + stamp_snapshot)
+        out = ffi_ops.forward_ffi(bank, *steps, segments=ffi_ops.ForwardSegments(bank, packed.local, packed.seg0))
+        final = segments.final_bank(out.bank, bank, out.stamp, packed.last)
+        packed_saved = PackedSaved(out.bank, out.stamp, out.stamp_snapshot)
+    saved = Saved(p1, minv, out.delta, out.vg, out.snapshot, packed_saved) if save else None
+    return (out.y, final, p1.repeats), saved
 
 
-def _sdm_kernels_primal(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_slots):
+def _sdm_kernels_primal(inputs, num_slots):
     """The forward of a call that is not differentiated, `(y, final_bank, repeats)` as `_sdm_kernels_fwd`'s, with
     `y` in the bank's dtype.
 
@@ -103,67 +169,67 @@ def _sdm_kernels_primal(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, nu
     forward needs none of Phase 1, the solves or the snapshots, and on a CPU the tokens in order cost less. For
     other platforms, and for packed sequences, the chunked kernels without residuals.
     """
+    bank = inputs.bank
+
     def in_bank_dtype(forward):  # both branches' results have one type (the slabs' readings are in it already)
         def run(*args):
             y, final, repeats = forward(*args)
             return y.astype(bank.dtype), final, repeats
         return run
 
-    chunked = in_bank_dtype(lambda *args: _sdm_kernels_fwd(*args, packed, num_slots, save=False)[0])
-    args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val)
-    if packed is not None:
+    args = (bank, inputs.k_idx, inputs.k_val, inputs.x, inputs.v, inputs.beta, inputs.q_idx, inputs.q_val)
+    chunked = in_bank_dtype(
+        lambda *args: _sdm_kernels_fwd(Inputs(*args, packed=inputs.packed), num_slots, save=False)[0])
+    if inputs.packed is not None:
         return chunked(*args)
     return jax.lax.platform_dependent(*args, cpu=in_bank_dtype(ffi_ops.token_recurrence_ffi), default=chunked)
 
 
-def _sdm_kernels_bwd(num_slots, inputs, final, residuals, dy, dfinal):
-    """The kernels' backward: gradients `(dbank, dk_val, dx, dv, dbeta, dq_val)` of `_sdm_kernels_fwd`'s inputs
-    (`inputs`, in its order; the bank may be None without packed sequences: the backward restores it from the
-    final bank) from its final bank, `residuals` and the cotangents; `dfinal` `[P, 0, D]` without packed sequences
+def _sdm_kernels_bwd(num_slots, inputs, final, saved, dy, dfinal):
+    """The kernels' backward: the `Grads` of `_sdm_kernels_fwd`'s inputs (`inputs`, whose bank and `v` may be None)
+    from its final bank, its `Saved` residuals and the cotangents; `dfinal` `[P, 0, D]` without packed sequences
     is a zero cotangent (`ffi_ops.backward_ffi`)."""
-    bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed = inputs
-    banks, (p1, minv, delta, vg, snapshot, *stamp_snapshot) = residuals
-    steps = (dy, k_idx, q_idx, beta, p1, minv, delta, vg, snapshot)
+    packed, p1 = inputs.packed, saved.p1
+    steps = (dy, inputs.k_idx, inputs.q_idx, inputs.beta, p1, saved.minv, saved.delta, saved.vg, saved.snapshot)
     if packed is None:
-        _, dbank, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv = ffi_ops.backward_ffi(final, dfinal, *steps)
+        out = ffi_ops.backward_ffi(final, dfinal, *steps)
+        dbank = out.dbank
     else:
-        (work, stamp), (stamp_snapshot,), (seg0, local, last) = banks, stamp_snapshot, packed
+        work, stamp = saved.packed.work, saved.packed.stamp
         # The final bank's rows of the last segment are the working bank's, the others the initial bank's.
-        current = (stamp == last[..., None])[..., None]
+        current = (stamp == packed.last[..., None])[..., None]
         zero = jnp.zeros((), dfinal.dtype)
-        _, dwork, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv, dinitial = ffi_ops.backward_ffi(
-            work, jnp.where(current, dfinal, zero), *steps,
-            segments=(bank, local, seg0, stamp, stamp_snapshot, jnp.where(current, zero, dfinal)))
-        dbank = dwork.astype(jnp.float32) + dinitial.astype(jnp.float32)
-    p1_k_idx, p1_q_idx, p1_slots = _phase1_slots(k_idx, q_idx, packed, num_slots)
-    dk_val, dx, dq_val = ffi_ops.phase1_bwd_ffi(p1_k_idx, k_val, x, p1_q_idx, q_val, p1_slots, p1,
-                                                dk_eff, dw, dcpe, dq_w, dA, dQK)
-    return dbank.astype(final.dtype), dk_val, dx, dv, dbeta, dq_val
+        segs = ffi_ops.BackwardSegments(inputs.bank, packed.local, packed.seg0, stamp, saved.packed.stamp_snapshot,
+                                        jnp.where(current, zero, dfinal))
+        out = ffi_ops.backward_ffi(work, jnp.where(current, dfinal, zero), *steps, segments=segs)
+        dbank = out.dbank.astype(jnp.float32) + out.dinitial.astype(jnp.float32)
+    p1_k_idx, p1_q_idx, p1_slots = _phase1_slots(inputs.k_idx, inputs.q_idx, packed, num_slots)
+    dk_val, dx, dq_val = ffi_ops.phase1_bwd_ffi(p1_k_idx, inputs.k_val, inputs.x, p1_q_idx, inputs.q_val, p1_slots,
+                                                p1, out.dk_eff, out.dw, out.dcpe, out.dq_w, out.dA, out.dQK)
+    return Grads(dbank.astype(final.dtype), dk_val, dx, out.dv, out.dbeta, dq_val)
 
 
-KERNEL_TARGETS = ("sdm_phase1", "sdm_solve", "sdm_forward", "sdm_backward", "sdm_phase1_bwd")
-PACKED_TARGETS = ("sdm_forward_packed", "sdm_backward_packed")  # the steps with packed sequences
+# The FFI targets the kernel path calls (ffi/targets.h).
+KERNEL_TARGETS = ("sdm_phase1", "sdm_solve", "sdm_forward", "sdm_backward", "sdm_forward_packed",
+                  "sdm_backward_packed", "sdm_phase1_bwd")
 
 
-def kernels_available(packed=False):
-    """Whether this backend has every kernel `impl="ffi"` needs (with `packed`, also the packed-sequence steps)."""
+def kernels_available():
+    """Whether this backend has every kernel `impl="ffi"` needs."""
     platform = jax.default_backend()
-    return all(lowering.is_registered(t, platform) for t in KERNEL_TARGETS + (PACKED_TARGETS if packed else ()))
+    return all(lowering.is_registered(t, platform) for t in KERNEL_TARGETS)
 
 
-def _require_kernels(packed=False):
+def _require_kernels():
     """Raise before any work if this backend lacks one of the kernels (`impl="ffi"` never falls back)."""
     platform = jax.default_backend()
     missing = [t for t in KERNEL_TARGETS if not lowering.is_registered(t, platform)]
     if missing:
+        built = "" if lowering.HAS_CPU_MODULE else (
+            " (the extension modules are not built: `pip install --no-build-isolation .` builds them)")
         raise NotImplementedError(
-            f"sdm_write_read: impl='ffi' has no {platform} kernels for {', '.join(missing)} in this build; "
+            f"sdm_write_read: impl='ffi' has no {platform} kernels for {', '.join(missing)} in this build{built}; "
             "use impl='xla' (the chunked form in pure JAX) or impl='reference' (the token loop)")
-    if packed and not all(lowering.is_registered(t, platform) for t in PACKED_TARGETS):
-        raise NotImplementedError(
-            f"sdm_write_read: `segment_ids` (packed sequences) with impl='ffi' has no {platform} kernels yet: the "
-            "CPU kernels support it, and so do impl='xla' (the chunked form in pure JAX, on every platform; "
-            "impl='auto' picks it here) and impl='reference' (the token loop)")
 
 
 FORWARD_MODE_ERROR = (
@@ -209,167 +275,116 @@ def _kernels_per_stream(local_fn, static, args, in_axes, out_axes):
     return call(*args)
 
 
-def kernel_layout(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
-    """The kernels' arguments in kernel layout: bank `[P, K, D]` and per-token arrays `[NC, P, C, ...]`, in the
-    order of `_sdm_kernels_fwd` (`layout.stream_arguments` with `B, H` merged into `P`)."""
-    bank, *tokens = layout.stream_arguments(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
-    return (bank.reshape(dims.P, dims.K, dims.D),) + tuple(
-        a.reshape((dims.NC, dims.P) + a.shape[3:]) for a in tokens)
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # The kernels per stream, with explicit B and H, in a custom VJP
 
 
-_PACKED_AXES = (UNITS, UNITS, BANK)  # seg0 [NC, B, H], local [NC, B, H, C], last [B, H]
+def _local_forward(save, static, *arrays):
+    """One shard's forward: merge `B, H` into `P = B*H`, run the kernels (`_sdm_kernels_fwd`), split back. `static`
+    is `(num_slots, treedef, axes)` of the `Inputs` whose arrays `arrays` are (`_flatten`).
 
-
-def _input_axes(packed):
-    """The B axes of the kernels' inputs: the bank, the 7 per-token arrays, then with packed sequences theirs."""
-    return (BANK,) + (UNITS,) * 7 + (_PACKED_AXES if packed else ())
-
-
-_V = 4  # v's place among the kernels' inputs (bank, k_idx, k_val, x, v, ...)
-
-
-def _kept(inputs, packed):
-    """Of the kernels' inputs (or their axes), those the custom VJP keeps for the backward: not `v` (the backward
-    needs only the forward's `v - G`) and, without packed sequences, not the bank (the backward restores it from the
-    final bank)."""
-    return tuple(a for i, a in enumerate(inputs) if i != _V and (packed or i > 0))
-
-
-def _kept_axes(packed):
-    """The B axes of the inputs that the custom VJP keeps for the backward (`_kept`)."""
-    return _kept(_input_axes(packed), packed)
-
-
-def _kernel_inputs(arrays, packed):
-    """`_sdm_kernels_fwd`'s inputs from the flat ones: the bank, the 7 per-token arrays and `packed`."""
-    return (*arrays[:8], tuple(arrays[8:]) if packed else None)
-
-
-def _local_forward(save, static, bank, *tokens):
-    """One shard's forward: merge to `P = B*H`, run the kernels (`_sdm_kernels_fwd`), split back. `static` is
-    `(num_slots, packed)`; `tokens` the 7 per-token inputs, then with packed sequences theirs.
-
-    Returns `(y, final, repeats)`, then with `save` the kernels' residuals: those in bank layout, then the others
-    flattened.
+    Returns `(y, final, repeats)`, then with `save` the arrays of the kernels' `Saved` residuals (`_flatten`).
     """
-    num_slots, packed = static
-    H = bank.shape[1]
-    merged = [merge(a, at) for a, at in zip((bank,) + tokens, _input_axes(packed))]
+    num_slots, treedef, axes = static
+    bank = jax.tree_util.tree_unflatten(treedef, arrays).bank
+    inputs = jax.tree_util.tree_unflatten(treedef, [merge(a, at) for a, at in zip(arrays, axes)])
     if save:
-        (y, final, repeats), (banks, units) = _sdm_kernels_fwd(*_kernel_inputs(merged, packed), num_slots)
+        (y, final, repeats), saved = _sdm_kernels_fwd(inputs, num_slots)
     else:
-        y, final, repeats = _sdm_kernels_primal(*_kernel_inputs(merged, packed), num_slots)
+        y, final, repeats = _sdm_kernels_primal(inputs, num_slots)
     # The readings leave in the bank's dtype (one rounding, as the op's result): their cotangent then comes in that
     # dtype too, which the backward's kernels take as it is (half the bytes of float32 for a bfloat16 bank).
+    H = bank.shape[1]
     out = (split(y.astype(bank.dtype), UNITS, H), split(final, BANK, H), split(repeats, UNITS, H))
     if not save:
         return out
-    return (out + tuple(split(b, BANK, H) for b in banks)
-            + tuple(split(r, UNITS, H) for r in jax.tree_util.tree_leaves(units)))
+    saved_arrays, saved_axes, _ = _flatten(saved)
+    return out + tuple(split(a, at, H) for a, at in zip(saved_arrays, saved_axes))
 
 
-def _local_primal(static, *args):
-    return _local_forward(False, static, *args)
+def _local_primal(static, *arrays):
+    return _local_forward(False, static, *arrays)
 
 
-def _local_saving(static, *args):
-    return _local_forward(True, static, *args)
+def _local_saving(static, *arrays):
+    return _local_forward(True, static, *arrays)
 
 
-def _saved_bank_count(packed):
-    """How many of the saved residuals are in bank layout (the working bank and the stamps of packed sequences)."""
-    return 2 if packed else 0
+class BackwardArgs(NamedTuple):
+    """The arrays of one shard's backward: the final bank, the cotangents and the residuals of the custom VJP."""
+    final: jax.Array
+    dfinal: jax.Array
+    dy: jax.Array
+    kept: Inputs
+    saved: Saved
 
 
-def _local_backward(static, final, dfinal, dy, *rest):
-    """One shard's backward (`_sdm_kernels_bwd`): `rest` is the kept inputs (`_kept_axes`) and the saved
-    residuals; `static` is `(num_slots, packed)`."""
-    num_slots, packed = static
-    H = final.shape[1]
-    kept_axes = _kept_axes(packed)
-    kept = [merge(a, at) for a, at in zip(rest, kept_axes)]
-    # The kernels' inputs with the bank (without packed sequences, the final bank's shape) and v's shape (dy's) in
-    # their places, for the tree of the residuals; the backward reads neither.
-    arrays = ([] if packed else [merge(final, BANK)]) + kept
-    arrays.insert(_V, jax.ShapeDtypeStruct(merge(dy, UNITS).shape, jnp.float32))
-    inputs = _kernel_inputs(arrays, packed)
-    rest = rest[len(kept_axes):]
-    n_banks = _saved_bank_count(packed)
-    units = jax.tree_util.tree_unflatten(_units_treedef(num_slots, inputs),
-                                         [merge(a, UNITS) for a in rest[n_banks:]])
-    residuals = (tuple(merge(a, BANK) for a in rest[:n_banks]), units)
-    inputs = inputs[:_V] + (None,) + inputs[_V + 1:]
-    if not packed:
-        inputs = (None,) + inputs[1:]
-    grads = _sdm_kernels_bwd(num_slots, inputs, merge(final, BANK), residuals, merge(dy, UNITS),
-                             merge(dfinal, BANK))
-    dbank, *dtokens = grads
-    return (split(dbank, BANK, H),) + tuple(split(g, UNITS, H) for g in dtokens)
+def _local_backward(static, *arrays):
+    """One shard's backward (`_sdm_kernels_bwd`) on the arrays of a `BackwardArgs`; `static` is
+    `(num_slots, treedef, axes)` (`_flatten`)."""
+    num_slots, treedef, axes = static
+    H = jax.tree_util.tree_unflatten(treedef, arrays).final.shape[1]
+    args = jax.tree_util.tree_unflatten(treedef, [merge(a, at) for a, at in zip(arrays, axes)])
+    grads = _sdm_kernels_bwd(num_slots, args.kept, args.final, args.saved, args.dy, args.dfinal)
+    return (split(grads.bank, BANK, H),) + tuple(split(g, UNITS, H) for g in grads[1:])
 
 
-def _units_treedef(num_slots, inputs):
-    """The tree structure of the kernels' residuals in unit layout (without running anything)."""
-    shapes = jax.eval_shape(lambda *a: _sdm_kernels_fwd(*a, num_slots, save=True)[1][1], *inputs)
-    return jax.tree_util.tree_structure(shapes)
+def _saved_structure(num_slots, inputs):
+    """The structure and the B axes (`_flatten`) of the kernels' `Saved` residuals for these `Inputs` (with explicit
+    `B, H`), without running anything."""
+    arrays, axes, treedef = _flatten(inputs)
+    merged = lambda *a: jax.tree_util.tree_unflatten(treedef, [merge(x, at) for x, at in zip(a, axes)])
+    shapes = jax.eval_shape(lambda *a: _sdm_kernels_fwd(merged(*a), num_slots, save=True)[1], *arrays)
+    _, saved_axes, saved_def = _flatten(shapes)
+    return saved_def, saved_axes
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
-def stream_kernels(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_slots, grad_dtype):
-    """The op on the kernels with explicit streams: bank `[B, H, K, D]`, per-token arrays `[NC, B, H, C, ...]`
-    (int32 ids, float32 values, per-lane gates `x`). `packed`: None, or for packed sequences
-    `(seg0 [NC, B, H], local [NC, B, H, C], last [B, H])` of `segments.chunk_segments` (int32). `grad_dtype` (a
-    dtype name) is the backward's working gradient bank: "float32", or the bank's dtype.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def stream_kernels(inputs, num_slots, grad_dtype):
+    """The op on the kernels with explicit streams: `Inputs` with the bank `[B, H, K, D]` and per-token arrays
+    `[NC, B, H, C, ...]` (int32 ids, float32 values, per-lane gates `x`; `packed`: None, or a `Packed` of
+    `segments.chunk_segments`, int32). `grad_dtype` (a dtype name) is the backward's working gradient bank:
+    "float32", or the bank's dtype.
 
     Returns `(y [NC, B, H, C, D] in the bank's dtype, final_bank [B, H, K, D], repeats [NC, B, H])`. A call
     that is not differentiated saves no residuals. Inside `shard_map` the inputs must vary along the same manual
     axes; the results and the gradients are typed as varying along them (the FFI calls' results carry no such
     type).
     """
-    args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val) + (packed or ())
-    static = (num_slots, packed is not None)
-    outs = _kernels_per_stream(_local_primal, static, args, _input_axes(packed is not None), (UNITS, BANK, UNITS))
-    return tuple(to_varying(o, varying_axes(*args)) for o in outs)
+    arrays, axes, treedef = _flatten(inputs)
+    outs = _kernels_per_stream(_local_primal, (num_slots, treedef, axes), arrays, axes, (UNITS, BANK, UNITS))
+    return tuple(to_varying(o, varying_axes(*arrays)) for o in outs)
 
 
-def _stream_kernels_fwd(bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed, num_slots, grad_dtype):
+def _stream_kernels_fwd(inputs, num_slots, grad_dtype):
     # symbolic_zeros: the inputs come as CustomVJPPrimal (value, perturbed)
-    bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed = jax.tree_util.tree_map(
-        lambda a: a.value, (bank, k_idx, k_val, x, v, beta, q_idx, q_val, packed),
-        is_leaf=lambda a: isinstance(a, CustomVJPPrimal))
-    args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val) + (packed or ())
-    static = (num_slots, packed is not None)
-    n_saved = len(jax.eval_shape(functools.partial(_local_saving, static), *args)) - 3
-    n_banks = _saved_bank_count(packed is not None)
-    y, final, repeats, *saved = _kernels_per_stream(
-        _local_saving, static, args, _input_axes(packed is not None),
-        (UNITS, BANK, UNITS) + (BANK,) * n_banks + (UNITS,) * (n_saved - n_banks))
-    y, final, repeats = (to_varying(o, varying_axes(*args)) for o in (y, final, repeats))
-    return (y, final, repeats), (final, _kept(args, packed is not None), tuple(saved))
+    inputs = jax.tree_util.tree_map(lambda a: a.value, inputs, is_leaf=lambda a: isinstance(a, CustomVJPPrimal))
+    arrays, axes, treedef = _flatten(inputs)
+    saved_def, saved_axes = _saved_structure(num_slots, inputs)
+    y, final, repeats, *saved = _kernels_per_stream(_local_saving, (num_slots, treedef, axes), arrays, axes,
+                                                    (UNITS, BANK, UNITS) + saved_axes)
+    y, final, repeats = (to_varying(o, varying_axes(*arrays)) for o in (y, final, repeats))
+    # The backward needs neither v (only the forward's v - G) nor, without packed sequences, the bank (it restores
+    # it from the final bank).
+    kept = inputs._replace(v=None, bank=inputs.bank if inputs.packed is not None else None)
+    return (y, final, repeats), (final, kept, jax.tree_util.tree_unflatten(saved_def, saved))
 
 
 def _stream_kernels_bwd(num_slots, grad_dtype, residuals, cotangents):
     final, kept, saved = residuals
-    packed = len(kept) > 6  # `_kept`: 6 per-token inputs; with packed sequences also the bank and their 3 arrays
+    packed = kept.packed is not None
     dy, dfinal, _ = cotangents
     # A loss of the readings only gives the final bank a symbolic zero cotangent: without packed sequences it goes
     # to the kernels as an empty [B, H, 0, D] array (no bank-sized buffer of zeros; the backward reads zero rows).
     if isinstance(dfinal, SymbolicZero):
         shape = dfinal.shape if packed else dfinal.shape[:-2] + (0, dfinal.shape[-1])
         dfinal = jnp.zeros(shape, grad_dtype)
-    dy = jnp.zeros(dy.shape, dy.dtype) if isinstance(dy, SymbolicZero) else dy
-    args = (final, dfinal.astype(grad_dtype), dy) + kept + saved  # dy: the readings' dtype, the bank's
-    n_banks = _saved_bank_count(packed)
-    in_axes = ((BANK, BANK, UNITS) + _kept_axes(packed) + (BANK,) * n_banks
-               + (UNITS,) * (len(saved) - n_banks))
-    dbank, dk_val, dx, dv, dbeta, dq_val = _kernels_per_stream(
-        _local_backward, (num_slots, packed), args, in_axes, (BANK,) + (UNITS,) * 5)
-    dbank, dk_val, dx, dv, dbeta, dq_val = (to_varying(d, varying_axes(final))
-                                            for d in (dbank, dk_val, dx, dv, dbeta, dq_val))
-    return dbank.astype(final.dtype), None, dk_val, dx, dv, dbeta, None, dq_val, None
+    dy = jnp.zeros(dy.shape, dy.dtype) if isinstance(dy, SymbolicZero) else dy  # the readings' dtype, the bank's
+    arrays, axes, treedef = _flatten(BackwardArgs(final, dfinal.astype(grad_dtype), dy, kept, saved))
+    grads = _kernels_per_stream(_local_backward, (num_slots, treedef, axes), arrays, axes, (BANK,) + (UNITS,) * 5)
+    grads = Grads(*(to_varying(g, varying_axes(final)) for g in grads))
+    return (Inputs(grads.bank.astype(final.dtype), None, grads.k_val, grads.x, grads.v, grads.beta, None, grads.q_val,
+                   None),)
 
 
 stream_kernels.defvjp(_stream_kernels_fwd, _stream_kernels_bwd, symbolic_zeros=True)
@@ -385,7 +400,7 @@ def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, grad_dtype=None,
     `custom_partitioning` works) and the results get the shardings of the inputs: `y` like `k_idx`, the final bank
     like `bank` (B like `k_idx` for a shared bank).
     """
-    _require_kernels(packed=seg is not None)
+    _require_kernels()
     args = (bank, k_idx, k_val, v, beta, g, q_idx, q_val)
     _refuse_forward_mode(args)
     grad_dtype = jnp.dtype(bank.dtype if grad_dtype is None else grad_dtype).name
@@ -399,10 +414,11 @@ def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, grad_dtype=None,
 
 def _sdm_ffi_streams(bank, k_idx, k_val, v, beta, g, q_idx, q_val, seg, dims, grad_dtype):
     args = layout.stream_arguments(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
-    packed = None if seg is None else segments.chunk_segments(seg, dims, layout.to_stream_units)
+    packed = None if seg is None else Packed(*segments.chunk_segments(seg, dims, layout.to_stream_units))
+    inputs = Inputs(*args, packed)
     # Inside `shard_map`, every input varies along the manual axes along which any does (the results do too); for
     # an input that does not (e.g. a bank shared by the devices) the transpose of this cast sums its gradient.
-    axes = varying_axes(*args, *(packed or ()))
-    vary = lambda arrays: tuple(to_varying(a, axes) for a in arrays)
-    y, final, repeats = stream_kernels(*vary(args), packed and vary(packed), dims.K, grad_dtype)
+    axes = varying_axes(*jax.tree_util.tree_leaves(inputs))
+    y, final, repeats = stream_kernels(jax.tree_util.tree_map(lambda a: to_varying(a, axes), inputs), dims.K,
+                                       grad_dtype)
     return layout.from_stream_units(y, dims), final, jnp.sum(repeats)  # y is in the bank's dtype already

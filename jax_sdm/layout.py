@@ -37,6 +37,25 @@ class Dims(NamedTuple):
         return -(-self.T // self.C)
 
 
+class Phase1(NamedTuple):
+    """Phase 1's outputs for units `[N, ...]` (docs/DESIGN.md "Phase 1"), in the order of the handler's results and
+    of `xla.phase1_xla`'s."""
+    log_k: jax.Array    # [N, C, W]
+    rex: jax.Array      # [N, C, W]
+    cpe: jax.Array      # [N, C, W]
+    k_eff: jax.Array    # [N, C, W]
+    w: jax.Array        # [N, C, W]
+    log_q: jax.Array    # [N, C, R]
+    q_w: jax.Array      # [N, C, R]
+    A: jax.Array        # [N, C, C]
+    QK: jax.Array       # [N, C, C]
+    w_order: jax.Array  # [N, C*W]
+    w_group: jax.Array  # [N, C*W + 1]
+    r_order: jax.Array  # [N, C*R]
+    r_group: jax.Array  # [N, C*R + 1]
+    repeats: jax.Array  # [N]
+
+
 def _shape_error(op, name, a, want):
     return ValueError(f"{op}: `{name}` has shape {tuple(a.shape)}, expected {want}")
 

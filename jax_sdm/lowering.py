@@ -1,14 +1,13 @@
-"""Registration of the jax_sdm XLA FFI handlers with JAX (nothing else).
+"""Registration of the jax_sdm XLA FFI handlers with JAX, and the targets' interfaces.
 
-``jax_sdm._sdm_cpu`` (always built) provides the ``cpu`` handlers and
-``jax_sdm._sdm_cuda`` (built when a CUDA compiler was found) the ``CUDA`` ones.
-Each module's ``registrations()`` returns ``{target name: PyCapsule}``; every
-capsule is registered once, on import of this module, with
-``jax.ffi.register_ffi_target(name, capsule, platform=...)``.
-
-Targets (each on cpu and CUDA): ``sdm_phase1``, ``sdm_phase1_bwd``, ``sdm_solve``, ``sdm_forward``, ``sdm_backward``,
-``sdm_product_key_topk``, ``sdm_product_key_topk_bwd``; and on cpu only ``sdm_token_recurrence`` (the no-grad
-forward).
+``jax_sdm._sdm_cpu`` provides the ``cpu`` handlers and ``jax_sdm._sdm_cuda`` (built when a CUDA compiler was found)
+the ``CUDA`` ones. Each module's ``registrations()`` returns ``{target name: PyCapsule}``; every capsule is
+registered once, on import of this module, with ``jax.ffi.register_ffi_target(name, capsule, platform=...)``.
+Both modules describe the targets, declared once in C++ (ffi/targets.h): ``INTERFACES`` holds each target's
+operands, attributes and results in order, and ``phase1_workspace_bytes`` / ``chunk_steps_workspace_floats`` the
+sizes of the workspace results. The CPU module also has ``sdm_token_recurrence`` (the CPU's no-grad
+forward). Without either module (a source tree that is not built) nothing is registered:
+``impl="xla"`` and ``impl="reference"`` still work.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import importlib.machinery
 import os
 import sys
 import threading
+from typing import NamedTuple
 
 import jax
 
@@ -41,31 +41,73 @@ def _find_extension_dir(name: str) -> str | None:
     return None
 
 
-def _import_extension(name: str, required: bool):
+def _import_extension(name: str):
+    """The built module ``jax_sdm.<name>``, or None where it is not built."""
     try:
         return importlib.import_module(f"{__package__}.{name}")
-    except ImportError as err:
+    except ImportError:
         d = _find_extension_dir(name)
-        if d is not None:
-            sys.modules[__package__].__path__.append(d)
-            return importlib.import_module(f"{__package__}.{name}")
-        if not required:
+        if d is None:
             return None
-        raise ImportError(
-            f"{__package__}.{name} (the compiled FFI handlers) is not built or not "
-            f"installed: build the package with `pip install --no-build-isolation .` "
-            f"(or `-e .`)") from err
+        sys.modules[__package__].__path__.append(d)
+        try:
+            return importlib.import_module(f"{__package__}.{name}")
+        except ImportError:
+            return None
 
 
-_sdm_cpu = _import_extension("_sdm_cpu", required=True)
-_sdm_cuda = _import_extension("_sdm_cuda", required=False)  # None: built without CUDA
+_sdm_cpu = _import_extension("_sdm_cpu")
+_sdm_cuda = _import_extension("_sdm_cuda")
 
+HAS_CPU_MODULE: bool = _sdm_cpu is not None
 HAS_CUDA_MODULE: bool = _sdm_cuda is not None
 
+# Whether the CUDA chunk steps launch with programmatic dependent launch (the build option SDM_CUDA_PDL, on by
+# default; kernels/chunk_steps.h); None without the CUDA module.
+CUDA_PROGRAMMATIC_DEPENDENT_LAUNCH: bool | None = (None if _sdm_cuda is None
+                                                   else bool(_sdm_cuda.programmatic_dependent_launch))
+
 # platform name (as jax.ffi.register_ffi_target spells it) -> extension module
-_MODULES = {"cpu": _sdm_cpu}
-if _sdm_cuda is not None:
-    _MODULES["CUDA"] = _sdm_cuda
+_MODULES = {platform: module for platform, module in (("cpu", _sdm_cpu), ("CUDA", _sdm_cuda)) if module is not None}
+_DESCRIBED_BY = _sdm_cpu or _sdm_cuda  # both describe the same targets
+
+
+class Interface(NamedTuple):
+    """A target's buffers by name, each group in the handler's order: operands, attributes, results, and the
+    optional results that may follow them (a workspace only some platforms use)."""
+    args: tuple[str, ...]
+    attrs: tuple[str, ...]
+    results: tuple[str, ...]
+    optional_results: tuple[str, ...]
+
+
+def _interface(buffers) -> Interface:
+    of = lambda kind: tuple(name for k, name in buffers if k == kind)
+    return Interface(of("Arg"), of("Attr"), of("Ret"), of("Rest"))
+
+
+INTERFACES: dict[str, Interface] = ({} if _DESCRIBED_BY is None else
+                                    {name: _interface(b) for name, b in _DESCRIBED_BY.interfaces().items()})
+
+
+def interface(target: str) -> Interface:
+    """The buffers of FFI target ``target`` (a name of ``INTERFACES``)."""
+    try:
+        return INTERFACES[target]
+    except KeyError:
+        raise NotImplementedError(f"jax_sdm: no FFI target {target!r} in this build (targets: "
+                                  f"{', '.join(INTERFACES) or 'none: the extension modules are not built'})") from None
+
+
+def phase1_workspace_bytes(N: int, C: int, W: int, R: int, backward: bool) -> int:
+    """Bytes of the workspace result of ``sdm_phase1`` (``backward``: ``sdm_phase1_bwd``) for ``N`` units."""
+    return _DESCRIBED_BY.phase1_workspace_bytes(N, C, W, R, backward)
+
+
+def chunk_steps_workspace_floats(V, NC, P, C, W, R, K, D, backward: bool) -> int:
+    """Floats of the workspace result of ``sdm_forward`` / ``sdm_forward_packed`` (``backward``: the backward's)."""
+    return _DESCRIBED_BY.chunk_steps_workspace_floats(V, NC, P, C, W, R, K, D, backward)
+
 
 _lock = threading.Lock()
 _registered: dict[str, frozenset[str]] = {}
@@ -82,12 +124,6 @@ def register() -> None:
                 jax.ffi.register_ffi_target(name, capsule, platform=platform)
                 names.append(name)
             _registered[platform] = frozenset(names)
-
-
-def registered_targets() -> dict[str, frozenset[str]]:
-    """``{platform: target names}`` registered so far (``cpu``, ``CUDA``)."""
-    with _lock:
-        return dict(_registered)
 
 
 def is_registered(name: str, platform: str = "cpu") -> bool:

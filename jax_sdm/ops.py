@@ -195,7 +195,7 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=N
     bank, k_idx, k_val, v, beta, g, q_idx, q_val = (sharding.to_varying(a, axes)
                                                     for a in (bank, k_idx, k_val, v, beta, g, q_idx, q_val))
     if impl == "auto":  # the kernels where this backend has them (for packed sequences too), else pure JAX
-        impl = "ffi" if kernel_path.kernels_available(packed=seg is not None) else "xla"
+        impl = "ffi" if kernel_path.kernels_available() else "xla"
     if impl == "reference":
         y, final = sdm_reference(bank, k_idx, k_val, v, beta, g, q_idx, q_val, segment_ids=segment_ids)
         repeats = _count_repeats(k_idx, dims.K) if return_repeats else None

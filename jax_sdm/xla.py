@@ -4,36 +4,18 @@
 `solve` kernels (docs/DESIGN.md); `chunk_loop_xla` runs the bank-dependent chunk steps with `lax.scan`.
 Differentiated by JAX's autodiff.
 """
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from . import segments
+from .layout import Phase1
 
 _NO_SLOT = jnp.iinfo(jnp.int32).max  # sort key of invalid entries: after every real slot
 # Caps on the [entries, C] arrays of Phase 1's pair sums (elements): those of one block of a unit's tokens, and those
 # of the units that run at once.
 _PAIR_BLOCK = 1 << 20
 _PAIR_BUDGET = 1 << 21
-
-
-class Phase1(NamedTuple):
-    log_k: jax.Array    # [N, C, W]
-    rex: jax.Array      # [N, C, W]
-    cpe: jax.Array      # [N, C, W]
-    k_eff: jax.Array    # [N, C, W]
-    w: jax.Array        # [N, C, W]
-    log_q: jax.Array    # [N, C, R]
-    q_w: jax.Array      # [N, C, R]
-    A: jax.Array        # [N, C, C]
-    QK: jax.Array       # [N, C, C]
-    w_order: jax.Array  # [N, C*W]
-    w_group: jax.Array  # [N, C*W + 1]
-    r_order: jax.Array  # [N, C*R]
-    r_group: jax.Array  # [N, C*R + 1]
-    repeats: jax.Array  # [N]
 
 
 def _group_map(slot_key, ids, num):

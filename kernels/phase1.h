@@ -132,8 +132,8 @@ namespace sdm {
 // dynamic shared memory when it is at most kPhase1CudaSharedBytes; else, when the rest fits there, the run arrays
 // (the run sums, and in the backward the runs' log gradients) in a global workspace and the rest in shared
 // memory; else all of it in the workspace. With a workspace the kernels run at most kPhase1CudaGlobalBlocks
-// blocks, one slice each. jax_sdm/ffi_ops.py (_phase1_workspace) mirrors these formulas to size the workspace
-// result: keep them in sync.
+// blocks, one slice each. The extension modules export phase1_cuda_workspace_bytes (ffi/targets.h): Python sizes
+// the workspace result with it.
 constexpr int64_t kPhase1CudaSharedBytes = 226 * 1024;  // sm_90 gives a block 227 KB, less the kernels' static 512 B
 constexpr int64_t kPhase1CudaGlobalBlocks = 128;
 // Warps per block of the CUDA kernels (32 * kPhase1CudaWarps threads).

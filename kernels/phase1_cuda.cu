@@ -45,7 +45,7 @@
 // sort and its walks from global memory took 2.5x as long); else all of it in the workspace. The same kernel
 // code serves all three (a template argument, Phase1ScratchPlace, picks the base pointers). 1024 threads per
 // block: one block per SM either way at the anchor shapes (shared memory), and the walks are latency-bound, so
-// more warps per block hide more of it. scripts/cuda_emu runs these kernels on the CPU against the CPU kernels.
+// more warps per block hide more of it. tests/cuda_emu runs these kernels on the CPU against the CPU kernels.
 //
 // Every sum runs in an order fixed by the input, every output element has one writer, no atomics: the results
 // are bitwise reproducible. Built with -fmad=false (CMakeLists.txt) to round like the CPU kernel.

@@ -9,9 +9,7 @@
 // in shared memory and walks j once: at step j it finishes row j of Minv from the sums of row j, then adds row j's
 // term A[i, j] Minv[j, k] to the sums of every later row i (a right-looking forward substitution: each sum still
 // gets its terms in j order). The updates of one step are independent of each other, so the serial chain per
-// column is C steps, not the C^2 / 2 adds of a row-by-row walk (solve_global_kernel's order of work, which on the
-// H200 took 129 us for 128 units at C = 128 with Minv in shared memory and 1.42 ms for 64 units at C = 256 with
-// it in global memory). A comes into shared memory 32 columns at a time, the next panel's copy in flight while
+// column is C steps, not the C^2 / 2 adds of a row-by-row walk (solve_global_kernel's order of work). A comes into shared memory 32 columns at a time, the next panel's copy in flight while
 // this one is used. Otherwise every product reads Minv back from global memory (solve_global_kernel).
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>

@@ -2,7 +2,7 @@
 # The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
 #
 #   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,memory,profile,
-#                                          timeline,sanitize,rowbw,ab,layer (default: build,tests,determinism,bench)
+#                                          timeline,sanitize,rowbw,layer (default: build,tests,determinism,bench)
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
 # metadata, so the commit the logs name is taken from SDM_COMMIT when set.
@@ -14,8 +14,8 @@
 # e.g. "--impls ffi,noop --device-time" adds the device's kernel time per step), PROFILE_SHAPES, PROFILE_CHUNKS,
 # PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections), PROFILE_DETAIL_CHUNK,
 # PROFILE_MODES, SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT,
-# SANITIZE_PRINT_LIMIT, ROWBW_ARGS (row_bandwidth's arguments: D K P rows per launch), AB_VAR, AB_VALUES (the ab
-# stage), LOGS_TGZ (an archive of the logs after every stage: below).
+# SANITIZE_PRINT_LIMIT, ROWBW_ARGS (row_bandwidth's arguments: D K P rows per launch), LOGS_TGZ (an archive of the
+# logs after every stage: below).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/sdm_out}
@@ -63,7 +63,7 @@ if has tests; then
   if [ -n "${GPU_TEST_FILES:-}" ]; then
     files=($GPU_TEST_FILES)
   else
-    files=(test_ffi_op.py test_nn.py test_gpu_steps.py test_gpu_phase1.py $(cd "$REPO/tests" && ls test_gpu_*.py |
+    files=(test_kernel_path.py test_nn.py test_gpu_steps.py test_gpu_phase1.py $(cd "$REPO/tests" && ls test_gpu_*.py |
       grep -v -e test_gpu_steps.py -e test_gpu_phase1.py) test_oracles.py test_grad_bank.py test_step.py
       test_slab_forward.py ${GPU_TEST_EXTRA:-})
   fi
@@ -121,27 +121,6 @@ if has layer; then
   grep -E "^\|" "$OUT/bench_layer.log" | tee -a "$OUT/summary.txt"
 fi
 pack
-if has ab; then
-  # An in-build A/B of a kernel switch: AB_VAR (e.g. SDM_CUDA_FRESH, SDM_CUDA_PDL, SDM_CUDA_GATHER_PARTS,
-  # SDM_CUDA_DY_STAGED_MAX_C) at each of AB_VALUES (default "1 0"): the bench rows of BENCH_SHAPES (default mid
-  # flagship) at chunk PROFILE_CHUNKS (default 128) and device timelines of the flagship (PROFILE_MODES, default
-  # grad and nograd), one process each.
-  chunk=${PROFILE_CHUNKS:-128}
-  for value in ${AB_VALUES:-1 0}; do
-    tag=${AB_VAR:?AB_VAR names the switch}_$value
-    for shape in ${BENCH_SHAPES:-mid flagship}; do
-      env "$AB_VAR=$value" timeout 300 python3 "$REPO/benchmarks/bench.py" --impls ffi --shape "$shape" \
-        --chunk "$chunk" --detail --repeats ${BENCH_REPEATS:-10} ${BENCH_ARGS:-} >> "$OUT/ab_$tag.log" 2>&1
-      summary "$tag bench $shape rc=$?: $(grep "^| ffi" "$OUT/ab_$tag.log" | tail -1)"
-    done
-    for mode in ${PROFILE_MODES:-grad nograd}; do
-      env "$AB_VAR=$value" timeout 200 python3 "$REPO/scripts/timeline.py" flagship "$chunk" "$mode" \
-        > "$OUT/timeline_ab_${tag}_$mode.txt" 2>&1
-      summary "$tag timeline flagship $mode rc=$?: $(grep -E "^span" "$OUT/timeline_ab_${tag}_$mode.txt" | head -1)"
-    done
-  done
-fi
-pack
 if has sanitize; then
   # compute-sanitizer on every jax_sdm kernel (kernel names in namespace sdm), one tool per process
   # (SANITIZE_TOOLS, default all four). No XLA preallocation, autotuning or command buffers under the tools.
@@ -152,14 +131,24 @@ if has sanitize; then
     regex=(--kernel-regex kns=sdm)
     [[ "${SANITIZE_ALL_KERNELS:-0}" = 1 || $tool == initcheck ]] && regex=()
     # racecheck and synccheck (CUDA 13) crash on kernels launched with programmatic dependent launch: they check
-    # each block's shared memory and barriers, which PDL does not change, so they run with it off.
-    pdl=${SDM_CUDA_PDL:-1}
-    [[ $tool == racecheck || $tool == synccheck ]] && pdl=0
-    SDM_CUDA_PDL=$pdl XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
-    timeout ${SANITIZE_TIMEOUT:-200} compute-sanitizer --tool "$tool" --error-exitcode 3 "${regex[@]}" \
-      --print-limit ${SANITIZE_PRINT_LIMIT:-100} \
-      python3 "$REPO/scripts/sanitize_case.py" ${SANITIZE_CASES:+--cases $SANITIZE_CASES} > "$log" 2>&1
+    # each block's shared memory and barriers, which PDL does not change, so they run on a build without it (the
+    # CMake option SDM_CUDA_PDL=OFF, installed beside the package into /tmp/sdm_nopdl, found first on PYTHONPATH);
+    # sanitize_case.py --pdl checks which build it runs.
+    site=(env) expect=on
+    if [[ $tool == racecheck || $tool == synccheck ]]; then
+      nopdl=/tmp/sdm_nopdl
+      if [ ! -d "$nopdl/jax_sdm" ]; then
+        (cd "$REPO" && python3 -m pip install --no-build-isolation --no-deps --target "$nopdl" \
+          -Cbuild-dir=build/nopdl -Ccmake.define.SDM_CUDA_PDL=OFF . > "$OUT/build_nopdl.log" 2>&1)
+        summary "build without PDL rc=$?"
+      fi
+      site=(env PYTHONPATH="$nopdl${PYTHONPATH:+:$PYTHONPATH}") expect=off
+    fi
+    "${site[@]}" XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
+      timeout ${SANITIZE_TIMEOUT:-200} compute-sanitizer --tool "$tool" --error-exitcode 3 "${regex[@]}" \
+        --print-limit ${SANITIZE_PRINT_LIMIT:-100} \
+        python3 "$REPO/tests/sanitize_case.py" --pdl $expect ${SANITIZE_CASES:+--cases $SANITIZE_CASES} > "$log" 2>&1
     summary "sanitize $tool${SANITIZE_TAG:-} rc=$?: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|results," "$log" | tr '\n' ' ')"
     # The reports counted by kind and kernel location (the full log can be large).
     grep -E "^========= +(Uninitialized|Invalid|Race|Barrier|Error|at )" "$log" | sed -E 's/\(.*\)\+/+/' \
@@ -178,9 +167,9 @@ if has profile; then
         # XLA must not preallocate (the profiler needs device memory) nor autotune (its kernels would be profiled).
         XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 \
         timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes.sum --csv \
-          python3 "$REPO/scripts/profile_steps.py" "$shape" "$chunk" "$mode" > "$OUT/$name.csv" 2>> "$OUT/ncu_err.log"
+          python3 "$REPO/benchmarks/profile_steps.py" "$shape" "$chunk" "$mode" > "$OUT/$name.csv" 2>> "$OUT/ncu_err.log"
         summary "profile $shape C$chunk $mode rc=$?"
-        python3 "$REPO/scripts/ncu_summary.py" "$OUT/$name.csv" | tee "$OUT/$name.txt" | head -30
+        python3 "$REPO/benchmarks/ncu_summary.py" "$OUT/$name.csv" | tee "$OUT/$name.txt" | head -30
       done
     done
   done
@@ -190,7 +179,7 @@ if has profile; then
     XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 \
     timeout 300 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \
       --section MemoryWorkloadAnalysis --section LaunchStats --kernel-id "::regex:$PROFILE_KERNELS:${PROFILE_INVOCATION:-30}" \
-      python3 "$REPO/scripts/profile_steps.py" flagship ${PROFILE_DETAIL_CHUNK:-64} \
+      python3 "$REPO/benchmarks/profile_steps.py" flagship ${PROFILE_DETAIL_CHUNK:-64} \
       > "$OUT/ncu_detail.txt" 2>> "$OUT/ncu_err.log"
     summary "profile detail rc=$?"
   fi
@@ -201,7 +190,7 @@ if has timeline; then
   for shape in ${PROFILE_SHAPES:-flagship}; do
     for mode in ${PROFILE_MODES:-grad nograd}; do
       name=timeline_${shape}_${PROFILE_CHUNKS:-64}_$mode${TIMELINE_TAG:-}
-      timeout 200 python3 "$REPO/scripts/timeline.py" "$shape" ${PROFILE_CHUNKS:-64} "$mode" > "$OUT/$name.txt" 2>&1
+      timeout 200 python3 "$REPO/benchmarks/timeline.py" "$shape" ${PROFILE_CHUNKS:-64} "$mode" > "$OUT/$name.txt" 2>&1
       summary "timeline $shape $mode${TIMELINE_TAG:-} rc=$?: $(grep -E "^span" "$OUT/$name.txt" | head -1)"
     done
   done

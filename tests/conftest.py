@@ -4,7 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from jax_sdm.testing import golden_problem, random_problem
+from jax_sdm.testing import random_problem
+
+from .helpers import golden_problem
 
 DATA = pathlib.Path(__file__).parent / "data"
 GOLDEN_CHUNK = {"golden_f32_small_write": 16, "golden_f32_hot": 32}  # the chunk the reference package used

@@ -1,25 +1,11 @@
 """The benchmark scripts run end to end on a tiny problem (they import each other's timing code: a renamed helper
 must fail here, not on the GPU machine)."""
-import importlib.util
 import math
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def load(name):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCHMARKS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+from .helpers import load_benchmark
 
 
 def table_numbers(text, impl):
@@ -28,7 +14,7 @@ def table_numbers(text, impl):
 
 
 def test_bench_packed_prints_times_and_ratios(capsys):
-    bench_packed = load("bench_packed")
+    bench_packed = load_benchmark("bench_packed")
     bench_packed.main(["--impls", "ffi", "--rows", "1", "--sequences", "2", "--length", "8", "--H", "1", "--K", "64",
                        "--D", "8", "--W", "2", "--R", "2", "--chunk", "8", "--repeats", "1"])
     fp, fu, ratio, gp, gu, gratio = table_numbers(capsys.readouterr().out, "ffi")
@@ -40,7 +26,7 @@ def test_bench_packed_prints_times_and_ratios(capsys):
 
 
 def test_bench_topk_prints_times(capsys):
-    bench_topk = load("bench_topk")
+    bench_topk = load_benchmark("bench_topk")
     bench_topk.main(["--impls", "ffi,xla,nn", "--configs", "c", "--dtypes", "float32", "--rows", "4", "--calls", "1",
                      "--repeats", "1"])
     out = capsys.readouterr().out
@@ -51,7 +37,7 @@ def test_bench_topk_prints_times(capsys):
 
 def test_bench_layer_decode_prints_times(capsys):
     pytest.importorskip("flax")
-    bench_layer = load("bench_layer")
+    bench_layer = load_benchmark("bench_layer")
     assert bench_layer.main(["--layer-decode", "--min-log-k", "6", "--max-log-k", "6", "--decode-steps", "3",
                              "--repeats", "1"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2^6 |"))

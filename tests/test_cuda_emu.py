@@ -1,16 +1,22 @@
-"""The CUDA chunk steps (kernels/steps_cuda.cu) run on the CPU by the host emulation of scripts/cuda_emu against
-the CPU kernels (kernels/steps_cpu.cc): a smoke run of four tiny cases of the steps check (a float32 bank with
-4-column rows, C = 5, V = 2; a bfloat16 bank and gradient bank with 16-byte rows and long write groups; packed
-sequences with several segments per chunk, some starting at a chunk's first token; 5 chunks, whose backward
-rebuilds its ring of group tables for 3 batches of chunks), so that
-the emulation keeps building as the CUDA source changes; the decode step (kernels/decode_step_cuda.cu) against
-kernels/decode_step_cpu.cc, bitwise; the solve (kernels/solve_cuda.cu, both of its kernels) against
-kernels/solve_cpu.cc, bitwise; and the product-key top-k (kernels/product_key_topk_cuda.cu, forward and backward)
-against kernels/product_key_topk_cpu.cc, bitwise. The full checks are
-`bash scripts/cuda_emu/run.sh plain steps|decode|solve|product_key` (developer tools: a few minutes). Skipped without
-a C++20 g++ or bash."""
+"""The CUDA kernels run on the CPU by the host emulation of tests/cuda_emu, against the CPU kernels.
+
+- The chunk steps (kernels/chunk_steps/) against kernels/chunk_steps/cpu.cc: a smoke run of four tiny cases of the
+  steps check (a float32 bank with 4-column rows, C = 5, V = 2; a bfloat16 bank and gradient bank with 16-byte rows
+  and long write groups; packed sequences with several segments per chunk, some starting at a chunk's first token;
+  5 chunks, whose backward rebuilds its ring of group tables for 3 batches of chunks), so that the emulation keeps
+  building as the CUDA source changes; every launch with programmatic dependent launch, and with the build option
+  SDM_CUDA_PDL=0 (kernels/chunk_steps.h) none, with the same results.
+- The decode step (kernels/decode_step_cuda.cu) against kernels/decode_step_cpu.cc, bitwise.
+- The solve (kernels/solve_cuda.cu, both of its kernels) against kernels/solve_cpu.cc, bitwise.
+- The product-key top-k (kernels/product_key_topk_cuda.cu, forward and backward) against
+  kernels/product_key_topk_cpu.cc, bitwise.
+
+The full checks are `bash tests/cuda_emu/run.sh plain steps|decode|solve|product_key` (developer tools: a few
+minutes).
+Skipped without a C++20 g++ or bash."""
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import tempfile
@@ -18,7 +24,7 @@ import tempfile
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-RUN = ROOT / "scripts" / "cuda_emu" / "run.sh"
+RUN = ROOT / "tests" / "cuda_emu" / "run.sh"
 
 
 def _has_cxx20_barrier():
@@ -33,41 +39,49 @@ def _has_cxx20_barrier():
         return r.returncode == 0
 
 
+pytestmark = pytest.mark.skipif(not RUN.exists() or not _has_cxx20_barrier(),
+                                reason="needs bash and g++ with C++20 <barrier>")
+
+
+def run_check(*args, cases, opt="-O0", **env):
+    """Run `run.sh plain ARGS` compiled with `opt` (-O0: tiny cases compile faster than they run); assert it passes
+    `cases` cases and none fails; return its output."""
+    r = subprocess.run(["bash", str(RUN), "plain", *args], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, CUDA_EMU_OPT=opt, **env))
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert sum(line.startswith("ok ") for line in r.stdout.splitlines()) == cases, out[-4000:]
+    assert "0 failing cases" in r.stdout
+    return r.stdout
+
+
+def launches(out):
+    """(launches, launches with programmatic dependent launch) that the steps check reports."""
+    m = re.search(r"launches: (\d+), with programmatic dependent launch: (\d+)", out)
+    assert m, out[-2000:]
+    return int(m.group(1)), int(m.group(2))
+
+
 @pytest.mark.slow  # compiles the emulated steps (about a minute)
-@pytest.mark.skipif(not RUN.exists() or not _has_cxx20_barrier(), reason="needs bash and g++ with C++20 <barrier>")
 def test_cuda_steps_on_cpu_match_cpu_kernels():
-    env = dict(os.environ, CUDA_EMU_OPT="-O0")
-    r = subprocess.run(["bash", str(RUN), "plain", "steps", "1,4,18,28"], capture_output=True, text=True,
-                       timeout=600, env=env)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-4000:]
-    assert sum(line.startswith("ok ") for line in r.stdout.splitlines()) == 4, out[-4000:]
-    assert "0 failing cases" in r.stdout
+    total, pdl = launches(run_check("steps", "1,4,18,28", cases=4))
+    assert total > 0 and pdl == total
 
 
-@pytest.mark.skipif(not RUN.exists() or not _has_cxx20_barrier(), reason="needs bash and g++ with C++20 <barrier>")
+@pytest.mark.slow  # compiles the emulated steps again
+def test_cuda_steps_without_programmatic_dependent_launch():
+    out = run_check("steps", "1,18", cases=2, CUDA_EMU_DEFINES="-DSDM_CUDA_PDL=0")
+    total, pdl = launches(out)
+    assert total > 0 and pdl == 0
+
+
 def test_cuda_decode_step_on_cpu_matches_cpu_kernel():
-    env = dict(os.environ, CUDA_EMU_OPT="-O0")
-    r = subprocess.run(["bash", str(RUN), "plain", "decode"], capture_output=True, text=True, timeout=600, env=env)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-4000:]
-    assert sum(line.startswith("ok ") for line in r.stdout.splitlines()) == 12, out[-4000:]
-    assert "0 failing cases" in r.stdout
+    run_check("decode", cases=12)
 
 
-@pytest.mark.skipif(not RUN.exists() or not _has_cxx20_barrier(), reason="needs bash and g++ with C++20 <barrier>")
 def test_cuda_solve_on_cpu_matches_cpu_kernel():
-    r = subprocess.run(["bash", str(RUN), "plain", "solve"], capture_output=True, text=True, timeout=600)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-4000:]
-    assert sum(line.startswith("ok ") for line in r.stdout.splitlines()) == 10, out[-4000:]
-    assert "0 failing cases" in r.stdout
+    run_check("solve", cases=10, opt="-O1")
 
 
-@pytest.mark.skipif(not RUN.exists() or not _has_cxx20_barrier(), reason="needs bash and g++ with C++20 <barrier>")
 def test_cuda_product_key_topk_on_cpu_matches_cpu_kernel():
-    r = subprocess.run(["bash", str(RUN), "plain", "product_key"], capture_output=True, text=True, timeout=600)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-4000:]
-    assert sum(line.startswith("ok ") for line in r.stdout.splitlines()) == 88, out[-4000:]
-    assert "0 failing cases" in r.stdout
+    run_check("product_key", cases=88, opt="-O1")

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from jax_sdm import sdm_write_read
-from jax_sdm.testing import cotangents, outputs_and_grads, random_problem
+from jax_sdm.testing import random_problem
+
+from .helpers import cotangents, outputs_and_grads
 
 CASES = {
     "f32_collisions": dict(B=2, T=300, H=2, K=64, D=72, W=8, R=6, distinct=False, repeats=True),

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 
 from jax_sdm import lowering
 from jax_sdm.ffi_ops import _phase1_workspace, phase1_bwd_ffi, phase1_ffi
-from jax_sdm.testing import phase1_gates
+
+from .helpers import phase1_gates
 
 FIELDS = (
     "log_k", "rex", "cpe", "k_eff", "w", "log_q", "q_w", "A", "QK",

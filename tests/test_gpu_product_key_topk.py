@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from jax_sdm import product_key_topk
-from jax_sdm.testing import product_key_brute_force as brute_force_ids
-from jax_sdm.testing import product_key_scores as random_scores
-from jax_sdm.testing import product_key_slot_scores as slot_scores
+
+from .helpers import product_key_brute_force as brute_force_ids
+from .helpers import product_key_scores as random_scores
+from .helpers import product_key_slot_scores as slot_scores
 
 CASES = [  # (factors, k, leading shape)
     ((256, 256), 64, (16384,)),  # the layer's addressing at B 4, T 4096, H 1

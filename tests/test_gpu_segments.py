@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 from jax_sdm import sdm_write_read
-from jax_sdm.testing import FLOAT_ARGS, outputs_and_grads, random_problem, rel_err
+from jax_sdm.testing import random_problem
+
+from .helpers import FLOAT_ARGS, outputs_and_grads, rel_err
 
 PACKED = np.array([[0] * 5 + [1] * 9 + [2] * 3 + [3] * 7 + [-1] * 4,
                    [3] * 3 + [7] * 13 + [3] * 10 + [5] * 2], np.int32)

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from jax_sdm import sdm_step, sdm_write_read
-from jax_sdm.testing import entry_ops_of_shape, random_problem, rel_err
+from jax_sdm.testing import random_problem
+
+from .helpers import entry_ops_of_shape, rel_err
 
 NAMES = ("bank", "k_idx", "k_val", "v", "beta", "g", "q_idx", "q_val")
 

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from jax_sdm import ffi_ops, layout
-from jax_sdm.kernel_path import kernel_layout
-from jax_sdm.testing import random_problem, rel_err
+from jax_sdm.testing import random_problem
+
+from .helpers import kernel_layout, rel_err
+
 
 def poison_allocator(device, nbytes=1 << 28):
     """Fill and free a large buffer with NaN so that fresh result buffers are unlikely to start at zero."""
@@ -21,8 +23,7 @@ def kernel_inputs(seed, chunk, **kw):
     with jax.default_device(jax.devices("cpu")[0]):
         args = {k: jnp.asarray(v) for k, v in random_problem(seed, **kw).items()}
         dims = layout.validate(*[args[k] for k in names], chunk)
-        bank, k_idx, k_val, x, v, beta, q_idx, q_val = kernel_layout(
-            *[args[k] for k in names], dims)
+        bank, k_idx, k_val, x, v, beta, q_idx, q_val, _ = kernel_layout(*[args[k] for k in names], dims)
         p1 = ffi_ops.phase1_ffi(k_idx, k_val, x, q_idx, q_val, dims.K)
         minv = ffi_ops.solve_ffi(p1.A, beta)
     return bank, k_idx, q_idx, v, beta, p1, minv
@@ -34,7 +35,7 @@ def run_steps(device, bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank):
     bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank = map(put, (bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank))
     poison_allocator(device)
     fwd = jax.jit(lambda *a: ffi_ops.forward_ffi(*a, save=True))
-    final, y, delta, vg, snap = fwd(bank, k_idx, q_idx, v, beta, p1, minv)
+    final, y, delta, vg, snap = fwd(bank, k_idx, q_idx, v, beta, p1, minv)[:5]
     no_grad = jax.jit(lambda *a: ffi_ops.forward_ffi(*a, save=False))(bank, k_idx, q_idx, v, beta, p1, minv)
     # The final bank is a buffer of its own (rows read from the initial bank until their first write): the
     # initial bank stays as it was.

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from jax_sdm import sdm_write_read
-from jax_sdm.testing import FLOAT_ARGS, cotangents, outputs_and_grads, random_problem, rel_err
+from jax_sdm.testing import random_problem
+
+from .helpers import FLOAT_ARGS, cotangents, outputs_and_grads, rel_err
 
 BF16_BAR = 1.5e-2
 

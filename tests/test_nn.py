@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 import jax_sdm  # noqa: E402
 from jax_sdm.nn import (SparseDeltaMemory, balanced_factors, decode_loop, load_reference_state_dict,  # noqa: E402
                         memory_access_stats, product_key_slots, topk_slots, weight_decay_mask)
-from jax_sdm.testing import product_key_brute_force, product_key_slot_scores  # noqa: E402
+from .helpers import product_key_brute_force, product_key_slot_scores  # noqa: E402
 
 D_MODEL = 16
 SMALL = dict(num_heads=2, slots_per_head=36, num_writes=3, num_reads=2, head_dim=8, chunk_size=4)

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from jax_sdm import sdm_write_read
-from jax_sdm.testing import FLOAT_ARGS, cotangents, extreme_gates, outputs_and_grads, random_problem, \
-    rel_err, token_loop64
+from jax_sdm.testing import random_problem
+
+from .helpers import FLOAT_ARGS, cotangents, extreme_gates, outputs_and_grads, rel_err, token_loop64
 
 # The pure-JAX path at the domain edges is slow to compile on a CPU: `--run-slow` (the default run covers it in
 # test_xla.py and test_oracles.py).

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jax_sdm import sdm_write_read
-from jax_sdm.testing import FLOAT_ARGS, check_against_reference, out_of_range_case, outputs_and_grads, rel_err
+
+from .helpers import FLOAT_ARGS, check_against_reference, out_of_range_case, outputs_and_grads, rel_err
 
 IMPLS = [pytest.param("xla", marks=pytest.mark.slow), "ffi"]  # xla: slow to compile on a CPU (test_xla.py covers it)
 

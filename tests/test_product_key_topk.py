@@ -10,9 +10,10 @@ import pytest
 
 from jax_sdm import product_key_topk
 from jax_sdm.product_key import candidate_ranks
-from jax_sdm.testing import product_key_brute_force as brute_force_ids
-from jax_sdm.testing import product_key_scores as random_scores
-from jax_sdm.testing import product_key_slot_scores as slot_scores
+
+from .helpers import product_key_brute_force as brute_force_ids
+from .helpers import product_key_scores as random_scores
+from .helpers import product_key_slot_scores as slot_scores
 
 IMPLS = ("xla", "ffi")
 

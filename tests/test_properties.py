@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from jax_sdm import sdm_write_read  # noqa: E402
-from jax_sdm.testing import EXTREME_GATES, FLOAT_ARGS, outputs_and_grads, token_loop64  # noqa: E402
+
+from .helpers import EXTREME_GATES, FLOAT_ARGS, outputs_and_grads, token_loop64  # noqa: E402
 
 # No shrinking: each new shape compiles (seconds), so a shrink could take minutes; the failing example is printed.
 SETTINGS = settings(max_examples=8, deadline=None, derandomize=True, database=None,

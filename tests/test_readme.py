@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_sdm.testing import rel_err
+from .helpers import rel_err
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 

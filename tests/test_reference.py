@@ -3,7 +3,9 @@ import jax
 import numpy as np
 
 from jax_sdm import sdm_reference
-from jax_sdm.testing import out_of_range_case, outputs_and_grads, random_problem, rel_err
+from jax_sdm.testing import random_problem
+
+from .helpers import out_of_range_case, outputs_and_grads, rel_err
 
 
 def test_reference_matches_golden(golden):

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from jax_sdm import kernel_path, sdm_write_read
-from jax_sdm.testing import FLOAT_ARGS, outputs_and_grads, random_problem, rel_err, run_on_host_devices
+from jax_sdm.testing import random_problem
+
+from .helpers import FLOAT_ARGS, outputs_and_grads, rel_err, run_on_host_devices
 
 TOKEN_ARGS = ("k_idx", "k_val", "v", "beta", "g", "q_idx", "q_val")
 TOL = 2e-5
@@ -176,18 +178,17 @@ def test_segment_ids_errors(monkeypatch):
         with pytest.raises(ValueError, match=rf"impl='{impl}' needs K \* \(chunk_size \+ 1\) < 2\^31"):
             jax.eval_shape(lambda b: sdm_write_read(**dict(p, bank=b), impl=impl, chunk_size=256,
                                                     segment_ids=good), big["bank"])
-    # A platform whose kernels lack the packed-sequence steps (the GPU today): impl="ffi" says what serves them,
-    # impl="auto" takes the pure-JAX chunked form (the same numbers as impl="xla").
+    # A platform without the packed-sequence steps (a TPU): impl="ffi" says what serves them, impl="auto" takes the
+    # pure-JAX chunked form (the same numbers as impl="xla").
     registered = kernel_path.lowering.is_registered
     monkeypatch.setattr(kernel_path.lowering, "is_registered",
-                        lambda name, platform="cpu": name not in kernel_path.PACKED_TARGETS and registered(name, platform))
-    with pytest.raises(NotImplementedError, match="segment_ids.*CPU kernels support it.*impl='xla'"):
+                        lambda name, platform="cpu": "packed" not in name and registered(name, platform))
+    with pytest.raises(NotImplementedError, match="impl='ffi' has no cpu kernels for sdm_forward_packed.*'xla'"):
         sdm_write_read(**p, impl="ffi", segment_ids=good)
     ids = np.array([[0, 0, 1, 1, 1, -1], [4, 4, 4, 2, 2, 2]], np.int32)
     for a, b in zip(sdm_write_read(**p, impl="auto", segment_ids=ids, chunk_size=4),
                     sdm_write_read(**p, impl="xla", segment_ids=ids, chunk_size=4)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    sdm_write_read(**p, impl="ffi")  # without segment_ids the kernels still serve
 
 
 def test_check_mode_ignores_padding_ids():

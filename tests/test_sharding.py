@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from jax_sdm.testing import run_on_host_devices
+from .helpers import run_on_host_devices
 
 N_DEVICES = 4
 FLOATS = ("bank", "k_val", "v", "beta", "g", "q_val")

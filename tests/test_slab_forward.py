@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from jax_sdm import kernel_path, layout
-from jax_sdm.kernel_path import kernel_layout
 from jax_sdm.testing import random_problem
+
+from .helpers import kernel_layout
 
 pytestmark = pytest.mark.skipif(not kernel_path.kernels_available(), reason="no kernels for this backend")
 
@@ -24,14 +25,13 @@ def _kernel_args(seed, T, C, dtype, per_write_gates):
 @pytest.mark.parametrize("T, C, slab_tokens", [(40, 4, 8), (37, 4, 12), (64, 8, 16), (30, 5, 5), (33, 8, 64)])
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_slabs_equal_one_shot(T, C, slab_tokens, dtype):
-    (bank, k_idx, k_val, x, v, beta, q_idx, q_val), dims = _kernel_args(T + C, T, C, dtype, per_write_gates=T % 2)
-    args = (bank, k_idx, k_val, x, v, beta, q_idx, q_val, None, dims.K)
-    one = jax.jit(lambda *a: kernel_path._sdm_kernels_fwd(*a, dims.K, save=True)[0])(*args[:-1])
-    slabs = jax.jit(lambda *a: kernel_path._sdm_kernels_fwd(*a, dims.K, save=False, slab_tokens=slab_tokens)[0])(
-        *args[:-1])
+    inputs, dims = _kernel_args(T + C, T, C, dtype, per_write_gates=T % 2)
+    one = jax.jit(lambda i: kernel_path._sdm_kernels_fwd(i, dims.K, save=True)[0])(inputs)
+    slabs = jax.jit(lambda i: kernel_path._sdm_kernels_fwd(i, dims.K, save=False, slab_tokens=slab_tokens)[0])(
+        inputs)
     y1, final1, rep1 = one
     y2, final2, rep2 = slabs
-    np.testing.assert_array_equal(np.asarray(y1.astype(bank.dtype)), np.asarray(y2.astype(bank.dtype)))
+    np.testing.assert_array_equal(np.asarray(y1.astype(inputs.bank.dtype)), np.asarray(y2.astype(inputs.bank.dtype)))
     np.testing.assert_array_equal(np.asarray(final1), np.asarray(final2))
     np.testing.assert_array_equal(np.asarray(rep1), np.asarray(rep2))
 
@@ -39,9 +39,9 @@ def test_slabs_equal_one_shot(T, C, slab_tokens, dtype):
 def test_slab_forward_memory_flat_in_T():
     """XLA's temporaries of the no-grad forward in slabs do not grow with T (the inputs and outputs do)."""
     def temp_bytes(T):
-        (bank, *tokens), dims = _kernel_args(0, T, 8, np.float32, False)
-        fn = jax.jit(lambda *a: kernel_path._sdm_kernels_fwd(*a, None, dims.K, save=False, slab_tokens=64)[0])
-        return fn.lower(bank, *tokens).compile().memory_analysis().temp_size_in_bytes
+        inputs, dims = _kernel_args(0, T, 8, np.float32, False)
+        fn = jax.jit(lambda i: kernel_path._sdm_kernels_fwd(i, dims.K, save=False, slab_tokens=64)[0])
+        return fn.lower(inputs).compile().memory_analysis().temp_size_in_bytes
 
     small, large = temp_bytes(256), temp_bytes(4096)
     assert large <= 1.3 * small + 4096, (small, large)

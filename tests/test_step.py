@@ -6,7 +6,9 @@ import pytest
 from jax.experimental import checkify
 
 from jax_sdm import sdm_step, sdm_write_read
-from jax_sdm.testing import assert_one_kernel_call, entry_ops_of_shape, random_problem, rel_err
+from jax_sdm.testing import random_problem
+
+from .helpers import assert_one_kernel_call, entry_ops_of_shape, rel_err
 
 NAMES = ("bank", "k_idx", "k_val", "v", "beta", "g", "q_idx", "q_val")
 TOKEN = ("k_idx", "k_val", "v", "beta", "g", "q_idx", "q_val")

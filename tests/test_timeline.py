@@ -1,25 +1,15 @@
-"""The trace reading of the GPU timeline tool (scripts/timeline.py) and of bench_decode.py's device time
+"""The trace reading of the GPU timeline tool (benchmarks/timeline.py) and of bench_decode.py's device time
 (benchmarks/device_trace.py), on synthetic Perfetto traces: only the device's stream activities count, calls split
 at the widest gap, kernel, copy, busy and idle time with overlapping activities counted once."""
-import importlib.util
-import pathlib
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, ROOT / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from .helpers import load_benchmark
 
 
 def _timeline():
-    return _load("timeline", "scripts/timeline.py")
+    return load_benchmark("timeline")
 
 
 def _device_trace():
-    return _load("device_trace", "benchmarks/device_trace.py")
+    return load_benchmark("device_trace")
 
 
 def _trace(offset):

@@ -10,8 +10,9 @@ import pytest
 from jax.experimental import checkify
 
 from jax_sdm import sdm_step, sdm_write_read
-from jax_sdm.testing import (FLOAT_ARGS, cotangents, extreme_gates, ffi_calls, out_of_range_case, outputs_and_grads,
-                             random_problem, rel_err)
+from jax_sdm.testing import random_problem
+
+from .helpers import FLOAT_ARGS, cotangents, extreme_gates, ffi_calls, out_of_range_case, outputs_and_grads, rel_err
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's no-grad forward")
 

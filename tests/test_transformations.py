@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from jax_sdm import sdm_write_read
-from jax_sdm.testing import FLOAT_ARGS, random_problem, rel_err
+from jax_sdm.testing import random_problem
+
+from .helpers import FLOAT_ARGS, rel_err
 
 
 def _seed():

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from jax_sdm import sdm_reference, sdm_write_read
-from jax_sdm.testing import (FLOAT_ARGS, check_against_reference, cotangents, outputs_and_grads,
-                             random_problem, rel_err)
+from jax_sdm.testing import random_problem
+
+from .helpers import FLOAT_ARGS, check_against_reference, cotangents, outputs_and_grads, rel_err
 
 xla_op = functools.partial(sdm_write_read, impl="xla")
 
@@ -95,7 +96,7 @@ def test_xla_bfloat16_gradient_of_a_tiny_bank_rewritten_often(seed):
     """A bfloat16 bank of 2-3 rows, each written and read ~100 times in chunks of 100 tokens: the gradients keep the
     token loop's accuracy against a float64 token loop (the bank's gradient was at 3e-2 to 1e-1 while it was kept in
     bfloat16 between chunks: every gather's and read's contribution to a row rounded)."""
-    from jax_sdm.testing import token_loop64
+    from .helpers import token_loop64
 
     rng = np.random.default_rng(seed)
     K, T, W = int(rng.integers(2, 4)), int(rng.integers(200, 400)), int(rng.integers(1, 3))

@@ -12,8 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sdm import product_key_topk, sdm_step, sdm_write_read
-from jax_sdm.testing import FLOAT_ARGS, cotangents, random_problem
+import jax_sdm
+from jax_sdm import lowering, product_key_topk, sdm_step, sdm_write_read
+from jax_sdm.testing import random_problem
+
+from helpers import FLOAT_ARGS, cotangents
 
 
 def op_case(seed, dtype, bank_grad_dtype=None, chunk=16, segment_ids=None, **shape):
@@ -81,7 +84,16 @@ CASES = [
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cases", default=",".join(map(str, range(len(CASES)))), help="comma list of CASES indices")
-    cases = [int(i) for i in parser.parse_args().cases.split(",")]
+    parser.add_argument("--pdl", choices=("on", "off"),
+                        help="the build expected: the CUDA chunk steps with programmatic dependent launch (on) or "
+                             "without (off: built with the CMake option SDM_CUDA_PDL=OFF); exits 2 on the other")
+    args = parser.parse_args()
+    built = lowering.CUDA_PROGRAMMATIC_DEPENDENT_LAUNCH
+    print(f"jax_sdm from {jax_sdm.__file__}: programmatic dependent launch {built}")
+    if args.pdl is not None and built != (args.pdl == "on"):
+        print(f"expected a build with programmatic dependent launch {args.pdl}")
+        return 2
+    cases = [int(i) for i in args.cases.split(",")]
     results = [r for i in cases for r in CASES[i]()]
     bad = [i for i, r in enumerate(results) if not np.all(np.isfinite(np.asarray(r, np.float32)))]
     print(f"{len(results)} results, {len(bad)} not finite")

@@ -1,5 +1,5 @@
-// The CUDA chunk steps (kernels/steps_cuda.cu, rewritten for the host by transform.py) against the CPU ones
-// (kernels/steps_cpu.cc), on small random problems wired as the FFI path wires them (jax_sdm/kernel_path.py):
+// The CUDA chunk steps (kernels/chunk_steps/, rewritten for the host by transform.py) against the CPU ones
+// (kernels/chunk_steps/cpu.cc), on small random problems wired as the FFI path wires them (jax_sdm/kernel_path.py):
 // Phase 1 (CPU kernel) from random slot ids / weights / gates, Minv from the CPU solve, then
 //   forward with residuals (y, delta, G, snapshot, final bank), forward without (y, final bank),
 //   backward on the CPU forward's final bank and residuals (every gradient, the restored bank, the gradient bank).
@@ -9,7 +9,7 @@
 // float32 can move a value by one bfloat16 step. NaN cells (outputs start as NaN) must match: a cell one side
 // writes and the other does not fails. The restored bank must equal the initial bank bitwise.
 //
-// Packed sequences (Case::segs > 0, kernels/steps.h StepSegments) are wired as kernel_path.py wires them: per stream
+// Packed sequences (Case::segs > 0, kernels/chunk_steps.h StepSegments) are wired as kernel_path.py wires them: per stream
 // a segment counter over the NC chunks' tokens (segments start at random tokens, a chunk's first token included;
 // padding inside the sequence starts none and carries the counter on; in half the streams the last chunk's trailing
 // pad tokens lie past the sequence's end instead, counter 0, as layout.to_units pads), per unit seg0 and local =
@@ -22,9 +22,9 @@
 //
 // A first argument `cpu-both` (run.sh plain steps cpu-both [...]) runs the CPU loops in place of the CUDA ones
 // too: a check of this harness (every case must pass), not of the CUDA code.
-#include "steps_emu.inc"
-
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
@@ -32,6 +32,9 @@
 #include <string>
 #include <utility>
 
+#include "cuda_emu.h"
+#include "kernels/bf16.h"
+#include "kernels/chunk_steps.h"
 #include "kernels/phase1.h"
 #include "kernels/solve.h"
 
@@ -152,7 +155,7 @@ int compare_ints(const char* name, const std::vector<int32_t>& got, const std::v
   return bad != 0;
 }
 
-// Packed sequences of a case (steps.h StepSegments, as segments.chunk_segments gives them): per unit the segment
+// Packed sequences of a case (kernels/chunk_steps.h StepSegments, as segments.chunk_segments gives them): per unit the segment
 // running at the chunk's start (seg0) and each token's segment counted from it (local [C]); per stream the
 // sequence's last segment (that of its last token).
 struct Packing {
@@ -465,6 +468,11 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
   return fails;
 }
 
+// The CUDA loops' launches, and those with programmatic dependent launch (kernels/chunk_steps.h kChunkStepsPdl).
+void print_launches() {
+  std::printf("launches: %ld, with programmatic dependent launch: %ld\n", emu::launches, emu::pdl_launches);
+}
+
 int run_case(const Case& c, uint32_t seed, bool verbose) {
   if (!c.bf16_bank) return run_typed<float, float>(c, seed, verbose);
   if (!c.bf16_grad) return run_typed<bf16, float>(c, seed, verbose);
@@ -513,7 +521,7 @@ int main(int argc, char** argv) {
       // 26-27, no packed sequences: 64 < C <= 128, the in-loop solves staged (the dy part not)
       {1, 2, 2, 100, 2, 2, 60, 16, true, true, 0.05, 2},
       {1, 2, 1, 128, 3, 2, 90, 12, false, false, 0.05, 0},
-      // 28-29: the backward's group tables hold table_chunks (kernels/steps.h) of more chunks: NC 5 holds 2, the
+      // 28-29: the backward's group tables hold table_chunks (kernels/chunk_steps.h) of more chunks: NC 5 holds 2, the
       // batches {4}, {2, 3}, {0, 1}; NC 6 holds 2, three whole batches. V > 1 (the ring's streams of both problems).
       {2, 5, 2, 6, 3, 2, 8, 8, true, true, 0.1, 1},
       {2, 6, 2, 6, 3, 2, 8, 8, false, false, 0.1, 1, 1.5},  // packed sequences
@@ -545,6 +553,7 @@ int main(int argc, char** argv) {
     }
     std::printf("%d failing cases\n", fails);
     for (auto& w : worst) std::printf("  max over cases: %-14s abs %-10.3g rel %.3g\n", w.name.c_str(), w.abs, w.rel);
+    print_launches();
     return fails != 0;
   }
   // CASE: an index or a comma-separated list of them (all cases by default); one case prints its errors per output.
@@ -568,5 +577,6 @@ int main(int argc, char** argv) {
   }
   std::printf("%d failing cases\n", fails);
   for (auto& w : worst) std::printf("  max over cases: %-14s abs %-10.3g rel %.3g\n", w.name.c_str(), w.abs, w.rel);
+  print_launches();
   return fails != 0;
 }

@@ -1,12 +1,12 @@
 // XLA FFI handlers `sdm_forward` and `sdm_backward`, and their packed-sequence variants `sdm_forward_packed` and
 // `sdm_backward_packed` (platform cpu): check, then run the chunk loops of
-// kernels/steps_cpu.cc (docs/DESIGN.md "Forward steps", "Backward steps"). The bank is updated in place: it
+// kernels/chunk_steps/cpu.cc (docs/DESIGN.md "Forward steps", "Backward steps"). The bank is updated in place: it
 // arrives aliased to the first result (input_output_aliases). The workspace result is the CUDA kernels'; the
 // CPU kernels keep their scratch per thread.
 #include <cstring>
 #include <string>
 
-#include "ffi/steps_common.h"
+#include "ffi/chunk_steps_common.h"
 #include "kernels/bf16.h"
 
 namespace ffi = xla::ffi;
@@ -43,31 +43,31 @@ ffi::Error RunBackward(const sdm_ffi::BackwardCall& call, const sdm::StepSegment
   });
 }
 
-ffi::Error ForwardCpu(SDM_FORWARD_PARAMS) {
+ffi::Error ForwardCpu(SDM_FFI_PARAMS(SDM_FORWARD_BUFFERS)) {
   sdm_ffi::ForwardCall call;
-  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareForward(SDM_FORWARD_NAMES, &call));
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareForward(SDM_FFI_NAMES(SDM_FORWARD_BUFFERS), &call));
   return RunForward(call, nullptr);
 }
 
-ffi::Error BackwardCpu(SDM_BACKWARD_PARAMS) {
+ffi::Error BackwardCpu(SDM_FFI_PARAMS(SDM_BACKWARD_BUFFERS)) {
   sdm_ffi::BackwardCall call;
-  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareBackward(SDM_BACKWARD_NAMES, &call));
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareBackward(SDM_FFI_NAMES(SDM_BACKWARD_BUFFERS), &call));
   return RunBackward(call, nullptr);
 }
 
-ffi::Error ForwardPackedCpu(SDM_FORWARD_PARAMS, SDM_FORWARD_SEGMENT_PARAMS) {
+ffi::Error ForwardPackedCpu(SDM_FFI_PARAMS(SDM_FORWARD_PACKED_BUFFERS)) {
   sdm_ffi::ForwardCall call;
   sdm::StepSegments segments;
   SDM_RETURN_IF_ERROR(
-      sdm_ffi::PrepareForwardPacked(SDM_FORWARD_NAMES, SDM_FORWARD_SEGMENT_NAMES, &call, &segments));
+      sdm_ffi::PrepareForwardPacked(SDM_FFI_NAMES(SDM_FORWARD_PACKED_BUFFERS), &call, &segments));
   return RunForward(call, &segments);
 }
 
-ffi::Error BackwardPackedCpu(SDM_BACKWARD_PARAMS, SDM_BACKWARD_SEGMENT_PARAMS) {
+ffi::Error BackwardPackedCpu(SDM_FFI_PARAMS(SDM_BACKWARD_PACKED_BUFFERS)) {
   sdm_ffi::BackwardCall call;
   sdm::StepSegments segments;
   sdm_ffi::SegmentCopies copies;
-  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareBackwardPacked(SDM_BACKWARD_NAMES, SDM_BACKWARD_SEGMENT_NAMES, &call,
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareBackwardPacked(SDM_FFI_NAMES(SDM_BACKWARD_PACKED_BUFFERS), &call,
                                                      &segments, &copies));
   for (int i = 0; i < 2; ++i) AliasCopy(copies.in[i], copies.out[i], copies.bytes[i]);
   return RunBackward(call, &segments);
@@ -75,9 +75,9 @@ ffi::Error BackwardPackedCpu(SDM_BACKWARD_PARAMS, SDM_BACKWARD_SEGMENT_PARAMS) {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmForwardCpu, ForwardCpu, ffi::Ffi::Bind().SDM_FORWARD_BUFFERS);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmBackwardCpu, BackwardCpu, ffi::Ffi::Bind().SDM_BACKWARD_BUFFERS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmForwardCpu, ForwardCpu, ffi::Ffi::Bind() SDM_FFI_BINDING(SDM_FORWARD_BUFFERS));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmBackwardCpu, BackwardCpu, ffi::Ffi::Bind() SDM_FFI_BINDING(SDM_BACKWARD_BUFFERS));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmForwardPackedCpu, ForwardPackedCpu,
-                              ffi::Ffi::Bind().SDM_FORWARD_BUFFERS.SDM_FORWARD_SEGMENT_BUFFERS);
+                              ffi::Ffi::Bind() SDM_FFI_BINDING(SDM_FORWARD_PACKED_BUFFERS));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmBackwardPackedCpu, BackwardPackedCpu,
-                              ffi::Ffi::Bind().SDM_BACKWARD_BUFFERS.SDM_BACKWARD_SEGMENT_BUFFERS);
+                              ffi::Ffi::Bind() SDM_FFI_BINDING(SDM_BACKWARD_PACKED_BUFFERS));

@@ -1,5 +1,5 @@
-// Host emulation of the CUDA features the kernels of kernels/phase1_cuda.cu and kernels/steps_cuda.cu use
-// (scripts/cuda_emu/run.sh): one block at a time, one std::thread per CUDA thread (the threads of a launch are
+// Host emulation of the CUDA features the kernels of kernels/phase1_cuda.cu and kernels/chunk_steps/ use
+// (tests/cuda_emu/run.sh): one block at a time, one std::thread per CUDA thread (the threads of a launch are
 // started once and walk its blocks in turn), std::barrier for __syncthreads / __syncwarp and the warp collectives.
 // 1-3D grids and blocks (threads numbered x fastest, warps of 32 consecutive threads), dynamic shared memory (one
 // buffer of exactly the launch's size, refilled with a byte pattern before every block: 0xff, a float NaN, so that
@@ -210,8 +210,16 @@ struct cudaLaunchConfig_t {
   cudaLaunchAttribute* attrs = nullptr;
   unsigned numAttrs = 0;
 };
+namespace emu {
+inline long launches = 0, pdl_launches = 0;  // cudaLaunchKernelEx's launches, and those with the PDL attribute
+}  // namespace emu
 template <typename... P, typename... A>
 int cudaLaunchKernelEx(const cudaLaunchConfig_t* cfg, void (*kernel)(P...), A... args) {
+  ++emu::launches;
+  for (unsigned i = 0; i < cfg->numAttrs; ++i)
+    if (cfg->attrs[i].id == cudaLaunchAttributeProgrammaticStreamSerialization &&
+        cfg->attrs[i].val.programmaticStreamSerializationAllowed)
+      ++emu::pdl_launches;
   emu::launch(kernel, cfg->gridDim, cfg->blockDim, cfg->dynamicSmemBytes, cfg->stream, static_cast<P>(args)...);
   return cudaGetLastError();
 }

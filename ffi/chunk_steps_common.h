@@ -1,15 +1,59 @@
 // Argument checks and kernel-argument assembly shared by the CPU and CUDA chunk-step handlers
 // (docs/DESIGN.md "Forward steps", "Backward steps"): a handler binds its buffers, calls one of these, then
 // calls its platform's kernel.
-#ifndef JAX_SDM_FFI_STEPS_COMMON_H_
-#define JAX_SDM_FFI_STEPS_COMMON_H_
+#ifndef JAX_SDM_FFI_CHUNK_STEPS_COMMON_H_
+#define JAX_SDM_FFI_CHUNK_STEPS_COMMON_H_
 
 #include <cstring>
 #include <string>
 
 #include "ffi/common.h"
 #include "kernels/bf16.h"
-#include "kernels/steps.h"
+#include "kernels/chunk_steps.h"
+
+// The buffers of the chunk-step targets, in order (docs/DESIGN.md "Forward steps", "Backward steps", "Packed
+// sequences"; ffi/common.h SDM_FFI_PARAMS), shared by the CPU and CUDA handlers. `sdm_forward`: the initial bank,
+// the forward's inputs and Phase 1's arrays; the final bank (bank_out, a buffer of its own), y, the residuals
+// (empty for a no-grad call) and the workspace. `sdm_backward`: the final bank (aliased to bank_out, which ends as
+// the initial bank), dbank (the final bank's cotangent; dbank_out, the initial bank's gradient, a buffer of its own
+// or aliased to it), dy, the forward's inputs but v, and its residuals; the gradients and the workspace. The packed
+// targets take those buffers, then the packed sequences' (kernels/chunk_steps.h StepSegments).
+#define SDM_FORWARD_BUFFERS(X, SEP)                                                                             \
+  X(Arg, ::sdm_ffi::AnyBuffer, bank) SEP() X(Arg, ::sdm_ffi::S32, k_idx) SEP() X(Arg, ::sdm_ffi::S32, q_idx)    \
+  SEP() X(Arg, ::sdm_ffi::F32, v) SEP() X(Arg, ::sdm_ffi::F32, beta) SEP() X(Arg, ::sdm_ffi::F32, k_eff) SEP()  \
+  X(Arg, ::sdm_ffi::F32, w) SEP() X(Arg, ::sdm_ffi::F32, cpe) SEP() X(Arg, ::sdm_ffi::F32, q_w) SEP()           \
+  X(Arg, ::sdm_ffi::F32, QK) SEP() X(Arg, ::sdm_ffi::S32, w_order) SEP() X(Arg, ::sdm_ffi::S32, w_group) SEP()  \
+  X(Arg, ::sdm_ffi::F32, minv) SEP() X(Ret, ::sdm_ffi::AnyBuffer, bank_out) SEP() X(Ret, ::sdm_ffi::F32, y)     \
+  SEP() X(Ret, ::sdm_ffi::F32, delta) SEP() X(Ret, ::sdm_ffi::F32, vg) SEP()                                    \
+  X(Ret, ::sdm_ffi::AnyBuffer, snapshot) SEP() X(Ret, ::sdm_ffi::F32, workspace)
+
+#define SDM_BACKWARD_BUFFERS(X, SEP)                                                                            \
+  X(Arg, ::sdm_ffi::AnyBuffer, bank) SEP() X(Arg, ::sdm_ffi::AnyBuffer, dbank) SEP()                            \
+  X(Arg, ::sdm_ffi::AnyBuffer, dy) SEP() X(Arg, ::sdm_ffi::S32, k_idx) SEP() X(Arg, ::sdm_ffi::S32, q_idx)      \
+  SEP() X(Arg, ::sdm_ffi::F32, beta) SEP() X(Arg, ::sdm_ffi::F32, k_eff) SEP() X(Arg, ::sdm_ffi::F32, w) SEP()  \
+  X(Arg, ::sdm_ffi::F32, cpe) SEP() X(Arg, ::sdm_ffi::F32, q_w) SEP() X(Arg, ::sdm_ffi::F32, A) SEP()           \
+  X(Arg, ::sdm_ffi::F32, QK) SEP() X(Arg, ::sdm_ffi::S32, w_order) SEP() X(Arg, ::sdm_ffi::S32, w_group) SEP()  \
+  X(Arg, ::sdm_ffi::S32, r_order) SEP() X(Arg, ::sdm_ffi::S32, r_group) SEP() X(Arg, ::sdm_ffi::F32, minv)      \
+  SEP() X(Arg, ::sdm_ffi::F32, delta) SEP() X(Arg, ::sdm_ffi::F32, vg) SEP()                                    \
+  X(Arg, ::sdm_ffi::AnyBuffer, snapshot) SEP() X(Ret, ::sdm_ffi::AnyBuffer, bank_out) SEP()                     \
+  X(Ret, ::sdm_ffi::AnyBuffer, dbank_out) SEP() X(Ret, ::sdm_ffi::F32, dk_eff) SEP() X(Ret, ::sdm_ffi::F32, dw) \
+  SEP() X(Ret, ::sdm_ffi::F32, dcpe) SEP() X(Ret, ::sdm_ffi::F32, dq_w) SEP() X(Ret, ::sdm_ffi::F32, dA) SEP()  \
+  X(Ret, ::sdm_ffi::F32, dQK) SEP() X(Ret, ::sdm_ffi::F32, dbeta) SEP() X(Ret, ::sdm_ffi::F32, dv) SEP()        \
+  X(Ret, ::sdm_ffi::F32, workspace)
+
+// Packed sequences: the initial bank, each token's segment within its chunk (local) and each chunk's first segment
+// (seg0); the forward's results the stamps and (with residuals) their snapshot, the backward's the stamps restored
+// (aliased to stamp) and the initial bank's gradient (aliased to dinitial).
+#define SDM_FORWARD_SEGMENT_BUFFERS(X, SEP)                                                                     \
+  X(Arg, ::sdm_ffi::AnyBuffer, initial) SEP() X(Arg, ::sdm_ffi::S32, local) SEP() X(Arg, ::sdm_ffi::S32, seg0)  \
+  SEP() X(Ret, ::sdm_ffi::S32, stamp) SEP() X(Ret, ::sdm_ffi::S32, stamp_snapshot)
+#define SDM_BACKWARD_SEGMENT_BUFFERS(X, SEP)                                                                    \
+  X(Arg, ::sdm_ffi::AnyBuffer, initial) SEP() X(Arg, ::sdm_ffi::S32, local) SEP() X(Arg, ::sdm_ffi::S32, seg0)  \
+  SEP() X(Arg, ::sdm_ffi::S32, stamp) SEP() X(Arg, ::sdm_ffi::S32, stamp_snapshot) SEP()                        \
+  X(Arg, ::sdm_ffi::AnyBuffer, dinitial) SEP() X(Ret, ::sdm_ffi::S32, stamp_out) SEP()                          \
+  X(Ret, ::sdm_ffi::AnyBuffer, dinitial_out)
+#define SDM_FORWARD_PACKED_BUFFERS(X, SEP) SDM_FORWARD_BUFFERS(X, SEP) SEP() SDM_FORWARD_SEGMENT_BUFFERS(X, SEP)
+#define SDM_BACKWARD_PACKED_BUFFERS(X, SEP) SDM_BACKWARD_BUFFERS(X, SEP) SEP() SDM_BACKWARD_SEGMENT_BUFFERS(X, SEP)
 
 namespace sdm_ffi {
 
@@ -34,7 +78,7 @@ inline ffi::Error StepDimsOf(const char* op, const ffi::AnyBuffer& bank, const S
   return ffi::Error::Success();
 }
 
-// The workspace holds `floats` floats (kernels/steps.h forward_workspace_floats / backward_workspace_floats; any
+// The workspace holds `floats` floats (kernels/chunk_steps.h forward_workspace_floats / backward_workspace_floats; any
 // shape: vmap adds a leading dim).
 inline ffi::Error CheckWorkspace(const char* op, const ffi::Buffer<ffi::F32>& ws, int64_t floats) {
   if (static_cast<int64_t>(ws.element_count()) == floats) return ffi::Error::Success();
@@ -90,30 +134,6 @@ inline sdm::StepPhase1 Phase1View(const S32& k_idx, const S32& q_idx, const F32&
                          r_group ? r_group->typed_data() : nullptr, minv.typed_data()};
 }
 
-// The handlers' parameters, in the order of the bindings below (docs/DESIGN.md); shared by CPU and CUDA.
-#define SDM_FORWARD_PARAMS                                                                                    \
-  ::xla::ffi::AnyBuffer bank, ::sdm_ffi::S32 k_idx, ::sdm_ffi::S32 q_idx, ::sdm_ffi::F32 v, ::sdm_ffi::F32 beta, \
-      ::sdm_ffi::F32 k_eff, ::sdm_ffi::F32 w, ::sdm_ffi::F32 cpe, ::sdm_ffi::F32 q_w, ::sdm_ffi::F32 QK,        \
-      ::sdm_ffi::S32 w_order, ::sdm_ffi::S32 w_group, ::sdm_ffi::F32 minv,                                     \
-      ::xla::ffi::Result<::xla::ffi::AnyBuffer> bank_out, ::sdm_ffi::R32 y, ::sdm_ffi::R32 delta,            \
-      ::sdm_ffi::R32 vg, ::xla::ffi::Result<::xla::ffi::AnyBuffer> snapshot, ::sdm_ffi::R32 workspace
-#define SDM_FORWARD_NAMES \
-  bank, k_idx, q_idx, v, beta, k_eff, w, cpe, q_w, QK, w_order, w_group, minv, bank_out, y, delta, vg, snapshot, workspace
-
-#define SDM_BACKWARD_PARAMS                                                                                    \
-  ::xla::ffi::AnyBuffer bank, ::xla::ffi::AnyBuffer dbank, ::xla::ffi::AnyBuffer dy, ::sdm_ffi::S32 k_idx,   \
-      ::sdm_ffi::S32 q_idx,                                                                                  \
-      ::sdm_ffi::F32 beta, ::sdm_ffi::F32 k_eff, ::sdm_ffi::F32 w, ::sdm_ffi::F32 cpe,         \
-      ::sdm_ffi::F32 q_w, ::sdm_ffi::F32 A, ::sdm_ffi::F32 QK, ::sdm_ffi::S32 w_order, ::sdm_ffi::S32 w_group,   \
-      ::sdm_ffi::S32 r_order, ::sdm_ffi::S32 r_group, ::sdm_ffi::F32 minv, ::sdm_ffi::F32 delta,                \
-      ::sdm_ffi::F32 vg, ::xla::ffi::AnyBuffer snapshot, ::xla::ffi::Result<::xla::ffi::AnyBuffer> bank_out,   \
-      ::xla::ffi::Result<::xla::ffi::AnyBuffer> dbank_out, ::sdm_ffi::R32 dk_eff, ::sdm_ffi::R32 dw, ::sdm_ffi::R32 dcpe,                  \
-      ::sdm_ffi::R32 dq_w, ::sdm_ffi::R32 dA, ::sdm_ffi::R32 dQK, ::sdm_ffi::R32 dbeta, ::sdm_ffi::R32 dv,      \
-      ::sdm_ffi::R32 workspace
-#define SDM_BACKWARD_NAMES                                                                                   \
-  bank, dbank, dy, k_idx, q_idx, beta, k_eff, w, cpe, q_w, A, QK, w_order, w_group, r_order, r_group, minv,    \
-      delta, vg, snapshot, bank_out, dbank_out, dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv, workspace
-
 // A checked forward call, ready for a platform's kernel.
 struct ForwardCall {
   sdm::StepDims dm;
@@ -126,7 +146,7 @@ struct ForwardCall {
   float* workspace;
 };
 
-inline ffi::Error PrepareForward(SDM_FORWARD_PARAMS, ForwardCall* call) {
+inline ffi::Error PrepareForward(SDM_FFI_PARAMS(SDM_FORWARD_BUFFERS), ForwardCall* call) {
   const char* op = "sdm_forward";
   sdm::StepDims& dm = call->dm;
   bool save = false;
@@ -171,8 +191,7 @@ auto WithBankTypes(const BackwardCall& call, Run run) {
   return run(static_cast<sdm::bf16*>(call.bank), static_cast<sdm::bf16*>(call.dbank));
 }
 
-inline ffi::Error PrepareBackward(
-SDM_BACKWARD_PARAMS, BackwardCall* call) {
+inline ffi::Error PrepareBackward(SDM_FFI_PARAMS(SDM_BACKWARD_BUFFERS), BackwardCall* call) {
   const char* op = "sdm_backward";
   sdm::StepDims& dm = call->dm;
   bool save = false;
@@ -224,18 +243,6 @@ SDM_BACKWARD_PARAMS, BackwardCall* call) {
   return ffi::Error::Success();
 }
 
-// Packed sequences: the targets `sdm_forward_packed` and `sdm_backward_packed` take the plain handlers' buffers,
-// then these (docs/DESIGN.md "Packed sequences"; kernels/steps.h, StepSegments).
-#define SDM_FORWARD_SEGMENT_PARAMS                                                                           \
-  ::xla::ffi::AnyBuffer initial, ::sdm_ffi::S32 local, ::sdm_ffi::S32 seg0, ::sdm_ffi::RS32 stamp,           \
-      ::sdm_ffi::RS32 stamp_snapshot
-#define SDM_FORWARD_SEGMENT_NAMES initial, local, seg0, stamp, stamp_snapshot
-#define SDM_BACKWARD_SEGMENT_PARAMS                                                                          \
-  ::xla::ffi::AnyBuffer initial, ::sdm_ffi::S32 local, ::sdm_ffi::S32 seg0, ::sdm_ffi::S32 stamp,            \
-      ::sdm_ffi::S32 stamp_snapshot, ::xla::ffi::AnyBuffer dinitial, ::sdm_ffi::RS32 stamp_out,              \
-      ::xla::ffi::Result<::xla::ffi::AnyBuffer> dinitial_out
-#define SDM_BACKWARD_SEGMENT_NAMES initial, local, seg0, stamp, stamp_snapshot, dinitial, stamp_out, dinitial_out
-
 // The segment buffers both directions share, checked: the initial bank (like the bank), each token's segment
 // within its chunk and each chunk's first segment.
 inline ffi::Error CheckSegmentInputs(const char* op, const sdm::StepDims& dm, const ffi::AnyBuffer& bank,
@@ -250,15 +257,19 @@ inline ffi::Error CheckSegmentInputs(const char* op, const sdm::StepDims& dm, co
 
 // The forward's segment buffers, checked (call: PrepareForward's); the stamp snapshot is empty for a no-grad call.
 inline ffi::Error PrepareForwardSegments(const ForwardCall& call, const ffi::AnyBuffer& bank,
-                                         SDM_FORWARD_SEGMENT_PARAMS, sdm::StepSegments* segments) {
+                                         SDM_FFI_PARAMS(SDM_FORWARD_SEGMENT_BUFFERS), sdm::StepSegments* segments) {
   const char* op = "sdm_forward_packed";
   const sdm::StepDims& dm = call.dm;
   SDM_RETURN_IF_ERROR(CheckSegmentInputs(op, dm, bank, initial, local, seg0));
   SDM_RETURN_IF_ERROR(CheckShape(op, "stamp (result)", *stamp, dm.V, {dm.P, dm.K}));
   const bool save = call.io.snapshot != nullptr;
-  if (save) SDM_RETURN_IF_ERROR(CheckShape(op, "stamp_snapshot (result)", *stamp_snapshot, dm.V, {dm.NC, dm.P, dm.C * dm.W}));
-  else if (stamp_snapshot->element_count() != 0)
-    return ffi::Error::InvalidArgument(std::string(op) + ": stamp_snapshot must be empty for a call without residuals");
+  if (save) {
+    SDM_RETURN_IF_ERROR(
+        CheckShape(op, "stamp_snapshot (result)", *stamp_snapshot, dm.V, {dm.NC, dm.P, dm.C * dm.W}));
+  } else if (stamp_snapshot->element_count() != 0) {
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": stamp_snapshot must be empty for a call without residuals");
+  }
   *segments = sdm::StepSegments{local.typed_data(), seg0.typed_data(), initial.untyped_data(), stamp->typed_data(),
                                 save ? stamp_snapshot->typed_data() : nullptr, nullptr};
   return ffi::Error::Success();
@@ -273,7 +284,7 @@ struct SegmentCopies {
 };
 
 inline ffi::Error PrepareBackwardSegments(const BackwardCall& call, const ffi::AnyBuffer& bank,
-                                          SDM_BACKWARD_SEGMENT_PARAMS, sdm::StepSegments* segments,
+                                          SDM_FFI_PARAMS(SDM_BACKWARD_SEGMENT_BUFFERS), sdm::StepSegments* segments,
                                           SegmentCopies* copies) {
   const char* op = "sdm_backward_packed";
   const sdm::StepDims& dm = call.dm;
@@ -295,91 +306,18 @@ inline ffi::Error PrepareBackwardSegments(const BackwardCall& call, const ffi::A
 }
 
 // The packed-sequence handlers' checks: the plain call's, then the segment buffers'.
-inline ffi::Error PrepareForwardPacked(SDM_FORWARD_PARAMS, SDM_FORWARD_SEGMENT_PARAMS, ForwardCall* call,
+inline ffi::Error PrepareForwardPacked(SDM_FFI_PARAMS(SDM_FORWARD_PACKED_BUFFERS), ForwardCall* call,
                                        sdm::StepSegments* segments) {
-  SDM_RETURN_IF_ERROR(PrepareForward(SDM_FORWARD_NAMES, call));
-  return PrepareForwardSegments(*call, bank, SDM_FORWARD_SEGMENT_NAMES, segments);
+  SDM_RETURN_IF_ERROR(PrepareForward(SDM_FFI_NAMES(SDM_FORWARD_BUFFERS), call));
+  return PrepareForwardSegments(*call, bank, SDM_FFI_NAMES(SDM_FORWARD_SEGMENT_BUFFERS), segments);
 }
 
-inline ffi::Error PrepareBackwardPacked(SDM_BACKWARD_PARAMS, SDM_BACKWARD_SEGMENT_PARAMS, BackwardCall* call,
+inline ffi::Error PrepareBackwardPacked(SDM_FFI_PARAMS(SDM_BACKWARD_PACKED_BUFFERS), BackwardCall* call,
                                         sdm::StepSegments* segments, SegmentCopies* copies) {
-  SDM_RETURN_IF_ERROR(PrepareBackward(SDM_BACKWARD_NAMES, call));
-  return PrepareBackwardSegments(*call, bank, SDM_BACKWARD_SEGMENT_NAMES, segments, copies);
+  SDM_RETURN_IF_ERROR(PrepareBackward(SDM_FFI_NAMES(SDM_BACKWARD_BUFFERS), call));
+  return PrepareBackwardSegments(*call, bank, SDM_FFI_NAMES(SDM_BACKWARD_SEGMENT_BUFFERS), segments, copies);
 }
 
 }  // namespace sdm_ffi
 
-// The buffers of the two handlers, in order (docs/DESIGN.md), shared by the CPU and CUDA bindings.
-#define SDM_FORWARD_BUFFERS                                                                                  \
-  Arg<::xla::ffi::AnyBuffer>() /* bank */                                                                      \
-      .Arg<::sdm_ffi::S32>()  /* k_idx */                                                                    \
-      .Arg<::sdm_ffi::S32>()  /* q_idx */                                                                    \
-      .Arg<::sdm_ffi::F32>()  /* v */                                                                        \
-      .Arg<::sdm_ffi::F32>()  /* beta */                                                                     \
-      .Arg<::sdm_ffi::F32>()  /* k_eff */                                                                    \
-      .Arg<::sdm_ffi::F32>()  /* w */                                                                        \
-      .Arg<::sdm_ffi::F32>()  /* cpe */                                                                      \
-      .Arg<::sdm_ffi::F32>()  /* q_w */                                                                      \
-      .Arg<::sdm_ffi::F32>()  /* QK */                                                                       \
-      .Arg<::sdm_ffi::S32>()  /* w_order */                                                                  \
-      .Arg<::sdm_ffi::S32>()  /* w_group */                                                                  \
-      .Arg<::sdm_ffi::F32>()  /* Minv */                                                                     \
-      .Ret<::xla::ffi::AnyBuffer>() /* bank (aliased) */                                                     \
-      .Ret<::sdm_ffi::F32>()  /* y */                                                                        \
-      .Ret<::sdm_ffi::F32>()  /* delta */                                                                    \
-      .Ret<::sdm_ffi::F32>()  /* vg = v - G */                                                               \
-      .Ret<::xla::ffi::AnyBuffer>() /* snapshot */                                                           \
-      .Ret<::sdm_ffi::F32>()  /* workspace */
-
-#define SDM_BACKWARD_BUFFERS                                                                                 \
-  Arg<::xla::ffi::AnyBuffer>() /* bank (final; aliased) */                                                     \
-      .Arg<::xla::ffi::AnyBuffer>() /* dbank: the final bank's cotangent (float32 or the bank's dtype) */    \
-      .Arg<::xla::ffi::AnyBuffer>() /* dy (the bank's dtype) */                                              \
-      .Arg<::sdm_ffi::S32>()  /* k_idx */                                                                    \
-      .Arg<::sdm_ffi::S32>()  /* q_idx */                                                                    \
-      .Arg<::sdm_ffi::F32>()  /* beta */                                                                     \
-      .Arg<::sdm_ffi::F32>()  /* k_eff */                                                                    \
-      .Arg<::sdm_ffi::F32>()  /* w */                                                                        \
-      .Arg<::sdm_ffi::F32>()  /* cpe */                                                                      \
-      .Arg<::sdm_ffi::F32>()  /* q_w */                                                                      \
-      .Arg<::sdm_ffi::F32>()  /* A */                                                                        \
-      .Arg<::sdm_ffi::F32>()  /* QK */                                                                       \
-      .Arg<::sdm_ffi::S32>()  /* w_order */                                                                  \
-      .Arg<::sdm_ffi::S32>()  /* w_group */                                                                  \
-      .Arg<::sdm_ffi::S32>()  /* r_order */                                                                  \
-      .Arg<::sdm_ffi::S32>()  /* r_group */                                                                  \
-      .Arg<::sdm_ffi::F32>()  /* Minv */                                                                     \
-      .Arg<::sdm_ffi::F32>()  /* delta */                                                                    \
-      .Arg<::sdm_ffi::F32>()  /* vg */                                                                        \
-      .Arg<::xla::ffi::AnyBuffer>() /* snapshot */                                                           \
-      .Ret<::xla::ffi::AnyBuffer>() /* bank (initial; aliased) */                                            \
-      .Ret<::xla::ffi::AnyBuffer>() /* dbank: the initial bank's gradient (aliased to dbank or not) */       \
-      .Ret<::sdm_ffi::F32>()  /* dk_eff */                                                                   \
-      .Ret<::sdm_ffi::F32>()  /* dw */                                                                       \
-      .Ret<::sdm_ffi::F32>()  /* dcpe */                                                                     \
-      .Ret<::sdm_ffi::F32>()  /* dq_w */                                                                     \
-      .Ret<::sdm_ffi::F32>()  /* dA */                                                                       \
-      .Ret<::sdm_ffi::F32>()  /* dQK */                                                                      \
-      .Ret<::sdm_ffi::F32>()  /* dbeta */                                                                    \
-      .Ret<::sdm_ffi::F32>()  /* dv */                                                                       \
-      .Ret<::sdm_ffi::F32>()  /* workspace */
-
-// The packed targets' extra buffers, bound after SDM_FORWARD_BUFFERS / SDM_BACKWARD_BUFFERS.
-#define SDM_FORWARD_SEGMENT_BUFFERS                                                                          \
-  Arg<::xla::ffi::AnyBuffer>() /* initial */                                                                 \
-      .Arg<::sdm_ffi::S32>()  /* local */                                                                    \
-      .Arg<::sdm_ffi::S32>()  /* seg0 */                                                                     \
-      .Ret<::sdm_ffi::S32>()  /* stamp */                                                                    \
-      .Ret<::sdm_ffi::S32>()  /* stamp_snapshot */
-
-#define SDM_BACKWARD_SEGMENT_BUFFERS                                                                         \
-  Arg<::xla::ffi::AnyBuffer>() /* initial */                                                                 \
-      .Arg<::sdm_ffi::S32>()  /* local */                                                                    \
-      .Arg<::sdm_ffi::S32>()  /* seg0 */                                                                     \
-      .Arg<::sdm_ffi::S32>()  /* stamp (final; aliased) */                                                   \
-      .Arg<::sdm_ffi::S32>()  /* stamp_snapshot */                                                           \
-      .Arg<::xla::ffi::AnyBuffer>() /* dinitial (aliased; dbank's dtype) */                                  \
-      .Ret<::sdm_ffi::S32>()  /* stamp (restored: zeros; aliased) */                                         \
-      .Ret<::xla::ffi::AnyBuffer>() /* dinitial (aliased) */
-
-#endif  // JAX_SDM_FFI_STEPS_COMMON_H_
+#endif  // JAX_SDM_FFI_CHUNK_STEPS_COMMON_H_

@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from jax_sdm.ffi_ops import phase1_bwd_ffi, phase1_ffi
-from jax_sdm.testing import assert_one_kernel_call, phase1_gates
+from jax_sdm.xla import Phase1, phase1_xla
+
+from .helpers import assert_one_kernel_call, phase1_gates
 
 FIELDS = (
     "log_k", "rex", "cpe", "k_eff", "w", "log_q", "q_w", "A", "QK",
@@ -287,26 +289,12 @@ def test_phase1_shape_errors():
         phase1_ffi(*bad, 3)
 
 
-def test_phase1_returns_phase1_tuple_if_available():
+def test_phase1_returns_a_phase1():
     got = phase1_ffi(*make_inputs(101, 1, 3, 1, 1, 2), 2)
-    try:
-        from jax_sdm.xla import Phase1
-    except ImportError:
-        assert isinstance(got, tuple)
-        return
     assert isinstance(got, Phase1)
     assert Phase1._fields == FIELDS
 
 
-def _phase1_xla():
-    try:
-        from jax_sdm.xla import phase1_xla
-    except ImportError:
-        return None
-    return phase1_xla
-
-
-@pytest.mark.skipif(_phase1_xla() is None, reason="jax_sdm.xla.phase1_xla does not import")
 @pytest.mark.parametrize("case,invalid,gate", [
     ((3, 5, 3, 2, 4), 0.0, "lane"),
     ((3, 17, 5, 4, 8), 0.0, "token"),
@@ -319,7 +307,7 @@ def test_phase1_matches_xla(case, invalid, gate):
     args = make_inputs(seed_of(case, invalid, gate), N, C, W, R, K,
                        invalid=invalid, gate=gate)
     got = phase1_ffi(*args, K)
-    want = _phase1_xla()(*args, K)
+    want = phase1_xla(*args, K)
     assert len(want) == len(FIELDS)
     for name, g, wv in zip(FIELDS, got, want):
         g, wv = np.asarray(g), np.asarray(wv)
@@ -407,8 +395,6 @@ def rel_l2(got, want):
     return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
 
 
-phase1_xla = _phase1_xla()
-
 # Shapes are few on purpose: each (shape, K) compiles the XLA reference's VJP once (seconds);
 # the gate kinds share a shape.
 BWD_CASES = [
@@ -422,7 +408,6 @@ BWD_CASES = [
 ]
 
 
-@pytest.mark.skipif(phase1_xla is None, reason="jax_sdm.xla.phase1_xla does not import")
 # A case of another shape than the first compiles the pure-JAX VJP again: slow (the whole op's gradients against
 # the token loop cover those shapes too).
 @pytest.mark.parametrize("case", [
@@ -444,7 +429,6 @@ def test_phase1_bwd_matches_xla_vjp(case):
         assert err < 1e-5, f"{name}: relative L2 error {err:.3g} (seed {seed})"
 
 
-@pytest.mark.skipif(phase1_xla is None, reason="jax_sdm.xla.phase1_xla does not import")
 def test_phase1_bwd_dcpe_anywhere_and_none_cotangents():
     """dcpe at any write entry counts for its slot's total; None cotangents are zeros."""
     N, C, W, R, K = BWD_CASES[0][:5]

@@ -1,13 +1,14 @@
-// The bank-dependent chunk steps (docs/MATH.md "Chunked form" and "Backward of a chunk"), plain C++ / CUDA on
-// raw pointers.
+// The bank-dependent chunk steps (docs/MATH.md "The forward chunk step" and "Backward of a chunk"), plain C++ / CUDA
+// on raw pointers: the interface of kernels/chunk_steps/ (cpu.cc; the CUDA loops forward_cuda.cu and backward_cuda.cu
+// with the kernels in their headers). The extension modules give Python the workspace sizes below (ffi/targets.h).
 //
 // Layout (docs/DESIGN.md): per-token arrays are [V, NC, P, C, ...] (V independent problems, e.g. from vmap,
 // NC chunks, P streams), the unit (v, c, p) at index (v*NC + c)*P + p; the bank is [V, P, K, D], the rows of
 // stream (v, p) at (v*P + p)*K. A chunk step depends on the previous chunk through the bank only, so chunks run
 // in order and the V*P streams of one chunk in parallel. Every bank row, gradient row and output cell has one
 // writer, and each sum runs in a fixed order: results are bitwise reproducible (docs/MATH.md "Determinism").
-#ifndef JAX_SDM_KERNELS_STEPS_H_
-#define JAX_SDM_KERNELS_STEPS_H_
+#ifndef JAX_SDM_KERNELS_CHUNK_STEPS_H_
+#define JAX_SDM_KERNELS_CHUNK_STEPS_H_
 
 #include <cstdint>
 
@@ -97,6 +98,15 @@ template <typename BankT, typename GradT>
 void backward_cpu(const StepDims& dims, const StepPhase1& p1, const BackwardIO& io, BankT* bank, GradT* dbank,
                   const StepSegments* segments = nullptr);
 
+// Whether the CUDA loops launch their kernels with programmatic dependent launch (on compute capability 9.0 and
+// later): the build's SDM_CUDA_PDL (CMake option, ON by default). The results are the same either way.
+// compute-sanitizer's racecheck and synccheck crash on such launches; a build with SDM_CUDA_PDL=OFF serves them
+// (scripts/gpu_check.sh sanitize).
+#ifndef SDM_CUDA_PDL
+#define SDM_CUDA_PDL 1
+#endif
+constexpr bool kChunkStepsPdl = SDM_CUDA_PDL != 0;
+
 // CUDA: the same loops, enqueued on `stream` (no allocation, no synchronisation; the launch configuration
 // depends on the shapes only). `workspace` holds forward_workspace_floats(dims) / backward_workspace_floats(dims)
 // floats (the handlers of both platforms take it, so that their interfaces are the same): first three per-chunk
@@ -139,4 +149,4 @@ int backward_cuda(const StepDims& dims, const StepPhase1& p1, const BackwardIO& 
 
 }  // namespace sdm
 
-#endif  // JAX_SDM_KERNELS_STEPS_H_
+#endif  // JAX_SDM_KERNELS_CHUNK_STEPS_H_

@@ -7,6 +7,9 @@ import jax
 import jax.numpy as jnp
 
 from jax_sdm.ffi_ops import solve_ffi
+from jax_sdm.xla import solve_xla
+
+from .helpers import assert_one_kernel_call
 
 
 def make_inputs(seed, batch, C, *, garbage_upper=True):
@@ -96,25 +99,13 @@ def test_solve_shape_errors():
         solve_ffi(A[:, :3], beta)
 
 
-def _solve_xla():
-    try:
-        from jax_sdm.xla import solve_xla
-    except ImportError:
-        return None
-    return solve_xla
-
-
-@pytest.mark.skipif(_solve_xla() is None, reason="jax_sdm.xla.solve_xla does not import")
 def test_solve_matches_xla():
     A, beta = make_inputs(15, (4,), 16, garbage_upper=False)
-    np.testing.assert_allclose(np.asarray(solve_ffi(A, beta)),
-                               np.asarray(_solve_xla()(A, beta)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(solve_ffi(A, beta)), np.asarray(solve_xla(A, beta)), rtol=1e-5, atol=1e-5)
 
 
 def test_solve_vmap_one_call_and_bitwise():
     """vmap and nested vmap fold into the batch of one kernel call; results equal per-example calls bitwise."""
-    from jax_sdm.testing import assert_one_kernel_call
-
     A, beta = make_inputs(12, (3, 2, 4), 10)
     per_example = [[np.asarray(solve_ffi(A[i, j], beta[i, j])) for j in range(2)] for i in range(3)]
     f1 = jax.vmap(solve_ffi)

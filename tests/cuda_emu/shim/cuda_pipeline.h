@@ -1,4 +1,4 @@
-// The CUDA pipeline header (asynchronous copies to shared memory), for the host emulation (scripts/cuda_emu): a
+// The CUDA pipeline header (asynchronous copies to shared memory), for the host emulation (tests/cuda_emu): a
 // thread's copies wait in its queue (emu::async_open, emu::async_groups) until __pipeline_wait_prior covers their
 // group, and land then, so that a read before the wait (a missing or too short wait) sees the old contents.
 #pragma once

@@ -1,6 +1,6 @@
 // XLA FFI handlers `sdm_forward` and `sdm_backward`, and their packed-sequence variants `sdm_forward_packed` and
-// `sdm_backward_packed` (platform CUDA): the same checks and buffers as the CPU handlers (ffi/steps_common.h),
-// then the chunk loops of kernels/steps_cuda.cu on XLA's stream. No allocation
+// `sdm_backward_packed` (platform CUDA): the same checks and buffers as the CPU handlers (ffi/chunk_steps_common.h),
+// then the chunk loops of kernels/chunk_steps/ (forward_cuda.cu, backward_cuda.cu) on XLA's stream. No allocation
 // (the workspace is a result buffer), no host synchronisation, launches from the shapes only: the handlers can
 // be captured in CUDA graphs (kCmdBufferCompatible).
 #include <cuda_runtime_api.h>
@@ -9,7 +9,7 @@
 #include <type_traits>
 
 #include "ffi/cuda_common.h"
-#include "ffi/steps_common.h"
+#include "ffi/chunk_steps_common.h"
 #include "kernels/bf16.h"
 
 namespace ffi = xla::ffi;
@@ -50,31 +50,31 @@ ffi::Error RunBackward(cudaStream_t stream, const sdm_ffi::BackwardCall& call, c
   return sdm_ffi::CudaStatus(name, rc);
 }
 
-ffi::Error ForwardCuda(cudaStream_t stream, SDM_FORWARD_PARAMS) {
+ffi::Error ForwardCuda(cudaStream_t stream, SDM_FFI_PARAMS(SDM_FORWARD_BUFFERS)) {
   sdm_ffi::ForwardCall call;
-  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareForward(SDM_FORWARD_NAMES, &call));
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareForward(SDM_FFI_NAMES(SDM_FORWARD_BUFFERS), &call));
   return RunForward(stream, call, nullptr, "sdm_forward");
 }
 
-ffi::Error BackwardCuda(cudaStream_t stream, SDM_BACKWARD_PARAMS) {
+ffi::Error BackwardCuda(cudaStream_t stream, SDM_FFI_PARAMS(SDM_BACKWARD_BUFFERS)) {
   sdm_ffi::BackwardCall call;
-  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareBackward(SDM_BACKWARD_NAMES, &call));
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareBackward(SDM_FFI_NAMES(SDM_BACKWARD_BUFFERS), &call));
   return RunBackward(stream, call, nullptr, 0, "sdm_backward");
 }
 
-ffi::Error ForwardPackedCuda(cudaStream_t stream, SDM_FORWARD_PARAMS, SDM_FORWARD_SEGMENT_PARAMS) {
+ffi::Error ForwardPackedCuda(cudaStream_t stream, SDM_FFI_PARAMS(SDM_FORWARD_PACKED_BUFFERS)) {
   sdm_ffi::ForwardCall call;
   sdm::StepSegments segments;
   SDM_RETURN_IF_ERROR(
-      sdm_ffi::PrepareForwardPacked(SDM_FORWARD_NAMES, SDM_FORWARD_SEGMENT_NAMES, &call, &segments));
+      sdm_ffi::PrepareForwardPacked(SDM_FFI_NAMES(SDM_FORWARD_PACKED_BUFFERS), &call, &segments));
   return RunForward(stream, call, &segments, "sdm_forward_packed");
 }
 
-ffi::Error BackwardPackedCuda(cudaStream_t stream, SDM_BACKWARD_PARAMS, SDM_BACKWARD_SEGMENT_PARAMS) {
+ffi::Error BackwardPackedCuda(cudaStream_t stream, SDM_FFI_PARAMS(SDM_BACKWARD_PACKED_BUFFERS)) {
   sdm_ffi::BackwardCall call;
   sdm::StepSegments segments;
   sdm_ffi::SegmentCopies copies;
-  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareBackwardPacked(SDM_BACKWARD_NAMES, SDM_BACKWARD_SEGMENT_NAMES, &call,
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareBackwardPacked(SDM_FFI_NAMES(SDM_BACKWARD_PACKED_BUFFERS), &call,
                                                      &segments, &copies));
   int rc = 0;
   for (int i = 0; i < 2 && !rc; ++i) rc = AliasCopy(copies.in[i], copies.out[i], copies.bytes[i], stream);
@@ -83,17 +83,7 @@ ffi::Error BackwardPackedCuda(cudaStream_t stream, SDM_BACKWARD_PARAMS, SDM_BACK
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmForwardCuda, ForwardCuda,
-                              ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().SDM_FORWARD_BUFFERS,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmBackwardCuda, BackwardCuda,
-                              ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().SDM_BACKWARD_BUFFERS,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    SdmForwardPackedCuda, ForwardPackedCuda,
-    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().SDM_FORWARD_BUFFERS.SDM_FORWARD_SEGMENT_BUFFERS,
-    {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    SdmBackwardPackedCuda, BackwardPackedCuda,
-    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().SDM_BACKWARD_BUFFERS.SDM_BACKWARD_SEGMENT_BUFFERS,
-    {xla::ffi::Traits::kCmdBufferCompatible});
+SDM_CUDA_HANDLER(SdmForwardCuda, ForwardCuda, SDM_FORWARD_BUFFERS);
+SDM_CUDA_HANDLER(SdmBackwardCuda, BackwardCuda, SDM_BACKWARD_BUFFERS);
+SDM_CUDA_HANDLER(SdmForwardPackedCuda, ForwardPackedCuda, SDM_FORWARD_PACKED_BUFFERS);
+SDM_CUDA_HANDLER(SdmBackwardPackedCuda, BackwardPackedCuda, SDM_BACKWARD_PACKED_BUFFERS);

@@ -1,4 +1,4 @@
-"""Rewrites a CUDA source (kernels/phase1_cuda.cu, kernels/steps_cuda.cu) for the host emulation (cuda_emu.h; the
+"""Rewrites a CUDA source (kernels/phase1_cuda.cu, a file of kernels/chunk_steps/) for the host emulation (cuda_emu.h; the
 CUDA headers are the shims in shim/): the block's shared arrays (one block runs at a time, so static ones are
 plain statics and the dynamic one is the launch's buffer), inline PTX (prefetch hints: no-ops on the host) and
 the kernel launches `kernel<...><<<grid, block, smem, stream>>>(args)`.

@@ -2,14 +2,13 @@
 a kernel profiler (ncu) to time each kernel (`scripts/gpu_check.sh profile` runs it under ncu):
 
     ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-        python3 scripts/profile_steps.py flagship [chunk] [grad|nograd]
+        python3 benchmarks/profile_steps.py flagship [chunk] [grad|nograd]
 """
 import sys
 
 import jax
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
-from bench import SHAPES, make_functions, make_inputs  # noqa: E402
+from bench import SHAPES, make_functions, make_inputs
 
 shape = dict(SHAPES[sys.argv[1] if len(sys.argv) > 1 else "flagship"])
 if len(sys.argv) > 2:

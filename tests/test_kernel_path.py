@@ -1,4 +1,5 @@
-"""impl="ffi" (the default on CPU): the whole op on our C++ kernels, against the golden files and the token loop."""
+"""The kernel path, impl="ffi" (the default): the whole op on the default backend's kernels (C++ on the CPU, CUDA on a
+GPU), against the golden files and the token loop."""
 import functools
 import hashlib
 import os
@@ -13,8 +14,10 @@ import numpy as np
 import pytest
 
 from jax_sdm import default_chunk_size, sdm_write_read
-from jax_sdm.testing import (FLOAT_ARGS, check_against_reference, cotangents, entry_ops_of_shape, ffi_calls,
-                             outputs_and_grads, random_problem, rel_err)
+from jax_sdm.testing import random_problem
+
+from .helpers import (FLOAT_ARGS, TESTS, check_against_reference, cotangents, entry_ops_of_shape, ffi_calls,
+                      outputs_and_grads, rel_err)
 
 ffi_op = functools.partial(sdm_write_read, impl="ffi")
 
@@ -209,7 +212,8 @@ def test_ffi_bitwise_repeatable():
 _PROCESS_SCRIPT = textwrap.dedent("""
     import functools, hashlib, jax, numpy as np
     from jax_sdm import sdm_write_read
-    from jax_sdm.testing import cotangents, outputs_and_grads, random_problem
+    from jax_sdm.testing import random_problem
+    from helpers import cotangents, outputs_and_grads
     args = random_problem(41, T=50, K=10, W=4, R=3, distinct=False, repeats=True)
     dy, dbank = cotangents(41, args)
     out = outputs_and_grads(functools.partial(sdm_write_read, impl="ffi"), args, dy, dbank, chunk_size=16)
@@ -221,14 +225,13 @@ _PROCESS_SCRIPT = textwrap.dedent("""
 
 
 def test_ffi_bitwise_across_processes():
-    run = lambda **env: subprocess.run([sys.executable, "-c", _PROCESS_SCRIPT], capture_output=True, text=True,
-                                       check=True, env=dict(os.environ, **env)).stdout.strip().splitlines()[-1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    run = lambda: subprocess.run([sys.executable, "-c", _PROCESS_SCRIPT], capture_output=True, text=True, check=True,
+                                 env=env).stdout.strip().splitlines()[-1]
     args = random_problem(41, T=50, K=10, W=4, R=3, distinct=False, repeats=True)
     dy, dbank = cotangents(41, args)
     here = _digest(*outputs_and_grads(ffi_op, args, dy, dbank, chunk_size=16))
-    # SDM_CUDA_FRESH=0: the CUDA steps copy the whole input bank into the result and update it in place instead
-    # of filling a fresh result: the same bits
-    assert run() == run() == run(SDM_CUDA_FRESH="0") == here
+    assert run() == run() == here
 
 
 def test_ffi_under_vmap_folds_into_streams():

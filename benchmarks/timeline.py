@@ -1,7 +1,7 @@
 """A device timeline of bench.py's calls (the stand-in for an nsys timeline: nsys is not on the GPU machine):
 where the wall time of one call goes between kernels, copies and idle gaps.
 
-    python3 scripts/timeline.py [shape] [chunk] [grad|nograd] [--calls N] [--trace-dir DIR]
+    python3 benchmarks/timeline.py [shape] [chunk] [grad|nograd] [--calls N] [--trace-dir DIR]
 
 Runs the function a few times to warm up, then `--calls` times under `jax.profiler` (a Perfetto trace with the
 device's activity), and prints for the median call: its span on the device (first activity to last), the time
@@ -11,14 +11,12 @@ sit between, and the time each kind of activity takes in all.
 import argparse
 import collections
 import statistics
-import sys
 import time
 
 import jax
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
-from bench import SHAPES, make_functions, make_inputs, warm_up  # noqa: E402
-from device_trace import device_events, is_device, record  # noqa: E402
+from bench import SHAPES, make_functions, make_inputs, warm_up
+from device_trace import device_events, is_device, record
 
 
 def split_calls(events, calls):

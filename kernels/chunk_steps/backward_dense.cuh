@@ -1,0 +1,242 @@
+// The backward's dense kernels (docs/MATH.md "Backward of a chunk": the readings, the inverse's adjoint and the
+// dots): before the chunk loop, the dy part of the adjoint for every chunk at once (bwd_dy_kernel: du = Minv^T QK^T
+// dy); in the loop, per chunk, its bank-dependent part (bwd_apply_inverse_kernel: du += Minv^T gwr, dG = -beta du);
+// after the loop, for every chunk at once, dA, dQK, dbeta and dv = beta du (bwd_dots_kernel).
+#ifndef JAX_SDM_KERNELS_CHUNK_STEPS_BACKWARD_DENSE_CUH_
+#define JAX_SDM_KERNELS_CHUNK_STEPS_BACKWARD_DENSE_CUH_
+
+#include "kernels/chunk_steps/dense.cuh"
+#include "kernels/chunk_steps/device.cuh"
+#include "kernels/chunk_steps/rows.cuh"
+
+namespace sdm {
+namespace {
+
+// Before the loop, every unit at once: du = Minv^T (QK^T dy), the part of the adjoint that does not depend on
+// the bank; one block per (unit, column slice). Shared memory: the dy and QK^T dy slices; staged, QK and Minv.
+template <typename T, bool kStaged>
+__global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
+  chain_start();
+  constexpr int kRows = kTileRows<kStaged, false>;
+  extern __shared__ __align__(16) float sh[];
+  const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
+  const int64_t D = dm.D;
+  const int64_t u = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
+  float* sdy = sh;
+  float* sdd = sdy + slice;
+  float* sqk = sdd + slice;
+  float* smi = sqk + tile_rows(C) * ms;
+  const float* QK = p1.QK + u * C * C;
+  const float* minv = p1.minv + u * C * C;
+  const T* dy = static_cast<const T*>(io.dy) + u * C * D;
+  if constexpr (kStaged) {
+    stage_matrix_async(QK, C, sqk);
+    stage_matrix_async(minv, C, smi);
+    if constexpr (std::is_same_v<T, float>)
+      stage_slice_async(dy, C, D, d0, sdy);
+    else  // widened on the way (cp.async copies bytes as they are), while the matrices' copies fly
+      stage_quads(C, sdy, [&](int t, int q) { return load_quad(dy + t * D, d0 + 4 * q, D); });
+    staged_wait();
+  } else {
+    prefetch_matrix(QK, C);
+    prefetch_matrix(minv, C);
+    stage_quads(C, sdy, [&](int t, int q) { return load_quad(dy + t * D, d0 + 4 * q, D); });
+    __syncthreads();
+  }
+  for_tiles<kRows>(C, [&](int r0, int q) {
+    float4 x[kRows];
+    tri_tile<true, kStaged, kRows>(kStaged ? sqk : QK, ms, sdy, r0, q, C, x);
+#pragma unroll
+    for (int j = 0; j < kRows; ++j)
+      if (r0 + j < C) reinterpret_cast<float4*>(sdd + (r0 + j) * kSlice)[q] = x[j];
+  });
+  __syncthreads();
+  for_tiles<kRows>(C, [&](int r0, int q) {
+    float4 x[kRows];
+    tri_tile<true, kStaged, kRows>(kStaged ? smi : minv, ms, sdd, r0, q, C, x);
+#pragma unroll
+    for (int j = 0; j < kRows; ++j)
+      if (r0 + j < C) store_quad(io.dv + (u * C + r0 + j) * D, d0 + 4 * q, D, x[j]);
+  });
+}
+
+// In the loop: du += Minv^T gwr (the bank-dependent part of the inverse's adjoint), dG = -beta du. Shared memory:
+// the gwr slice; staged, also the du slice and Minv.
+template <bool kStaged>
+__global__ void bwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackRows rows) {
+  constexpr int kRows = kTileRows<kStaged, true>;
+  extern __shared__ __align__(16) float sh[];
+  const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
+  const int64_t D = dm.D;
+  const int64_t s = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
+  const int64_t u = unit_of(dm, s, c);
+  float* sg = sh;
+  float* sdu = sg + slice;
+  float* smi = sdu + slice;
+  const float* minv = p1.minv + u * C * C;
+  const float* gwr = rows.gwr + s * C * D;
+  float* du = io.dv + u * C * D;
+  if constexpr (kStaged) {
+    // Minv and du (the dy part's, written before the loop; only this kernel adds to it) are final before the
+    // previous kernel: staged before chain_start waits for the GWR gather, as in fwd_apply_inverse_kernel; gwr after.
+    stage_matrix_async(minv, C, smi);
+    stage_slice_async(du, C, D, d0, sdu);
+    chain_start();
+    stage_slice_async(gwr, C, D, d0, sg);
+    staged_wait();
+  } else {
+    chain_start();
+    prefetch_matrix(minv, C);
+    prefetch_slice(du, C, D, d0);
+    stage_quads(C, sg, [&](int t, int q) { return load_quad(gwr + t * D, d0 + 4 * q, D); });
+    __syncthreads();
+  }
+  for_tiles<kRows>(C, [&](int r0, int q) {
+    float4 x[kRows];
+    tri_tile<true, kStaged, kRows>(kStaged ? smi : minv, ms, sg, r0, q, C, x);
+    const int64_t d = d0 + 4 * q;
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      const int r = r0 + j;
+      if (r >= C) break;
+      const float4 old = kStaged ? reinterpret_cast<const float4*>(sdu + r * kSlice)[q] : load_quad(du + r * D, d, D);
+      const float4 y = make_float4(old.x + x[j].x, old.y + x[j].y, old.z + x[j].z, old.w + x[j].w);
+      const float beta = io.beta[u * C + r];
+      store_quad(du + r * D, d, D, y);
+      store_quad(rows.dG + (s * C + r) * D, d, D, make_float4(-beta * y.x, -beta * y.y, -beta * y.z, -beta * y.w));
+    }
+  });
+}
+
+// After the loop, every unit at once, one block per (unit, tile of kDotsTile token rows i): with
+// a_ij = <du_i, delta_j> and q_ij = <dy_i, delta_j> (each one thread's sum over d ascending),
+//   dA[i, j] = -beta_i a_ij (j < i),  dQK[i, j] = q_ij (j <= i),  0 elsewhere,
+//   dbeta_i = <du_i, v_i - G_i> - sum_{j < i} A[i, j] a_ij   (= <du_i, v_i - G_i - (A delta)_i>),
+// and dv_i = beta_i du_i in place of du_i. The block walks the tiles (i0, j0), j0 <= i0, of kDotsTile x kDotsTile
+// cells; their rows are staged in shared memory kDotsCols columns at a time, transposed ([column][row]), and thread
+// (ti, tj) computes the 4 x 4 cells (i0 + 4 ti + r, j0 + 4 tj + c): per column three 16-byte loads (4 du, 4 dy,
+// 4 delta) feed 32 products (half the shared-memory loads per product of tiles with one row per thread). The
+// diagonal tile (j0 = i0) is the last one a block computes: while staging it, each thread also writes dv = beta du
+// over the du element it loaded (its last read) and each thread adds its columns' share of <du_i, v_i - G_i>.
+// Every sum runs in a fixed order.
+constexpr int kDotsTile = 64;
+constexpr int kDotsCols = 32;                              // columns staged per step
+constexpr int kDotsSide = kDotsTile / 4;                   // threads per tile side: 16
+constexpr int kDotsThreads = kDotsSide * kDotsSide;        // 256
+constexpr int kDotsStride = kDotsTile + 4;                 // floats per staged column: 16-byte rows, no bank conflicts
+constexpr int kDotsStaged = kDotsTile * kDotsCols / kDotsThreads;  // elements each thread stages per array: 8
+
+template <typename T>  // dy's dtype, the bank's
+__global__ void __launch_bounds__(kDotsThreads, 2) bwd_dots_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
+  chain_start();
+  const T* dy = static_cast<const T*>(io.dy);
+  __shared__ __align__(16) float sdu[kDotsCols][kDotsStride], sdy[kDotsCols][kDotsStride],
+      sdl[kDotsCols][kDotsStride];
+  __shared__ __align__(16) float svg[kDotsCols][kDotsStride];  // v - G on the diagonal tile
+  __shared__ float red[kDotsTile][kDotsSide + 1];
+  const int64_t C = dm.C, D = dm.D;
+  const int64_t u = blockIdx.x, i0 = static_cast<int64_t>(blockIdx.y) * kDotsTile;
+  const int t = threadIdx.x, ti = t / kDotsSide, tj = t % kDotsSide;
+  const int64_t base = u * C * D;
+  float part[4] = {};  // this thread's shares of dbeta_i, rows i0 + 4 ti + r
+  for (int64_t j0 = 0; j0 <= i0; j0 += kDotsTile) {  // j0 > i0: every cell masked
+    const bool diag = j0 == i0;
+    float a[4][4] = {}, q[4][4] = {};
+    for (int64_t d0 = 0; d0 < D; d0 += kDotsCols) {
+      // A warp stages 4 rows x 8 columns per round: 32 bytes of each row from global memory, and its transposed
+      // stores (row + 68 column) fall in 32 distinct banks.
+#pragma unroll 4  // 8 unrolled spill at 2 blocks per SM
+      for (int n = 0; n < kDotsStaged; ++n) {
+        const int w = n * (kDotsThreads / 32) + t / 32, lane = t % 32;
+        const int r = 4 * (w % kDotsSide) + lane % 4, dd = 8 * (w / kDotsSide) + lane / 4;
+        const int64_t d = d0 + dd;
+        const bool in_i = i0 + r < C && d < D, in_j = j0 + r < C && d < D;
+        const int64_t ki = base + (i0 + r) * D + d, kj = base + (j0 + r) * D + d;
+        const float du = in_i ? io.dv[ki] : 0.f;  // du until written back as dv below
+        sdu[dd][r] = du;
+        sdy[dd][r] = in_i ? to_f(dy[ki]) : 0.f;
+        sdl[dd][r] = in_j ? io.delta[kj] : 0.f;
+        if (diag) {
+          svg[dd][r] = in_i ? io.vg[ki] : 0.f;
+          if (in_i) io.dv[ki] = io.beta[u * C + i0 + r] * du;
+        }
+      }
+      __syncthreads();
+#pragma unroll 4
+      for (int dd = 0; dd < kDotsCols; ++dd) {
+        const float4 x4 = *reinterpret_cast<const float4*>(&sdu[dd][4 * ti]);
+        const float4 z4 = *reinterpret_cast<const float4*>(&sdy[dd][4 * ti]);
+        const float4 l4 = *reinterpret_cast<const float4*>(&sdl[dd][4 * tj]);
+        const float x[4] = {x4.x, x4.y, x4.z, x4.w}, z[4] = {z4.x, z4.y, z4.z, z4.w},
+                    l[4] = {l4.x, l4.y, l4.z, l4.w};
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            a[r][c] += x[r] * l[c];
+            q[r][c] += z[r] * l[c];
+          }
+        }
+      }
+      if (diag) {
+        for (int dd = tj; dd < kDotsCols; dd += kDotsSide) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) part[r] += sdu[dd][4 * ti + r] * svg[dd][4 * ti + r];
+        }
+      }
+      __syncthreads();
+    }
+    const int64_t jc = j0 + 4 * tj;  // this thread's first column
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int64_t i = i0 + 4 * ti + r;
+      if (i >= C) break;
+      const float beta_i = io.beta[u * C + i];
+      const float* A = p1.A + (u * C + i) * C;
+      float da[4], dq[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int64_t j = jc + c;
+        da[c] = j < i ? -beta_i * a[r][c] : 0.f;
+        dq[c] = j <= i ? q[r][c] : 0.f;
+        if (j < i) part[r] -= A[j] * a[r][c];
+      }
+      float* dA_row = io.dA + (u * C + i) * C;
+      float* dQK_row = io.dQK + (u * C + i) * C;
+      if (C % 4 == 0 && jc + 3 < C) {  // 16-byte aligned: C and jc are multiples of 4
+        *reinterpret_cast<float4*>(dA_row + jc) = make_float4(da[0], da[1], da[2], da[3]);
+        *reinterpret_cast<float4*>(dQK_row + jc) = make_float4(dq[0], dq[1], dq[2], dq[3]);
+      } else {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          if (jc + c >= C) break;
+          dA_row[jc + c] = da[c];
+          dQK_row[jc + c] = dq[c];
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {  // the tiles past the diagonal: every cell masked
+    const int64_t i = i0 + 4 * ti + r;
+    if (i >= C) break;
+    for (int64_t j = i0 + kDotsTile + tj; j < C; j += kDotsSide) {
+      io.dA[(u * C + i) * C + j] = 0.f;
+      io.dQK[(u * C + i) * C + j] = 0.f;
+    }
+    red[4 * ti + r][tj] = part[r];
+  }
+  __syncthreads();
+  if (t < kDotsTile && i0 + t < C) {
+    float x = red[t][0];
+    for (int k = 1; k < kDotsSide; ++k) x += red[t][k];
+    io.dbeta[u * C + i0 + t] = x;
+  }
+}
+
+// Phase A's dots of a long group, each one warp_dot: dcpe = <dS1, S0> at the group's first entry e0, and per entry e
+
+}  // namespace
+}  // namespace sdm
+
+#endif  // JAX_SDM_KERNELS_CHUNK_STEPS_BACKWARD_DENSE_CUH_

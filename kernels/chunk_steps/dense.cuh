@@ -1,0 +1,200 @@
+// The triangular products of the dense kernels (docs/MATH.md "Chunked form": apply the inverse, Delta = M^{-1} u
+// and Y = Q0 + QK Delta; "Backward of a chunk": the readings' and the inverse's adjoints, M^{-T} and QK^T): one
+// block per stream (or unit) and kSlice-column slice, the unit's C x C matrices staged in shared memory where they
+// fit. Every output is one sum over k ascending whatever the tiling, so the tiling does not change the results.
+#ifndef JAX_SDM_KERNELS_CHUNK_STEPS_DENSE_CUH_
+#define JAX_SDM_KERNELS_CHUNK_STEPS_DENSE_CUH_
+
+#include <algorithm>
+
+#include "kernels/chunk_steps/device.cuh"
+
+namespace sdm {
+namespace {
+
+constexpr int kSlice = 32;              // columns per block of the dense kernels
+constexpr int kDenseThreadsMax = 1024;  // threads per block of the dense kernels: one per tile
+
+constexpr int kQuads = kSlice / 4;  // 4-column quads per row of a slice
+
+// Rows of the dense kernels' shared-memory slices: C rounded up to whole 4-row tiles.
+__host__ __device__ inline int tile_rows(int64_t C) { return static_cast<int>((C + 3) / 4 * 4); }
+
+// A dense kernel reads the unit's C x C matrices from shared memory when they fit next to its slices ("staged"),
+// else from global memory through L1. Staged, a block issues every load it needs at its start as asynchronous
+// copies and waits once, instead of waiting on serial rounds of global loads (the slice, then each matrix, then the
+// epilogue's rows) with one block of a few warps per SM to hide them. The in-loop kernels are staged up to
+// C = kStagedLoopMaxC where the device allows a block the shared memory (the forward's: 67 KB at C = 64, 199 KB at
+// C = 128, within the 227 KB of sm_90); the dy part (all chunks in one launch, throughput-bound with several
+// blocks per SM) up to kStagedDyMaxC. Host-side (dense_staged in launch.cuh).
+constexpr int kStagedLoopMaxC = 128, kStagedDyMaxC = 64;
+
+// Row stride of a staged matrix: 16-byte rows, and 4 floats of padding that spread a tile's rows over the banks.
+__host__ __device__ inline int matrix_stride(int64_t C) { return tile_rows(C) + 4; }
+
+// Loads of the products: plain loads (shared memory, staged) or the read-only path (global memory).
+template <bool kShared>
+__device__ __forceinline__ float load_m(const float* p) {
+  if constexpr (kShared) return *p;
+  else return __ldg(p);
+}
+template <bool kShared>
+__device__ __forceinline__ float4 load_m4(const float* p) {
+  if constexpr (kShared) return *reinterpret_cast<const float4*>(p);
+  else return __ldg(reinterpret_cast<const float4*>(p));
+}
+
+
+// Stage the unit's C x C matrix M into Ms [tile_rows(C), matrix_stride(C)] (zeros past C), asynchronously.
+__device__ __forceinline__ void stage_matrix_async(const float* M, int C, float* Ms) {
+  const int ms = matrix_stride(C), quads = ms / 4;
+  for (int idx = threadIdx.x; idx < tile_rows(C) * quads; idx += blockDim.x) {
+    const int r = idx / quads, c0 = 4 * (idx % quads);
+    copy_quad_async(Ms + r * ms + c0, M + r * C + c0, r < C ? C - c0 : 0, C % 4 == 0);
+  }
+}
+
+// Stage columns [d0, d0 + kSlice) of C rows of D floats into out [tile_rows(C), kSlice] (zeros past C and D),
+// asynchronously.
+__device__ __forceinline__ void stage_slice_async(const float* rows, int C, int64_t D, int64_t d0, float* out) {
+  for (int idx = threadIdx.x; idx < tile_rows(C) * kQuads; idx += blockDim.x) {
+    const int t = idx / kQuads;
+    const int64_t d = d0 + 4 * (idx % kQuads);
+    const int n = t < C && d < D ? static_cast<int>(D - d < 4 ? D - d : 4) : 0;
+    copy_quad_async(out + 4 * idx, rows + t * D + d, n, D % 4 == 0);
+  }
+}
+
+
+
+// The dense kernels' operands that are not staged in shared memory (the unit's C x C matrices, float32 rows of the
+// slice read after the first product) are asked into L1 when a block starts: their first touch would otherwise be
+// a serial chain of cache misses inside the products, and with one block of a few warps per SM nothing hides it.
+__device__ __forceinline__ void prefetch_l1(const float* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+
+__device__ __forceinline__ void prefetch_matrix(const float* M, int C) {
+  for (int i = threadIdx.x * 32; i < C * C; i += blockDim.x * 32) prefetch_l1(M + i);  // 128-byte lines
+}
+
+// Columns [d0, d0 + kSlice) of C rows of D floats (a line at each end of a row's columns).
+__device__ __forceinline__ void prefetch_slice(const float* rows, int C, int64_t D, int64_t d0) {
+  const int64_t last = min(d0 + kSlice, D) - 1;
+  for (int t = threadIdx.x; t < C; t += blockDim.x) {
+    prefetch_l1(rows + t * D + d0);
+    prefetch_l1(rows + t * D + last);
+  }
+}
+
+// Stage a [tile_rows(C), kSlice] slice in shared memory: row t < C, quad q is quad(t, q), rows past C are zero.
+template <typename Quad>
+__device__ __forceinline__ void stage_quads(int C, float* out, Quad quad) {
+  const int n = tile_rows(C) * kQuads;
+#pragma unroll 4
+  for (int idx = threadIdx.x; idx < n; idx += blockDim.x) {
+    const int t = idx / kQuads;
+    reinterpret_cast<float4*>(out)[idx] = t < C ? quad(t, idx % kQuads) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+// Rows per tile of the dense kernels' products. The in-loop kernels (forward, backward), staged: a tile is one row
+// and 4 columns, a thread per tile (512 at C = 64): one block per SM, and with 4 x 4 tiles its 4 warps (one per
+// scheduler) issued about every 4 cycles. Otherwise 4 x 4 tiles: one 16-byte load of M feeds 16 multiply-adds,
+// which suits the dy part (one launch with many blocks per SM, throughput-bound) and the global-memory path.
+template <bool kStaged, bool kInLoop>
+constexpr int kTileRows = kStaged && kInLoop ? 1 : 4;
+
+// Threads per block of a dense kernel (in the loop or the dy part; staged or not): one per tile of a slice, whole
+// warps, at most kDenseThreadsMax (more tiles take turns).
+inline int dense_threads(int64_t C, bool in_loop, bool staged) {
+  const int rows = staged ? (in_loop ? kTileRows<true, true> : kTileRows<true, false>)
+                          : (in_loop ? kTileRows<false, true> : kTileRows<false, false>);
+  return std::min(kDenseThreadsMax, (tile_rows(C) / rows * kQuads + 31) / 32 * 32);
+}
+
+// body(r0, q) for every tile (rows r0 .. r0 + kRows - 1, quad q) of a slice, one tile per thread and turn.
+template <int kRows, typename Body>
+__device__ __forceinline__ void for_tiles(int C, Body body) {
+  const int n = tile_rows(C) / kRows * kQuads;
+  for (int idx = threadIdx.x; idx < n; idx += blockDim.x) body(kRows * (idx / kQuads), idx % kQuads);
+}
+
+// The triangular products of the dense kernels on a [tile_rows(C), kSlice] shared-memory slice `cols`, for the
+// tile of rows r = r0 + j (j < kRows, 1 or 4) and columns [4q, 4q + 4), with M's rows `ms` floats
+// apart (in shared memory when kStaged, zeros past C; else in global memory, ms = C):
+//   lower:      x[j] = sum_{k = 0..r} M[r, k] cols[k]       (k ascending)
+//   transposed: x[j] = sum_{k = r..C-1} M[k, r] cols[k]     (k ascending)
+// Each column's sum runs in the order of a one-column loop, whatever the tile's shape. The main loop issues 4 steps
+// of loads before using the first. Rows past C (the last tile when C % 4 != 0) read M's row C - 1; their sums are
+// not used.
+template <bool kTransposed, bool kStaged, int kRows>
+__device__ __forceinline__ void tri_tile(const float* __restrict__ M, int ms, const float* cols, int r0, int q, int C,
+                                         float4 (&x)[kRows]) {
+  const bool vec = kStaged || C % 4 == 0;  // rows of M 16-byte aligned, and (global) no tile row past C
+  int r[kRows];
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    r[j] = min(r0 + j, C - 1);
+    x[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const float4* c4 = reinterpret_cast<const float4*>(cols) + q;
+  auto m = [&](int j, int k) { return load_m<kStaged>(kTransposed ? M + k * ms + r[j] : M + r[j] * ms + k); };
+  // Steps k that only some rows of the tile take: transposed k < r0 + kRows - 1 (before), lower k > r0 (after).
+  if constexpr (kTransposed) {
+    for (int k = r0; k < min(r0 + kRows - 1, C); ++k) {
+      const float4 c = c4[k * kQuads];
+#pragma unroll
+      for (int j = 0; j < kRows; ++j)
+        if (k >= r0 + j) fma_quad(x[j], m(j, k), c);
+    }
+  }
+  int k = kTransposed ? r0 + kRows - 1 : 0;
+  const int hi = kTransposed ? C : r0 + 1;
+  for (; k + 4 <= hi; k += 4) {
+    float4 c[4];
+    float mk[4][kRows];  // [step][row]
+#pragma unroll
+    for (int s = 0; s < 4; ++s) c[s] = c4[(k + s) * kQuads];
+    if (vec && kTransposed && kRows == 4) {
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const float4 t = load_m4<kStaged>(M + (k + s) * ms + r0);
+        const float tv[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+        for (int j = 0; j < kRows; ++j) mk[s][j] = tv[j];
+      }
+    } else if (vec && !kTransposed) {
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        const float4 t = load_m4<kStaged>(M + r[j] * ms + k);
+        mk[0][j] = t.x, mk[1][j] = t.y, mk[2][j] = t.z, mk[3][j] = t.w;
+      }
+    } else {
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+#pragma unroll
+        for (int j = 0; j < kRows; ++j) mk[s][j] = m(j, k + s);
+    }
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) fma_quad(x[j], mk[s][j], c[s]);
+  }
+  for (; k < hi; ++k) {
+    const float4 c = c4[k * kQuads];
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) fma_quad(x[j], m(j, k), c);
+  }
+  if constexpr (!kTransposed) {
+    for (int k = r0 + 1; k < min(r0 + kRows, C); ++k) {
+      const float4 c = c4[k * kQuads];
+#pragma unroll
+      for (int j = 0; j < kRows; ++j)
+        if (k <= r0 + j) fma_quad(x[j], m(j, k), c);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace sdm
+
+#endif  // JAX_SDM_KERNELS_CHUNK_STEPS_DENSE_CUH_

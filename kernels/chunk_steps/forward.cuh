@@ -1,0 +1,210 @@
+// The kernels of the forward chunk step (docs/MATH.md "The forward chunk step"), one launch each per
+// chunk: the gathers G and Q0 (fwd_gather_kernel), applying the inverse (fwd_apply_inverse_kernel: u, Delta, Y),
+// and the write with its snapshot (fwd_write_kernel; with packed sequences packed.cuh's).
+#ifndef JAX_SDM_KERNELS_CHUNK_STEPS_FORWARD_CUH_
+#define JAX_SDM_KERNELS_CHUNK_STEPS_FORWARD_CUH_
+
+#include "kernels/chunk_steps/dense.cuh"
+#include "kernels/chunk_steps/device.cuh"
+#include "kernels/chunk_steps/fresh.cuh"
+#include "kernels/chunk_steps/groups.cuh"
+#include "kernels/chunk_steps/rows.cuh"
+#include "kernels/chunk_steps/snapshot.cuh"
+
+namespace sdm {
+namespace {
+
+// One block per (stream, token, side): side 0 gathers the write lanes' G row, side 1 the read lanes' Q0 row (two
+// blocks rather than one doing both in turn: twice the rows in flight per chunk). Seg is NoSegments; SegView<T>
+// with packed sequences (each lane's row from the working or the initial bank); or FreshView<T> for a fresh
+// output bank (each lane's row from the result or the input bank, by its tag).
+template <int VEC, typename T, typename Seg>
+__global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM)
+    fwd_gather_kernel(StepDims dm, StepPhase1 p1, const T* __restrict__ bank, int64_t c, ChunkRows rows, Seg sg) {
+  chain_start();
+  extern __shared__ float partial[];
+  const int64_t s = blockIdx.x, t = blockIdx.y;
+  const int64_t u = unit_of(dm, s, c);
+  const T* S = bank + s * dm.K * dm.D;
+  const auto side = [&](auto row_of, const int32_t* w_ids, const int32_t* r_ids) {
+    if (blockIdx.z == 0) {
+      gather_row<VEC, T>(row_of, w_ids + (u * dm.C + t) * dm.W, p1.k_eff + (u * dm.C + t) * dm.W, dm.W, dm.D,
+                         rows.G + rows.at(dm, u, s) + t * dm.D, partial);
+    } else {
+      gather_row<VEC, T>(row_of, r_ids + (u * dm.C + t) * dm.R, p1.q_w + (u * dm.C + t) * dm.R, dm.R, dm.D,
+                         rows.Q0 + s * dm.C * dm.D + t * dm.D, partial);
+    }
+  };
+  if constexpr (std::is_same_v<Seg, SegView<T>>) {
+    side(SegmentRows<T>{S, sg.initial + s * dm.K * dm.D, sg.stamp + s * dm.K, sg.seg0[u],
+                        sg.local[u * dm.C + t] == 0, dm.K, dm.D}, p1.k_idx, p1.q_idx);
+  } else if constexpr (std::is_same_v<Seg, FreshView<T>>) {
+    side(FreshRows<T>{S, sg.input + s * dm.K * dm.D, dm.D}, sg.w_tag, sg.r_tag);
+  } else {
+    side(BankRows<T>{S, dm.K, dm.D}, p1.k_idx, p1.q_idx);
+  }
+}
+
+// Apply the inverse: u = beta (v - G), delta = Minv u, y = Q0 + QK delta. One block per (stream, kSlice-column
+// slice), one thread per tile (kTileRows rows, 4 columns) and turn. Shared memory: u and delta slices; staged, also
+// the G and Q0 slices and Minv, QK.
+template <bool kStaged>
+__global__ void fwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64_t c, ChunkRows rows) {
+  constexpr int kRows = kTileRows<kStaged, true>;
+  extern __shared__ __align__(16) float sh[];
+  const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
+  const int64_t D = dm.D;
+  const int64_t s = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
+  const int64_t u = unit_of(dm, s, c);
+  float* su = sh;
+  float* sdelta = su + slice;
+  float* sG = sdelta + slice;
+  float* sq0 = sG + slice;
+  float* smi = sq0 + slice;
+  float* sqk = smi + tile_rows(C) * ms;
+  float* G = rows.G + rows.at(dm, u, s);  // the gathers; saving, v - G replaces them (the vg residual)
+  const float* v = io.v + u * C * D;
+  const float* beta = io.beta + u * C;
+  const float* minv = p1.minv + u * C * C;
+  const float* QK = p1.QK + u * C * C;
+  const float* Q0 = rows.Q0 + s * C * D;
+  if constexpr (kStaged) {
+    // Minv, QK and v were final before the chunk loop began: their copies are issued before chain_start waits for
+    // the gather (see chain_start), so they overlap its end; G and Q0 after.
+    stage_matrix_async(minv, C, smi);
+    stage_matrix_async(QK, C, sqk);
+    stage_slice_async(v, C, D, d0, su);
+    chain_start();
+    stage_slice_async(G, C, D, d0, sG);
+    stage_slice_async(Q0, C, D, d0, sq0);
+    staged_wait();
+    for (int idx = threadIdx.x; idx < slice / 4; idx += blockDim.x) {  // u = beta (v - G), in place of v
+      const int t = idx / kQuads;
+      const float b = t < C ? beta[t] : 0.f;
+      float4& x = reinterpret_cast<float4*>(su)[idx];
+      const float4 g = reinterpret_cast<const float4*>(sG)[idx];
+      const float4 vg = make_float4(x.x - g.x, x.y - g.y, x.z - g.z, x.w - g.w);
+      if (rows.per_unit && t < C) store_quad(G + t * D, d0 + 4 * (idx % kQuads), D, vg);
+      x = make_float4(b * vg.x, b * vg.y, b * vg.z, b * vg.w);
+    }
+  } else {
+    chain_start();
+    prefetch_matrix(minv, C);
+    prefetch_matrix(QK, C);
+    prefetch_slice(Q0, C, D, d0);
+    stage_quads(C, su, [&](int t, int q) {  // u = beta (v - G)
+      const float b = beta[t];
+      const float4 x = load_quad(v + t * D, d0 + 4 * q, D), g = load_quad(G + t * D, d0 + 4 * q, D);
+      const float4 vg = make_float4(x.x - g.x, x.y - g.y, x.z - g.z, x.w - g.w);
+      if (rows.per_unit) store_quad(G + t * D, d0 + 4 * q, D, vg);
+      return make_float4(b * vg.x, b * vg.y, b * vg.z, b * vg.w);
+    });
+  }
+  __syncthreads();
+  float* delta = rows.delta + rows.at(dm, u, s);
+  for_tiles<kRows>(C, [&](int r0, int q) {  // delta = Minv u
+    float4 x[kRows];
+    tri_tile<false, kStaged, kRows>(kStaged ? smi : minv, ms, su, r0, q, C, x);
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      if (r0 + j >= C) break;
+      reinterpret_cast<float4*>(sdelta + (r0 + j) * kSlice)[q] = x[j];
+      store_quad(delta + (r0 + j) * D, d0 + 4 * q, D, x[j]);
+    }
+  });
+  __syncthreads();
+  for_tiles<kRows>(C, [&](int r0, int q) {  // y = Q0 + QK delta
+    float4 x[kRows];
+    tri_tile<false, kStaged, kRows>(kStaged ? sqk : QK, ms, sdelta, r0, q, C, x);
+    const int64_t d = d0 + 4 * q;
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      if (r0 + j >= C) break;
+      const float4 q0 = kStaged ? reinterpret_cast<const float4*>(sq0 + (r0 + j) * kSlice)[q]
+                                : load_quad(Q0 + (r0 + j) * D, d, D);
+      store_quad(io.y + (u * C + r0 + j) * D, d, D,
+                 make_float4(x[j].x + q0.x, x[j].y + q0.y, x[j].z + q0.z, x[j].w + q0.w));
+    }
+  });
+}
+
+// the first entry's delta the block's token's (pre).
+template <int VEC, int S, typename T>
+__device__ __forceinline__ void write_batch(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, T* bank,
+                                            const float* delta, const float* pre, const Group& gr, int64_t d0,
+                                            const Cols<VEC, T> (&x)[S]) {
+  const int64_t C = dm.C, W = dm.W, D = dm.D, u = gr.u;
+  constexpr int64_t kStep = 32 * VEC;
+  T* row = bank + (gr.s * dm.K + gr.slot) * D;
+  T* snap = snapshot_row<T>(io.snapshot, dm, u, gr.g);
+  const float* w = p1.w + u * C * W;
+  const float cpe = p1.cpe[u * C * W + gr.first], w0 = w[gr.first];
+#pragma unroll
+  for (int k = 0; k < S; ++k) {
+    const int64_t d = d0 + k * kStep;
+    if (d >= D) break;
+    if (snap) snapshot_store<VEC>(snap, d, x[k]);
+    float dl[VEC], acc[VEC];
+    load_cols<VEC>(pre + d, dl);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] = __fmaf_rn(w0, dl[i], cpe * x[k][i]);
+    group_add<VEC>(p1.w_order + u * C * W, gr.lo + 1, gr.hi, w, delta + d, W, D, acc);
+    store_cols<VEC>(row + d, acc);
+  }
+}
+
+// `input` is the input bank of a fresh output bank (the rows of groups from_input are read there), else `bank`.
+template <int VEC, typename T>
+__global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
+    fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, const T* input, T* __restrict__ bank, int64_t c,
+                     ChunkRows rows, GroupTables tables) {
+  extern __shared__ __align__(16) float staged[];
+  const int64_t D = dm.D, s = blockIdx.x, u = unit_of(dm, s, c);
+  constexpr int S = segs_for(kWriteLaneBytes, VEC * static_cast<int>(sizeof(T)));
+  const auto row_of = [&](const Group& gr) { return (gr.from_input ? input : bank) + (s * dm.K + gr.slot) * D; };
+  const float* delta = rows.delta + rows.at(dm, u, s);
+  const float* const vecs[1] = {delta};
+  const float* pre[1];
+  // The group table and the rows this kernel reads were final before the kernel it follows (applying the
+  // inverse) started, which waited for the gather, which waited for the previous chunk's write: the table rows and
+  // the first group's row are loaded before chain_start waits for its predecessor, so those loads overlap its end;
+  // delta after.
+  OwnedGroups owned(dm, s, u, tables.w, dm.W);
+  const int64_t d0 = static_cast<int64_t>(owned.gr.lane) * VEC;
+  if (D > S * 32 * VEC) {  // rows of several batches: one group at a time
+    chain_start();
+    stage_token(D, vecs, staged, pre);
+    while (owned.next()) {
+      const T* row = row_of(owned.gr);
+      for (int64_t d = d0; d < D; d += S * 32 * VEC) {
+        Cols<VEC, T> x[S];
+        load_batch(row, d, D, x);
+        write_batch<VEC>(dm, p1, io, bank, delta, pre[0], owned.gr, d, x);
+      }
+    }
+    return;
+  }
+  // Rows of one batch: the next group's row is loaded before this one's is written (two rows in flight per warp).
+  const bool any = owned.next();
+  Group cur = owned.gr;
+  Cols<VEC, T> x[S];
+  if (any) load_batch(row_of(cur), d0, D, x);
+  chain_start();
+  stage_token(D, vecs, staged, pre);
+  if (!any) return;
+  for (;;) {
+    const bool more = owned.next();
+    Cols<VEC, T> y[S];
+    if (more) load_batch(row_of(owned.gr), d0, D, y);
+    write_batch<VEC>(dm, p1, io, bank, delta, pre[0], cur, d0, x);
+    if (!more) break;
+    cur = owned.gr;
+#pragma unroll
+    for (int k = 0; k < S; ++k) x[k] = y[k];
+  }
+}
+
+}  // namespace
+}  // namespace sdm
+
+#endif  // JAX_SDM_KERNELS_CHUNK_STEPS_FORWARD_CUH_

@@ -1,3 +1,0 @@
-// The CUDA bfloat16 header, for the host emulation (scripts/cuda_emu): __nv_bfloat16 is in cuda_emu.h.
-#pragma once
-#include "cuda_emu.h"
