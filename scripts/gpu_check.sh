@@ -2,7 +2,7 @@
 # The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
 #
 #   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,memory,profile,
-#                                          timeline,sanitize,rowbw,layer (default: build,tests,determinism,bench)
+#                                          timeline,sanitize,rowbw,layer,topk (default: build,tests,determinism,bench)
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
 # metadata, so the commit the logs name is taken from SDM_COMMIT when set.
@@ -119,6 +119,13 @@ if has layer; then
   timeout 400 python3 "$REPO/benchmarks/bench_layer.py" --trace ${LAYER_ARGS:-} > "$OUT/bench_layer.log" 2>&1
   summary "bench_layer rc=$?"
   grep -E "^\|" "$OUT/bench_layer.log" | tee -a "$OUT/summary.txt"
+fi
+pack
+if has topk; then
+  # The product-key top-k's kernels against the pure-JAX path at the layer's shapes (benchmarks/bench_topk.py).
+  timeout 200 python3 "$REPO/benchmarks/bench_topk.py" --device-time > "$OUT/bench_topk.log" 2>&1
+  summary "bench_topk rc=$?"
+  grep -E "^\|" "$OUT/bench_topk.log" | tee -a "$OUT/summary.txt"
 fi
 pack
 if has sanitize; then
