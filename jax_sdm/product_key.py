@@ -102,7 +102,7 @@ def _forward_xla(x, factors, k):
         idx = _order(s)[..., :min(k, n)]
         tops.append((jnp.take_along_axis(s, idx, axis=-1), idx))
     if len(factors) == 1:
-        return tops[0]
+        return _canonical_nan(tops[0][0]), tops[0][1]
     table = candidate_ranks(factors, k)
     sums = None  # in factor order, as the kernels add them
     for f, (s, _) in enumerate(tops):
@@ -113,7 +113,13 @@ def _forward_xla(x, factors, k):
     for f, (_, idx) in enumerate(tops):
         i = jnp.take_along_axis(idx, jnp.asarray(table[f])[pos], axis=-1)
         ids = i if ids is None else ids * factors[f] + i
-    return jnp.take_along_axis(sums, pos, axis=-1), ids
+    return _canonical_nan(jnp.take_along_axis(sums, pos, axis=-1)), ids
+
+
+def _canonical_nan(scores):
+    """Every NaN score as the one quiet NaN (bits 0x7fc00000), as the kernels write it: a GPU add that meets a NaN
+    makes another NaN than a CPU add does."""
+    return jnp.where(jnp.isnan(scores), jnp.float32(np.nan), scores)
 
 
 def _table(factors, k):

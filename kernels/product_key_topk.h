@@ -98,6 +98,16 @@ SDM_HOST_DEVICE inline uint32_t order_key(float s) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// A score as the kernels write it: a NaN as the one quiet NaN 0x7fc00000, whatever its payload (a CUDA add that
+// meets a NaN returns 0x7fffffff, an x86 add the operand's NaN), so that both kernels give the same bits.
+SDM_HOST_DEVICE inline float canonical_score(float s) {
+  uint32_t u;
+  std::memcpy(&u, &s, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) u = 0x7fc00000u;
+  std::memcpy(&s, &u, 4);
+  return s;
+}
+
 // (key, position) as one integer whose descending order is: larger key first, then smaller position. 0 is below
 // every element (a real element's low word is 0xffffffff - position > 0): the padding of a sort.
 SDM_HOST_DEVICE inline uint64_t composite(uint32_t key, uint32_t pos) {

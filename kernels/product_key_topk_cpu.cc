@@ -63,7 +63,7 @@ void product_key_topk_cpu(const ProductKeyDims& d, const T* x, const int32_t* ta
       int32_t* ir = ids + row * d.k;
       if (d.F == 1) {
         for (int32_t r = 0; r < d.k; ++r) {
-          sr[r] = tops[r].score;
+          sr[r] = canonical_score(tops[r].score);
           ir[r] = tops[r].index;
         }
         continue;
@@ -83,7 +83,7 @@ void product_key_topk_cpu(const ProductKeyDims& d, const T* x, const int32_t* ta
       };
       for (int32_t c = 0; c < d.C; ++c) comp[c] = composite(order_key(candidate(c, nullptr)), c);
       top_sorted(comp, d.C, d.k);
-      for (int32_t r = 0; r < d.k; ++r) sr[r] = candidate(composite_pos(comp[r]), &ir[r]);
+      for (int32_t r = 0; r < d.k; ++r) sr[r] = canonical_score(candidate(composite_pos(comp[r]), &ir[r]));
     }
   });
 }

@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int32_t* ir = ids + row * d.k;
   if (d.F == 1) {
     for (int r = lane; r < d.k; r += 32) {
-      sr[r] = tops[r].score;
+      sr[r] = canonical_score(tops[r].score);
       ir[r] = tops[r].index;
     }
     return;
@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   warp_top_of([&candidate](int c) { return order_key(candidate(c).score); }, d.C, d.k, d.p_k, buf, lane);
   for (int r = lane; r < d.k; r += 32) {
     const Top slot = candidate(static_cast<int>(composite_pos(buf[r])));
-    sr[r] = slot.score;
+    sr[r] = canonical_score(slot.score);
     ir[r] = slot.index;
   }
 }

@@ -223,7 +223,8 @@ def product_key_brute_force(x, factors, k):
 
 
 def product_key_slot_scores(x, factors, ids):
-    """Differentiable: the scores of slots `ids` from the full grid of sums (broadcast in factor order)."""
+    """Differentiable: the scores of slots `ids` from the full grid of sums (broadcast in factor order), a NaN as
+    the one quiet NaN that `product_key_topk` writes (a GPU add makes other NaN bits than a CPU add)."""
     import jax.numpy as jnp
 
     x = x.astype(jnp.float32)
@@ -234,7 +235,8 @@ def product_key_slot_scores(x, factors, ids):
         s = s.reshape(s.shape[:-1] + (1,) * f + (factors[f],))
         grid = s if grid is None else grid[..., None] + s
     grid = grid.reshape(x.shape[:-1] + (-1,))
-    return jnp.take_along_axis(grid, jnp.asarray(ids), axis=-1)
+    picked = jnp.take_along_axis(grid, jnp.asarray(ids), axis=-1)
+    return jnp.where(jnp.isnan(picked), jnp.float32(np.nan), picked)
 
 
 def product_key_scores(seed, lead, factors, kind="normal", dtype=None):

@@ -193,3 +193,21 @@ def test_bad_input():
         product_key_topk(jnp.zeros((1, 33)), (1,) * 33, 1, impl="ffi")
     # The xla impl takes them.
     np.testing.assert_array_equal(product_key_topk(jnp.zeros((1, 33)), (1,) * 33, 1, impl="xla")[1], [[0]])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("factors", [(6,), (2, 3), (2, 1, 3)])
+def test_every_nan_score_is_the_one_quiet_nan(factors, impl):
+    # NaNs of other payloads and signs in, the one quiet NaN 0x7fc00000 out, whichever add made it (the kernels and
+    # the pure-JAX path on any platform give the same bits).
+    width, k = sum(factors), int(np.prod(factors))
+    rng = np.random.default_rng(fresh_seed())
+    bits = rng.standard_normal(width).astype(np.float32).view(np.uint32)
+    nan_at = [rng.integers(factors[0] - 1), width - 1 - rng.integers(factors[-1] - 1)]  # first, last factor
+    bits[nan_at] = [0x7fc00123, 0xffc00000]
+    scores, ids = product_key_topk(jnp.asarray(bits.view(np.float32)), factors, k, impl=impl)
+    got = np.asarray(scores).view(np.uint32)
+    nan = np.isnan(np.asarray(scores))
+    assert nan.any() and (~nan).any()
+    assert np.all(got[nan] == 0x7fc00000), [hex(v) for v in got[nan]]
+    assert not np.any(nan[:-1] & ~nan[1:])  # NaN ranks last
