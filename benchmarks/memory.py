@@ -22,7 +22,7 @@ def abstract_inputs(shape):
     S = jax.ShapeDtypeStruct
     args = [S((B, H, K, D), dt), S((B, T, H, W), jnp.int32), S((B, T, H, W), dt), S((B, T, H, D), dt),
             S((B, T, H), jnp.float32), S((B, T, H), jnp.float32), S((B, T, H, R), jnp.int32), S((B, T, H, R), dt)]
-    return args, jnp.zeros(args[3].shape, dt), jnp.zeros(args[0].shape, dt)
+    return args, S(args[3].shape, dt), S(args[0].shape, dt)  # the cotangents: arguments of the grad (bench.py)
 
 
 def main(argv=None):
