@@ -45,6 +45,7 @@ def test_bench_layer_decode_prints_times(capsys):
     assert min(layer_us, op_us) > 0 and ratio == pytest.approx(layer_us / op_us, abs=0.006 + 0.01 * ratio)
 
 
+@pytest.mark.slow  # the token loop's gradient compiles for a while; the benchmark scripts' harness only
 def test_bench_grad_takes_the_cotangents_as_arguments():
     # Captured as constants, a bank-sized cotangent is folded at compile time (minutes at the paper shape) and held
     # twice on the device; as arguments it is neither. The gradient is still that of the loss on the cotangents.

@@ -110,7 +110,9 @@ def test_gradients_match_vjp_of_brute_force(case, dtype, impl):
     ref_scores, ref_vjp = jax.vjp(lambda a: slot_scores(a, factors, ids), x)
     (ref,) = ref_vjp(ct)
     assert dx.dtype == x.dtype and dx.shape == x.shape
-    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-6
+    # float32: an entry sums the cotangents of up to prod(factors) / n_f selected slots, in another order than the
+    # brute force's transpose (35 terms of magnitude ~1 at (3, 5, 7): a few ulps of the sum)
+    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
     np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(ref, np.float32), rtol=tol, atol=tol,
                                err_msg=f"seed {seed}")
     assert np.count_nonzero(np.asarray(dx, np.float32)) > 0
