@@ -59,6 +59,12 @@ ffi::Error CheckShape(const char* op, const char* name, const B& buf, int64_t le
                                      std::to_string(lead));
 }
 
+// `a` has the bank's dtype.
+inline ffi::Error CheckValueType(const char* op, const char* name, const ffi::AnyBuffer& a, ffi::DataType type) {
+  if (a.element_type() == type) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(op) + ": " + name + " must have the bank's dtype");
+}
+
 // Runs a CPU kernel; a C++ exception (the std::bad_alloc of its scratch) becomes an Internal error of `op`.
 template <typename Kernel>
 ffi::Error RunCatching(const char* op, Kernel&& kernel) {

@@ -43,12 +43,6 @@ struct DecodeCall {
   }
 };
 
-// `a` has the bank's dtype.
-inline ffi::Error CheckValueType(const char* op, const char* name, const ffi::AnyBuffer& a, ffi::DataType type) {
-  if (a.element_type() == type) return ffi::Error::Success();
-  return ffi::Error::InvalidArgument(std::string(op) + ": " + name + " must have the bank's dtype");
-}
-
 // Shapes: bank [S..., K, D], k_idx / k_val [S..., W], x [S...] or [S..., W], v [S..., D], beta [S...],
 // q_idx / q_val [S..., R]; results bank [S..., K, D] and y [S..., D] in the bank's dtype. S... is any batch shape
 // (the streams, and a leading axis per vmap).

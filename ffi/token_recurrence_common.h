@@ -5,12 +5,15 @@
 
 #include "ffi/common.h"
 
-// bank [V..., P, K, D]; k_idx, k_val, x [V..., NC, P, C, W]; v [.., D]; beta [V..., NC, P, C]; q_idx, q_val
-// [.., R]; results: the final bank like the input, y [.., D] float32 and repeats [V..., NC, P] int32.
+// The public layout: bank [V..., B, H, K, D]; k_idx, k_val [V..., B, T, H, W]; x like k_idx (per write) or
+// [V..., B, T, H] (per token); v [.., D]; beta [V..., B, T, H]; q_idx, q_val [.., R]; the values (k_val, v, q_val)
+// in the bank's dtype. Results: the final bank like the input, y [V..., B, T, H, D] in the bank's dtype and repeats
+// [V..., B, H] int32.
 #define SDM_TOKEN_RECURRENCE_BUFFERS(X, SEP)                                                                    \
-  X(Arg, ::sdm_ffi::AnyBuffer, bank) SEP() X(Arg, ::sdm_ffi::S32, k_idx) SEP() X(Arg, ::sdm_ffi::F32, k_val)    \
-  SEP() X(Arg, ::sdm_ffi::F32, x) SEP() X(Arg, ::sdm_ffi::F32, v) SEP() X(Arg, ::sdm_ffi::F32, beta) SEP()      \
-  X(Arg, ::sdm_ffi::S32, q_idx) SEP() X(Arg, ::sdm_ffi::F32, q_val) SEP()                                       \
-  X(Ret, ::sdm_ffi::AnyBuffer, bank_out) SEP() X(Ret, ::sdm_ffi::F32, y) SEP() X(Ret, ::sdm_ffi::S32, repeats)
+  X(Arg, ::sdm_ffi::AnyBuffer, bank) SEP() X(Arg, ::sdm_ffi::S32, k_idx) SEP()                                  \
+  X(Arg, ::sdm_ffi::AnyBuffer, k_val) SEP() X(Arg, ::sdm_ffi::F32, x) SEP() X(Arg, ::sdm_ffi::AnyBuffer, v)     \
+  SEP() X(Arg, ::sdm_ffi::F32, beta) SEP() X(Arg, ::sdm_ffi::S32, q_idx) SEP()                                  \
+  X(Arg, ::sdm_ffi::AnyBuffer, q_val) SEP() X(Ret, ::sdm_ffi::AnyBuffer, bank_out) SEP()                        \
+  X(Ret, ::sdm_ffi::AnyBuffer, y) SEP() X(Ret, ::sdm_ffi::S32, repeats)
 
 #endif  // JAX_SDM_FFI_TOKEN_RECURRENCE_COMMON_H_

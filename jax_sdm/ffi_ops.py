@@ -354,25 +354,28 @@ def decode_step_ffi(bank, k_idx, k_val, x, v, beta, q_idx, q_val):
     return outs["bank_out"], outs["y"]
 
 
-def token_recurrence_ffi(bank, k_idx, k_val, x, v, beta, q_idx, q_val):
-    """The token recurrence in one kernel, the CPU's no-grad forward (docs/DESIGN.md "No-grad forward on the CPU").
+def token_recurrence_ffi(bank, k_idx, k_val, x, v, beta, q_idx, q_val, in_place=False):
+    """The token recurrence in one kernel, the CPU's no-grad forward (docs/DESIGN.md "No-grad forward on the CPU"),
+    on the op's arguments in the public layout as they are: nothing is laid out or widened first.
 
     Args:
-      bank: `[..., P, K, D]` float32 or bfloat16, the initial bank. The final bank is a new buffer (the kernel
-        copies each stream's rows in the thread that runs the stream: in parallel, and into its cache).
-      k_idx, k_val, x: `[..., NC, P, C, W]` write slot ids (cast to int32), weights and per-lane log-gates (cast to
-        float32), in kernel layout; `v` `[..., NC, P, C, D]`, `beta` `[..., NC, P, C]`, `q_idx`, `q_val`
-        `[..., NC, P, C, R]` likewise. Tokens past the end carry ids outside `[0, K)`.
+      bank: `[..., B, H, K, D]` float32 or bfloat16, the initial bank. The final bank is a new buffer (the kernel
+        copies each stream's rows in the thread that runs the stream: in parallel, and into its cache), or with
+        `in_place` aliases `bank` (updated in place: donate it to avoid a copy).
+      k_idx, k_val: `[..., B, T, H, W]` write slot ids (int32; an id outside `[0, K)` touches no row) and weights
+        (the bank's dtype); x: the log-gates, `[..., B, T, H]` per token or `[..., B, T, H, W]` per write (float32).
+      v: `[..., B, T, H, D]` values, beta: `[..., B, T, H]` write strengths (float32); q_idx, q_val: `[..., B, T, H,
+        R]` read slot ids and weights.
 
     Returns:
-      `(y [..., NC, P, C, D] float32, final_bank, repeats [..., NC, P] int32)` as `forward_ffi` and Phase 1 give
-      them: the readings, the bank after the last token, and per chunk the write lanes that repeat an earlier
-      lane's slot in their token.
+      `(y [..., B, T, H, D] in the bank's dtype, final_bank, repeats [..., B, H] int32)`: the readings, the bank
+      after the last token, and per stream the write lanes that repeat an earlier lane's slot in their token.
     """
-    f32, i32 = jnp.float32, jnp.int32
     outs = _call("sdm_token_recurrence",
-                 dict(bank_out=jax.ShapeDtypeStruct(bank.shape, bank.dtype), y=jax.ShapeDtypeStruct(v.shape, f32),
-                      repeats=jax.ShapeDtypeStruct(k_idx.shape[:-2], i32)),
-                 bank=bank, k_idx=k_idx.astype(i32), k_val=k_val.astype(f32), x=x.astype(f32), v=v.astype(f32),
-                 beta=beta.astype(f32), q_idx=q_idx.astype(i32), q_val=q_val.astype(f32))
+                 dict(bank_out=jax.ShapeDtypeStruct(bank.shape, bank.dtype),
+                      y=jax.ShapeDtypeStruct(v.shape, bank.dtype),
+                      repeats=jax.ShapeDtypeStruct(bank.shape[:-2], jnp.int32)),
+                 aliases=dict(bank="bank_out") if in_place else None, bank=bank, k_idx=k_idx.astype(jnp.int32),
+                 k_val=k_val, x=x.astype(jnp.float32), v=v, beta=beta.astype(jnp.float32),
+                 q_idx=q_idx.astype(jnp.int32), q_val=q_val)
     return outs["y"], outs["bank_out"], outs["repeats"]

@@ -16,7 +16,7 @@ from jax.interpreters import ad
 
 from . import ffi_ops, layout, lowering, segments
 from .layout import Phase1
-from .sharding import BANK, UNITS, explicit_out_sharding, merge, per_stream, split, to_varying, varying_axes
+from .sharding import BANK, TOKENS, UNITS, explicit_out_sharding, merge, per_stream, split, to_varying, varying_axes
 
 
 class Packed(NamedTuple):
@@ -72,16 +72,19 @@ class Grads(NamedTuple):
     q_val: jax.Array
 
 
-# Fields whose arrays are in bank layout (`[P, ...]`, or `[B, H, ...]`); every other array is in unit layout
-# (`[NC, P, ...]`): the B axis `per_stream` and `merge` / `split` need (sharding.BANK, sharding.UNITS).
+# Fields whose arrays are in bank layout (`[P, ...]`, or `[B, H, ...]`) and, outside the kernels, per-token arrays
+# in the public layout (`[B, T, H, ...]`); every other array is in unit layout (`[NC, P, ...]`): the B and H axes
+# `per_stream` and `merge` / `split` need (sharding.BANK, sharding.TOKENS, sharding.UNITS).
 _BANK_FIELDS = frozenset({"bank", "last", "work", "stamp", "final", "dfinal"})
+_TOKEN_FIELDS = frozenset({"k_idx", "k_val", "x", "v", "beta", "q_idx", "q_val", "dy"})
 
 
 def _flatten(tree):
     """`(arrays, axes, treedef)`: the arrays of a tree of named tuples, each one's B axis (by the name of its field,
     `_BANK_FIELDS`) and the tree's structure."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    axes = tuple(BANK if path[-1].name in _BANK_FIELDS else UNITS for path, _ in leaves)
+    axes = tuple(BANK if path[-1].name in _BANK_FIELDS else TOKENS if path[-1].name in _TOKEN_FIELDS else UNITS
+                 for path, _ in leaves)
     return tuple(a for _, a in leaves), axes, treedef
 
 
@@ -95,56 +98,90 @@ def _phase1_slots(k_idx, q_idx, packed, num_slots):
             segments.virtual_slot_count(num_slots, k_idx.shape[-2]))
 
 
-# A forward without residuals runs in slabs of chunks of about this many tokens, carrying the bank from one to the
-# next: its temporaries (Phase 1's records, the solves, the steps' float32 vectors) are a slab's, whatever T is.
+# A forward without residuals runs in slabs of about this many tokens, carrying the bank from one to the next: its
+# temporaries (the slab's arrays in kernel layout, Phase 1's records, the solves, the float32 readings) are a slab's,
+# whatever T is.
 NOGRAD_SLAB_TOKENS = 4096
 
 
-def _forward_in_slabs(inputs, num_slots, slab):
-    """The kernels' forward without residuals (`_sdm_kernels_fwd` with `save=False`, no packed sequences) in slabs
-    of `slab` chunks: `(y [NC, P, C, D] in the bank's dtype, final_bank, repeats [NC, P])`, the same bits as one
-    call over all chunks (every phase works chunk by chunk). The first slab makes a new final bank (the kernels read
-    each row from the input until its first write); the later ones update it in place inside a `lax.scan`, and write
-    their readings into the one output array."""
-    NC = inputs.k_idx.shape[0]
-    tokens = inputs._replace(bank=None, packed=None)  # the per-token arrays [NC, ...]
+def _kernel_inputs(tokens, bank, packed, dims):
+    """`Inputs` in kernel layout from one shard's bank `[P, K, D]` (or None), per-token arrays in the public layout
+    `[B, T, H, ...]` (`tokens`: an `Inputs` whose bank and packed are ignored) and `Packed` (or None), both as
+    `_local` gives them; `dims` with the shard's `B`, `H` and `T`."""
+    per_token = layout.kernel_tokens(tokens.k_idx, tokens.k_val, tokens.x, tokens.v, tokens.beta, tokens.q_idx,
+                                     tokens.q_val, dims)
+    return Inputs(bank, *per_token, packed)
 
-    def run(bank, chunks, in_place):
-        p1 = ffi_ops.phase1_ffi(chunks.k_idx, chunks.k_val, chunks.x, chunks.q_idx, chunks.q_val, num_slots)
-        minv = ffi_ops.solve_ffi(p1.A, chunks.beta)
-        out = ffi_ops.forward_ffi(bank, chunks.k_idx, chunks.q_idx, chunks.v, chunks.beta, p1, minv, False,
+
+def _sdm_kernels_primal(bank, tokens, dims, slab_tokens):
+    """The forward of a call that is not differentiated, without packed sequences, on one shard: the bank `[P, K, D]`
+    and the per-token arrays of `tokens` (an `Inputs`) in the public layout `[B, T, H, ...]` as the op got them.
+    Returns `(y [B, T, H, D] in the bank's dtype, final_bank [P, K, D], repeats [P])`.
+
+    Lowered for the CPU it is the token recurrence in one kernel (`ffi_ops.token_recurrence_ffi`) on those arrays
+    as they are: a no-grad forward needs none of Phase 1, the solves or the snapshots, on a CPU the tokens in order
+    cost less, and nothing is laid out or widened (no temporaries beyond the results). For other platforms, the
+    chunked kernels without residuals in slabs of `slab_tokens` tokens (`_forward_in_slabs`).
+    """
+    per_token = (tokens.k_idx, tokens.k_val, tokens.x, tokens.v, tokens.beta, tokens.q_idx, tokens.q_val)
+    B, H = dims.B, dims.H
+    ids = lambda i: i if i.dtype == jnp.int32 else layout.slot_ids(i, dims.K)  # the kernel ignores ids outside [0, K)
+
+    def recurrence(bank, k_idx, k_val, x, v, beta, q_idx, q_val):
+        y, final, repeats = ffi_ops.token_recurrence_ffi(split(bank, 0, H).reshape(B, H, dims.K, dims.D), ids(k_idx),
+                                                         k_val, x, v, beta, ids(q_idx), q_val)
+        return y, merge(final, 0), repeats.reshape(B * H)
+
+    def chunked(bank, *per_token):
+        return _forward_in_slabs(bank, Inputs(None, *per_token, None), dims, slab_tokens)
+
+    return jax.lax.platform_dependent(bank, *per_token, cpu=recurrence, default=chunked)
+
+
+def _forward_in_slabs(bank, tokens, dims, slab_tokens):
+    """The chunked kernels' forward without residuals (no packed sequences) on one shard (bank `[P, K, D]`, `tokens`
+    an `Inputs` with per-token arrays `[B, T, H, ...]`) in slabs of `slab_tokens` tokens (whole chunks), each laid
+    out for the kernels on its own: `(y [B, T, H, D] in the bank's dtype, final_bank [P, K, D], repeats [P])`, the
+    same bits as the forward that keeps residuals (every phase works chunk by chunk). The first slab makes a new
+    final bank (the kernels read each row from the input until its first write); the later ones update it in place
+    inside a `lax.scan`, and write their readings into the one output array."""
+    T = dims.T
+    slab = min(T, max(1, slab_tokens // dims.C) * dims.C)
+    per_token = tokens._replace(bank=None, packed=None)
+
+    def run(bank, start, T_slab, in_place):
+        cut = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, T_slab, 1), per_token)
+        inputs = _kernel_inputs(cut, bank, None, dims._replace(T=T_slab))
+        p1 = ffi_ops.phase1_ffi(inputs.k_idx, inputs.k_val, inputs.x, inputs.q_idx, inputs.q_val, dims.K)
+        minv = ffi_ops.solve_ffi(p1.A, inputs.beta)
+        out = ffi_ops.forward_ffi(bank, inputs.k_idx, inputs.q_idx, inputs.v, inputs.beta, p1, minv, False,
                                   in_place=in_place)
-        return out.bank, out.y.astype(bank.dtype), p1.repeats
+        y = layout.from_units(out.y.astype(bank.dtype), dims._replace(T=T_slab))
+        return out.bank, y, jnp.sum(p1.repeats, axis=0, dtype=jnp.int32)
 
-    slice_tokens = lambda f: jax.tree_util.tree_map(f, tokens)
-    final, y0, r0 = run(inputs.bank, slice_tokens(lambda a: a[:slab]), False)
-    y = jnp.zeros((NC,) + y0.shape[1:], y0.dtype).at[:slab].set(y0)
-    repeats = jnp.zeros((NC,) + r0.shape[1:], r0.dtype).at[:slab].set(r0)
+    final, y0, repeats = run(bank, 0, slab, False)
+    if slab == T:
+        return y0, final, repeats
+    y = jnp.zeros((dims.B, T, dims.H, dims.D), y0.dtype).at[:, :slab].set(y0)
 
     def body(carry, start):
         final, y, repeats = carry
-        final, y_s, r_s = run(final, slice_tokens(lambda a: jax.lax.dynamic_slice_in_dim(a, start, slab)), True)
-        return (final, jax.lax.dynamic_update_slice_in_dim(y, y_s, start, 0),
-                jax.lax.dynamic_update_slice_in_dim(repeats, r_s, start, 0)), None
+        final, y_s, r_s = run(final, start, slab, True)
+        return (final, jax.lax.dynamic_update_slice_in_dim(y, y_s, start, 1), repeats + r_s), None
 
-    full = NC // slab
+    full = T // slab
     starts = jnp.arange(1, full, dtype=jnp.int32) * slab
     (final, y, repeats), _ = jax.lax.scan(body, (final, y, repeats), starts)
-    if NC > full * slab:  # the last, partial slab
-        final, y_s, r_s = run(final, slice_tokens(lambda a: a[full * slab:]), True)
-        y, repeats = y.at[full * slab:].set(y_s), repeats.at[full * slab:].set(r_s)
+    if T > full * slab:  # the last, partial slab
+        final, y_s, r_s = run(final, full * slab, T - full * slab, True)
+        y, repeats = y.at[:, full * slab:].set(y_s), repeats + r_s
     return y, final, repeats
 
 
-def _sdm_kernels_fwd(inputs, num_slots, save=True, slab_tokens=None):
+def _sdm_kernels_fwd(inputs, num_slots, save=True):
     """The kernels' forward on `Inputs` in kernel layout (bank `[P, K, D]`): `((y [NC, P, C, D] float32, final_bank,
     repeats [NC, P]), saved)`, `saved` the `Saved` residuals for the backward (None with `save=False`).
-    `stream_kernels` runs it (and `_sdm_kernels_bwd`) per shard inside its custom VJP. Without `save` and packed
-    sequences, a sequence of more than `slab_tokens` tokens runs in slabs (`_forward_in_slabs`); `y` is then in the
-    bank's dtype already."""
-    slab = max(1, (slab_tokens or NOGRAD_SLAB_TOKENS) // inputs.k_idx.shape[-2])
-    if not save and inputs.packed is None and inputs.k_idx.shape[0] > slab:
-        return _forward_in_slabs(inputs, num_slots, slab), None
+    `stream_kernels` runs it (and `_sdm_kernels_bwd`) per shard inside its custom VJP."""
     bank, packed = inputs.bank, inputs.packed
     p1_k_idx, p1_q_idx, p1_slots = _phase1_slots(inputs.k_idx, inputs.q_idx, packed, num_slots)
     p1 = ffi_ops.phase1_ffi(p1_k_idx, inputs.k_val, inputs.x, p1_q_idx, inputs.q_val, p1_slots)
@@ -159,30 +196,6 @@ def _sdm_kernels_fwd(inputs, num_slots, save=True, slab_tokens=None):
         packed_saved = PackedSaved(out.bank, out.stamp, out.stamp_snapshot)
     saved = Saved(p1, minv, out.delta, out.vg, out.snapshot, packed_saved) if save else None
     return (out.y, final, p1.repeats), saved
-
-
-def _sdm_kernels_primal(inputs, num_slots):
-    """The forward of a call that is not differentiated, `(y, final_bank, repeats)` as `_sdm_kernels_fwd`'s, with
-    `y` in the bank's dtype.
-
-    Lowered for the CPU it is the token recurrence in one kernel (`ffi_ops.token_recurrence_ffi`): a no-grad
-    forward needs none of Phase 1, the solves or the snapshots, and on a CPU the tokens in order cost less. For
-    other platforms, and for packed sequences, the chunked kernels without residuals.
-    """
-    bank = inputs.bank
-
-    def in_bank_dtype(forward):  # both branches' results have one type (the slabs' readings are in it already)
-        def run(*args):
-            y, final, repeats = forward(*args)
-            return y.astype(bank.dtype), final, repeats
-        return run
-
-    args = (bank, inputs.k_idx, inputs.k_val, inputs.x, inputs.v, inputs.beta, inputs.q_idx, inputs.q_val)
-    chunked = in_bank_dtype(
-        lambda *args: _sdm_kernels_fwd(Inputs(*args, packed=inputs.packed), num_slots, save=False)[0])
-    if inputs.packed is not None:
-        return chunked(*args)
-    return jax.lax.platform_dependent(*args, cpu=in_bank_dtype(ffi_ops.token_recurrence_ffi), default=chunked)
 
 
 def _sdm_kernels_bwd(num_slots, inputs, final, saved, dy, dfinal):
@@ -279,27 +292,43 @@ def _kernels_per_stream(local_fn, static, args, in_axes, out_axes):
 # The kernels per stream, with explicit B and H, in a custom VJP
 
 
-def _local_forward(save, static, *arrays):
-    """One shard's forward: merge `B, H` into `P = B*H`, run the kernels (`_sdm_kernels_fwd`), split back. `static`
-    is `(num_slots, treedef, axes)` of the `Inputs` whose arrays `arrays` are (`_flatten`).
+def _local(static, arrays):
+    """One shard's tree (`static`'s structure) of `arrays`, with `B, H` merged into `P = B*H` in every array but the
+    per-token ones in the public layout, and the `Dims` of the shard (its `B` and `H`)."""
+    dims, _, treedef, axes = static
+    tree = jax.tree_util.tree_unflatten(treedef, arrays)
+    B, _, H = _tokens_of(tree).k_idx.shape[:3]
+    merged = [a if at == TOKENS else merge(a, at[0]) for a, at in zip(arrays, axes)]
+    return jax.tree_util.tree_unflatten(treedef, merged), dims._replace(B=B, H=H)
 
-    Returns `(y, final, repeats)`, then with `save` the arrays of the kernels' `Saved` residuals (`_flatten`).
+
+def _tokens_of(tree):
+    return tree if isinstance(tree, Inputs) else tree.kept
+
+
+def _local_forward(save, static, *arrays):
+    """One shard's forward on the arrays of an `Inputs` (bank `[B, H, K, D]`, per-token arrays `[B, T, H, ...]`):
+    lay the tokens out for the kernels and run them (`_sdm_kernels_fwd`), or without `save` and packed sequences
+    run the no-grad forward (`_sdm_kernels_primal`). `static` is `(dims, slab_tokens, treedef, axes)` (`_flatten`).
+
+    Returns `(y [B, T, H, D] in the bank's dtype, final [B, H, K, D], repeats [B, H])`, then with `save` the arrays
+    of the kernels' `Saved` residuals (`_flatten`).
     """
-    num_slots, treedef, axes = static
-    bank = jax.tree_util.tree_unflatten(treedef, arrays).bank
-    inputs = jax.tree_util.tree_unflatten(treedef, [merge(a, at) for a, at in zip(arrays, axes)])
-    if save:
-        (y, final, repeats), saved = _sdm_kernels_fwd(inputs, num_slots)
+    tree, dims = _local(static, arrays)
+    if save or tree.packed is not None:
+        (y, final, repeats), saved = _sdm_kernels_fwd(_kernel_inputs(tree, tree.bank, tree.packed, dims), dims.K,
+                                                      save)
+        # The readings leave in the bank's dtype (one rounding, as the op's result): their cotangent then comes in
+        # that dtype too, which the backward's kernels take as it is (half the bytes of float32 for bfloat16).
+        y = layout.from_units(y.astype(tree.bank.dtype), dims)
+        repeats = jnp.sum(repeats, axis=0, dtype=jnp.int32)
     else:
-        y, final, repeats = _sdm_kernels_primal(inputs, num_slots)
-    # The readings leave in the bank's dtype (one rounding, as the op's result): their cotangent then comes in that
-    # dtype too, which the backward's kernels take as it is (half the bytes of float32 for a bfloat16 bank).
-    H = bank.shape[1]
-    out = (split(y.astype(bank.dtype), UNITS, H), split(final, BANK, H), split(repeats, UNITS, H))
+        (y, final, repeats), saved = _sdm_kernels_primal(tree.bank, tree, dims, static[1]), None
+    out = (y, split(final, 0, dims.H), split(repeats, 0, dims.H))
     if not save:
         return out
     saved_arrays, saved_axes, _ = _flatten(saved)
-    return out + tuple(split(a, at, H) for a, at in zip(saved_arrays, saved_axes))
+    return out + tuple(split(a, at[0], dims.H) for a, at in zip(saved_arrays, saved_axes))
 
 
 def _local_primal(static, *arrays):
@@ -320,49 +349,57 @@ class BackwardArgs(NamedTuple):
 
 
 def _local_backward(static, *arrays):
-    """One shard's backward (`_sdm_kernels_bwd`) on the arrays of a `BackwardArgs`; `static` is
-    `(num_slots, treedef, axes)` (`_flatten`)."""
-    num_slots, treedef, axes = static
-    H = jax.tree_util.tree_unflatten(treedef, arrays).final.shape[1]
-    args = jax.tree_util.tree_unflatten(treedef, [merge(a, at) for a, at in zip(arrays, axes)])
-    grads = _sdm_kernels_bwd(num_slots, args.kept, args.final, args.saved, args.dy, args.dfinal)
-    return (split(grads.bank, BANK, H),) + tuple(split(g, UNITS, H) for g in grads[1:])
+    """One shard's backward (`_sdm_kernels_bwd`) on the arrays of a `BackwardArgs` (the readings' cotangent `dy`
+    and the kept inputs in the public layout); `static` as `_local_forward`'s. Returns the gradients of the bank
+    `[B, H, K, D]` and of the float per-token inputs, in the public layout and in their dtypes."""
+    args, dims = _local(static, arrays)
+    kept = _kernel_inputs(args.kept, args.kept.bank, args.kept.packed, dims)
+    grads = _sdm_kernels_bwd(dims.K, kept, args.final, args.saved, layout.to_units(args.dy, dims), args.dfinal)
+    public = lambda g, like, per_lane=True: layout.tokens_from_units(g, dims, like.dtype, per_lane)
+    tokens = args.kept
+    return (split(grads.bank, 0, dims.H), public(grads.k_val, tokens.k_val),
+            public(grads.x, tokens.x, dims.per_write_gates), public(grads.v, args.dy), public(grads.beta, tokens.beta),
+            public(grads.q_val, tokens.q_val))
 
 
-def _saved_structure(num_slots, inputs):
-    """The structure and the B axes (`_flatten`) of the kernels' `Saved` residuals for these `Inputs` (with explicit
-    `B, H`), without running anything."""
-    arrays, axes, treedef = _flatten(inputs)
-    merged = lambda *a: jax.tree_util.tree_unflatten(treedef, [merge(x, at) for x, at in zip(a, axes)])
-    shapes = jax.eval_shape(lambda *a: _sdm_kernels_fwd(merged(*a), num_slots, save=True)[1], *arrays)
-    _, saved_axes, saved_def = _flatten(shapes)
+def _saved_structure(static, arrays):
+    """The structure and the B, H axes (`_flatten`) of the kernels' `Saved` residuals for these `Inputs` arrays,
+    without running anything."""
+    def saved(*arrays):
+        tree, dims = _local(static, arrays)
+        return _sdm_kernels_fwd(_kernel_inputs(tree, tree.bank, tree.packed, dims), dims.K)[1]
+
+    _, saved_axes, saved_def = _flatten(jax.eval_shape(saved, *arrays))
     return saved_def, saved_axes
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def stream_kernels(inputs, num_slots, grad_dtype):
-    """The op on the kernels with explicit streams: `Inputs` with the bank `[B, H, K, D]` and per-token arrays
-    `[NC, B, H, C, ...]` (int32 ids, float32 values, per-lane gates `x`; `packed`: None, or a `Packed` of
-    `segments.chunk_segments`, int32). `grad_dtype` (a dtype name) is the backward's working gradient bank:
-    "float32", or the bank's dtype.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def stream_kernels(inputs, dims, grad_dtype, slab_tokens):
+    """The op on the kernels with explicit streams: `Inputs` with the bank `[B, H, K, D]` and per-token arrays in
+    the public layout `[B, T, H, ...]` (int32 ids, the values in the bank's dtype, float32 `beta` and gates `x`,
+    per token or per lane as `dims.per_write_gates` says; `packed`: None, or a `Packed` of
+    `segments.chunk_segments`, int32, in stream units). `grad_dtype` (a dtype name) is the backward's working
+    gradient bank: "float32", or the bank's dtype. A call that is not differentiated runs in slabs of
+    `slab_tokens` tokens (without packed sequences) and saves no residuals.
 
-    Returns `(y [NC, B, H, C, D] in the bank's dtype, final_bank [B, H, K, D], repeats [NC, B, H])`. A call
-    that is not differentiated saves no residuals. Inside `shard_map` the inputs must vary along the same manual
-    axes; the results and the gradients are typed as varying along them (the FFI calls' results carry no such
-    type).
+    Returns `(y [B, T, H, D] in the bank's dtype, final_bank [B, H, K, D], repeats [B, H])`. Inside `shard_map`
+    the inputs must vary along the same manual axes; the results and the gradients are typed as varying along them
+    (the FFI calls' results carry no such type).
     """
     arrays, axes, treedef = _flatten(inputs)
-    outs = _kernels_per_stream(_local_primal, (num_slots, treedef, axes), arrays, axes, (UNITS, BANK, UNITS))
+    outs = _kernels_per_stream(_local_primal, (dims, slab_tokens, treedef, axes), arrays, axes,
+                               (TOKENS, BANK, BANK))
     return tuple(to_varying(o, varying_axes(*arrays)) for o in outs)
 
 
-def _stream_kernels_fwd(inputs, num_slots, grad_dtype):
+def _stream_kernels_fwd(inputs, dims, grad_dtype, slab_tokens):
     # symbolic_zeros: the inputs come as CustomVJPPrimal (value, perturbed)
     inputs = jax.tree_util.tree_map(lambda a: a.value, inputs, is_leaf=lambda a: isinstance(a, CustomVJPPrimal))
     arrays, axes, treedef = _flatten(inputs)
-    saved_def, saved_axes = _saved_structure(num_slots, inputs)
-    y, final, repeats, *saved = _kernels_per_stream(_local_saving, (num_slots, treedef, axes), arrays, axes,
-                                                    (UNITS, BANK, UNITS) + saved_axes)
+    static = (dims, slab_tokens, treedef, axes)
+    saved_def, saved_axes = _saved_structure(static, arrays)
+    y, final, repeats, *saved = _kernels_per_stream(_local_saving, static, arrays, axes,
+                                                    (TOKENS, BANK, BANK) + saved_axes)
     y, final, repeats = (to_varying(o, varying_axes(*arrays)) for o in (y, final, repeats))
     # The backward needs neither v (only the forward's v - G) nor, without packed sequences, the bank (it restores
     # it from the final bank).
@@ -370,7 +407,7 @@ def _stream_kernels_fwd(inputs, num_slots, grad_dtype):
     return (y, final, repeats), (final, kept, jax.tree_util.tree_unflatten(saved_def, saved))
 
 
-def _stream_kernels_bwd(num_slots, grad_dtype, residuals, cotangents):
+def _stream_kernels_bwd(dims, grad_dtype, slab_tokens, residuals, cotangents):
     final, kept, saved = residuals
     packed = kept.packed is not None
     dy, dfinal, _ = cotangents
@@ -381,7 +418,8 @@ def _stream_kernels_bwd(num_slots, grad_dtype, residuals, cotangents):
         dfinal = jnp.zeros(shape, grad_dtype)
     dy = jnp.zeros(dy.shape, dy.dtype) if isinstance(dy, SymbolicZero) else dy  # the readings' dtype, the bank's
     arrays, axes, treedef = _flatten(BackwardArgs(final, dfinal.astype(grad_dtype), dy, kept, saved))
-    grads = _kernels_per_stream(_local_backward, (num_slots, treedef, axes), arrays, axes, (BANK,) + (UNITS,) * 5)
+    grads = _kernels_per_stream(_local_backward, (dims, slab_tokens, treedef, axes), arrays, axes,
+                                (BANK,) + (TOKENS,) * 5)
     grads = Grads(*(to_varying(g, varying_axes(final)) for g in grads))
     return (Inputs(grads.bank.astype(final.dtype), None, grads.k_val, grads.x, grads.v, grads.beta, None, grads.q_val,
                    None),)
@@ -390,11 +428,12 @@ def _stream_kernels_bwd(num_slots, grad_dtype, residuals, cotangents):
 stream_kernels.defvjp(_stream_kernels_fwd, _stream_kernels_bwd, symbolic_zeros=True)
 
 
-def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, grad_dtype=None, seg=None):
+def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, grad_dtype=None, seg=None,
+            slab_tokens=NOGRAD_SLAB_TOKENS):
     """The op on the FFI kernels, partitioned per stream: `(y [B, T, H, D], final_bank [B, H, K, D], repeats)`.
     `grad_dtype`: the backward's working gradient bank, float32 or (None, the default) the bank's dtype. `seg`:
     the tokens' segment counters of packed sequences (`segments.segment_numbers`, padding already dropped), or
-    None.
+    None. `slab_tokens`: the tokens per slab of a call that is not differentiated (`_forward_in_slabs`).
 
     Under a mesh with `Explicit` axes (sharding in types) the body runs with those axes made `Auto` (where
     `custom_partitioning` works) and the results get the shardings of the inputs: `y` like `k_idx`, the final bank
@@ -404,7 +443,7 @@ def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, grad_dtype=None,
     args = (bank, k_idx, k_val, v, beta, g, q_idx, q_val)
     _refuse_forward_mode(args)
     grad_dtype = jnp.dtype(bank.dtype if grad_dtype is None else grad_dtype).name
-    run = functools.partial(_sdm_ffi_streams, dims=dims, grad_dtype=grad_dtype)
+    run = functools.partial(_sdm_ffi_streams, dims=dims, grad_dtype=grad_dtype, slab_tokens=slab_tokens)
     explicit = explicit_out_sharding(*args)
     if explicit is not None:
         out_sharding, axes = explicit
@@ -412,13 +451,12 @@ def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, grad_dtype=None,
     return run(*args, seg)
 
 
-def _sdm_ffi_streams(bank, k_idx, k_val, v, beta, g, q_idx, q_val, seg, dims, grad_dtype):
-    args = layout.stream_arguments(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
+def _sdm_ffi_streams(bank, k_idx, k_val, v, beta, g, q_idx, q_val, seg, dims, grad_dtype, slab_tokens):
     packed = None if seg is None else Packed(*segments.chunk_segments(seg, dims, layout.to_stream_units))
-    inputs = Inputs(*args, packed)
+    inputs = Inputs(layout.batch_banks(bank, dims), k_idx, k_val, g, v, beta, q_idx, q_val, packed)
     # Inside `shard_map`, every input varies along the manual axes along which any does (the results do too); for
     # an input that does not (e.g. a bank shared by the devices) the transpose of this cast sums its gradient.
     axes = varying_axes(*jax.tree_util.tree_leaves(inputs))
-    y, final, repeats = stream_kernels(jax.tree_util.tree_map(lambda a: to_varying(a, axes), inputs), dims.K,
-                                       grad_dtype)
-    return layout.from_stream_units(y, dims), final, jnp.sum(repeats)  # y is in the bank's dtype already
+    y, final, repeats = stream_kernels(jax.tree_util.tree_map(lambda a: to_varying(a, axes), inputs), dims,
+                                       grad_dtype, slab_tokens)
+    return y, final, jnp.sum(repeats)

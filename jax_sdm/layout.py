@@ -223,14 +223,25 @@ def from_units(a, dims):
     return from_stream_units(a.reshape((dims.NC, dims.B, dims.H) + a.shape[2:]), dims)
 
 
-def stream_arguments(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
-    """The kernels' arguments with explicit streams: bank `[B, H, K, D]` (a shared bank broadcast over the batch)
-    and per-token arrays `[NC, B, H, C, ...]` (int32 ids padded with -1, float32 values, gates per lane)."""
+def kernel_tokens(k_idx, k_val, x, v, beta, q_idx, q_val, dims):
+    """The per-token arrays `[B, T, H, ...]` in kernel layout `[NC, P, C, ...]`, as the kernels take them: int32 ids
+    (`slot_ids`: -1 for every id outside `[0, K)`, and for the padding), float32 values, the gates `x` per write
+    lane. `v` may be None (then None)."""
     f32 = jnp.float32
-    units = lambda a, fill=0: to_stream_units(a, dims, fill)
-    return (batch_banks(bank, dims), units(k_idx.astype(jnp.int32), -1), units(k_val.astype(f32)),
-            units(lane_gates(g, dims).astype(f32)), units(v.astype(f32)), units(beta.astype(f32)),
-            units(q_idx.astype(jnp.int32), -1), units(q_val.astype(f32)))
+    units = lambda a, fill=0: to_units(a, dims, fill)
+    return (units(slot_ids(k_idx, dims.K), -1), units(k_val.astype(f32)), units(lane_gates(x, dims).astype(f32)),
+            None if v is None else units(v.astype(f32)), units(beta.astype(f32)), units(slot_ids(q_idx, dims.K), -1),
+            units(q_val.astype(f32)))
+
+
+def tokens_from_units(grad, dims, dtype, per_lane=True):
+    """The transpose of `kernel_tokens` for one float argument: its gradient `[NC, P, C, ...]` back in the public
+    layout `[B, T, H, ...]` and in `dtype`; `per_lane=False` for per-token gates (the lanes' gradients summed as
+    `ordered_broadcast`'s are)."""
+    grad = from_units(grad, dims)
+    if not per_lane:
+        grad = ordered_sum(grad, grad.ndim - 1)
+    return grad.astype(dtype)
 
 
 def batch_banks(bank, dims, broadcast=None):
@@ -270,14 +281,20 @@ def _ordered_broadcast_fwd(a, copies, axis):
     return ordered_broadcast(a, copies, axis), None
 
 
+def ordered_sum(a, axis):
+    """The sum of `a` along `axis` as a chain of adds in index order, in at least float32, in `a`'s dtype: the
+    transpose of `ordered_broadcast`."""
+    if a.shape[axis] == 0:
+        return jnp.zeros(a.shape[:axis] + a.shape[axis + 1:], a.dtype)
+    acc = jnp.promote_types(a.dtype, jnp.float32)
+    total = jnp.take(a, 0, axis).astype(acc)
+    for n in range(1, a.shape[axis]):
+        total = total + jnp.take(a, n, axis).astype(acc)
+    return total.astype(a.dtype)
+
+
 def _ordered_broadcast_bwd(copies, axis, _, ct):
-    if copies == 0:
-        return (jnp.zeros(ct.shape[:axis] + ct.shape[axis + 1:], ct.dtype),)
-    acc = jnp.promote_types(ct.dtype, jnp.float32)
-    total = jnp.take(ct, 0, axis).astype(acc)
-    for n in range(1, copies):
-        total = total + jnp.take(ct, n, axis).astype(acc)
-    return (total.astype(ct.dtype),)
+    return (ordered_sum(ct, axis),)
 
 
 ordered_broadcast.defvjp(_ordered_broadcast_fwd, _ordered_broadcast_bwd)

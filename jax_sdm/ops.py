@@ -187,15 +187,16 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=N
     if layout.is_empty(dims):
         y, final = layout.empty_result(bank, dims)
         return (y, final, jnp.int32(0)) if return_repeats else (y, final)
-    k_idx, q_idx = layout.slot_ids(k_idx, dims.K), layout.slot_ids(q_idx, dims.K)
+    if impl == "auto":  # the kernels where this backend has them (for packed sequences too), else pure JAX
+        impl = "ffi" if kernel_path.kernels_available() else "xla"
+    if impl != "ffi":  # the kernel path maps the ids as it lays the tokens out (per slab in a no-grad call)
+        k_idx, q_idx = layout.slot_ids(k_idx, dims.K), layout.slot_ids(q_idx, dims.K)
     k_idx, k_val, g, q_idx, q_val, dims = layout.one_lane_if_none(k_idx, k_val, g, q_idx, q_val, dims)
     # Inside `shard_map`: every input varies along the manual axes along which any does (a bank shared by the
     # devices is updated per device; the transpose of this cast sums its gradient over them).
     axes = sharding.varying_axes(bank, k_idx, k_val, v, beta, g, q_idx, q_val)
     bank, k_idx, k_val, v, beta, g, q_idx, q_val = (sharding.to_varying(a, axes)
                                                     for a in (bank, k_idx, k_val, v, beta, g, q_idx, q_val))
-    if impl == "auto":  # the kernels where this backend has them (for packed sequences too), else pure JAX
-        impl = "ffi" if kernel_path.kernels_available() else "xla"
     if impl == "reference":
         y, final = sdm_reference(bank, k_idx, k_val, v, beta, g, q_idx, q_val, segment_ids=segment_ids)
         repeats = _count_repeats(k_idx, dims.K) if return_repeats else None

@@ -7,8 +7,8 @@ operands, i.e. all-gather the bank), so the three bodies of the kernel path -- t
 residuals, and the backward -- are `jax.experimental.custom_partitioning` functions of arrays whose `B` and `H`
 axes are explicit:
 
-- bank-like arrays `[B, H, K, D]` (the bank, its cotangent and gradient);
-- per-token arrays `[NC, B, H, C, ...]` (and `repeats [NC, B, H]`).
+- bank-like arrays `[B, H, K, D]` (the bank, its cotangent and gradient; `BANK`);
+- per-token arrays in the public layout `[B, T, H, ...]` (`TOKENS`), or in units `[NC, B, H, C, ...]` (`UNITS`).
 
 The kernels' `P = B*H` streams exist only inside the per-shard lowering, where the local `B` and `H` are merged
 (merging them outside would hide an `H` sharding inside the merged dim). Only `B` and `H` may be sharded: the
@@ -29,7 +29,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from . import layout
 
-BANK, UNITS = 0, 1  # where an array's B axis is (its H axis follows): `[B, H, K, D]` / `[NC, B, H, C, ...]`
+# Where an array's B and H axes are: `[B, H, K, D]`, `[NC, B, H, C, ...]`, `[B, T, H, ...]`.
+BANK, UNITS, TOKENS = (0, 1), (1, 2), (0, 2)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -82,8 +83,8 @@ def _sharding_rule(in_axes, out_axes, in_ranks, out_ranks):
     def mapping(prefix, i, at, rank):
         names = []
         for d in range(rank):
-            if d in (at, at + 1):
-                names.append("b" if d == at else "h")
+            if d in at:
+                names.append("b" if d == at[0] else "h")
             else:
                 names.append(f"{prefix}{i}d{d}")
                 others.append(names[-1])
@@ -100,8 +101,10 @@ def _axes(entry):
 
 
 def _stream_spec(mesh, at, rank, b, h):
-    """A sharding of a rank-`rank` array with B at `at`: B on `b`, H on `h`, every other dim replicated."""
-    return NamedSharding(mesh, PartitionSpec(*([None] * at + [b, h] + [None] * (rank - at - 2))))
+    """A sharding of a rank-`rank` array with B and H at `at`: B on `b`, H on `h`, every other dim replicated."""
+    entries = [None] * rank
+    entries[at[0]], entries[at[1]] = b, h
+    return NamedSharding(mesh, PartitionSpec(*entries))
 
 
 def _stream_axes(in_axes, arg_shapes):
@@ -109,8 +112,8 @@ def _stream_axes(in_axes, arg_shapes):
     def first(d):
         for shape, at in zip(arg_shapes, in_axes):
             spec = tuple(getattr(shape.sharding, "spec", None) or ())
-            if at + d < len(spec) and spec[at + d] is not None:
-                return spec[at + d]
+            if at[d] < len(spec) and spec[at[d]] is not None:
+                return spec[at[d]]
         return None
 
     b, h = first(0), first(1)
@@ -123,7 +126,7 @@ def _stream_axes(in_axes, arg_shapes):
 def _partitioned(local_fn, in_axes, out_axes, in_ranks, out_ranks):
     """`local_fn(static, *arrays) -> tuple of arrays` as a custom-partitioned function of the same arguments.
 
-    `in_axes` / `out_axes`: each array's B axis (`BANK` or `UNITS`). `local_fn` sees the arrays of one shard (all of
+    `in_axes` / `out_axes`: each array's B and H axes (`BANK`, `UNITS` or `TOKENS`). `local_fn` sees the arrays of one shard (all of
     them, when nothing is sharded) and must be agnostic to the sizes of B and H.
     """
     fn = custom_partitioning(local_fn, static_argnums=(0,))
@@ -148,13 +151,14 @@ def _partitioned(local_fn, in_axes, out_axes, in_ranks, out_ranks):
 
 
 def _fold(a, at):
-    """`[V, ..., B, ...]` (B at `at` after the leading V) -> `[..., V*B, ...]`."""
-    return merge(jnp.moveaxis(a, 0, at), at)
+    """`[V, ..., B, ...]` (B at `at[0]` after the leading V) -> `[..., V*B, ...]`."""
+    return merge(jnp.moveaxis(a, 0, at[0]), at[0])
 
 
 def _unfold(a, at, size):
     """Inverse of `_fold`."""
-    return jnp.moveaxis(a.reshape(a.shape[:at] + (size, a.shape[at] // size) + a.shape[at + 1:]), at, 0)
+    b = at[0]
+    return jnp.moveaxis(a.reshape(a.shape[:b] + (size, a.shape[b] // size) + a.shape[b + 1:]), b, 0)
 
 
 def per_stream(local_fn, static, arrays, in_axes, out_axes):

@@ -4,10 +4,10 @@
 // A no-grad forward needs none of the chunked form's bank-independent work (Phase 1's sort, the solves, the
 // snapshot): on a CPU each token is O((W + R) D) per stream, a few rows, and running them in order is cheaper.
 //
-// Layout (as kernels/steps.h): per-token arrays are [V, NC, P, C, ...] (V independent problems, e.g. from vmap, NC
-// chunks, P streams), the token t = c*C + i of stream (v, p) at index ((v*NC + c)*P + p)*C + i; the bank is
-// [V, P, K, D], the rows of stream (v, p) at (v*P + p)*K. Tokens past the end of a sequence carry slot ids
-// outside [0, K): they touch no row.
+// Layout: the public one, so that the op's arguments reach the kernel as they are (no relayout, no widening, no
+// temporaries that grow with T). Per-token arrays are [V, B, T, H, ...] (V independent problems, e.g. from vmap;
+// the stream (v, b, h) is s = (v*B + b)*H + h, its token t at index ((v*B + b)*T + t)*H + h); the bank is
+// [V, B, H, K, D], the rows of stream s at s*K. Slot ids outside [0, K) touch no row and read zeros.
 //
 // Each token of a stream runs `token_rows_cpu` (the decode step's arithmetic, shared with kernels/decode_step_cpu.cc),
 // so a bfloat16 bank is rounded once per written row per token (the chunked kernels round once per written row
@@ -21,28 +21,30 @@
 namespace sdm {
 
 struct TokenRecurrenceDims {
-  int64_t V, NC, P, C, K, D, W, R;
-  int64_t streams() const { return V * P; }
+  int64_t V, B, T, H, K, D, W, R;
+  bool per_write_gates;  // x is [V, B, T, H, W], else [V, B, T, H]
+  int64_t streams() const { return V * B * H; }
 };
 
-// The token arrays in float32 (the values of a bfloat16 problem widened), gates per write lane.
+// The token arrays; the values and the readings in the bank's type BankT.
+template <typename BankT>
 struct TokenRecurrenceIO {
-  const int32_t* k_idx;  // [V, NC, P, C, W]
-  const float* k_val;    // [V, NC, P, C, W]
-  const float* x;        // [V, NC, P, C, W] log-gates, per lane
-  const float* v;        // [V, NC, P, C, D]
-  const float* beta;     // [V, NC, P, C]
-  const int32_t* q_idx;  // [V, NC, P, C, R]
-  const float* q_val;    // [V, NC, P, C, R]
-  float* y;              // [V, NC, P, C, D] out: the readings
-  int32_t* repeats;      // [V, NC, P] out: per chunk, the write lanes repeating an earlier lane's slot in their token
+  const int32_t* k_idx;  // [V, B, T, H, W]
+  const BankT* k_val;    // [V, B, T, H, W]
+  const float* x;        // [V, B, T, H, W] or [V, B, T, H] log-gates
+  const BankT* v;        // [V, B, T, H, D]
+  const float* beta;     // [V, B, T, H]
+  const int32_t* q_idx;  // [V, B, T, H, R]
+  const BankT* q_val;    // [V, B, T, H, R]
+  BankT* y;              // [V, B, T, H, D] out: the readings
+  int32_t* repeats;      // [V, B, H] out: the write lanes repeating an earlier lane's slot in their token
 };
 
-// Every token of every stream: `bank` ([V, P, K, D]) becomes the final bank, from `initial` (the same shape; each
-// stream's rows are copied by the thread that runs the stream, or not at all if `initial` is `bank`).
+// Every token of every stream: `bank` ([V, B, H, K, D]) becomes the final bank, from `initial` (the same shape;
+// each stream's rows are copied by the thread that runs the stream, or not at all if `initial` is `bank`).
 // BankT is float or sdm::bf16.
 template <typename BankT>
-void token_recurrence_cpu(const TokenRecurrenceDims& dims, const TokenRecurrenceIO& io, const BankT* initial,
+void token_recurrence_cpu(const TokenRecurrenceDims& dims, const TokenRecurrenceIO<BankT>& io, const BankT* initial,
                           BankT* bank);
 
 }  // namespace sdm

@@ -193,12 +193,11 @@ def entry_ops_of_shape(hlo, shape):
 
 def kernel_layout(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
     """The kernels' arguments in kernel layout as `kernel_path.Inputs` (no packed sequences): bank `[P, K, D]` and
-    per-token arrays `[NC, P, C, ...]` (`layout.stream_arguments` with `B, H` merged into `P`)."""
+    per-token arrays `[NC, P, C, ...]` (`layout.kernel_tokens`)."""
     from jax_sdm import kernel_path, layout
 
-    bank, *tokens = layout.stream_arguments(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims)
-    return kernel_path.Inputs(bank.reshape(dims.P, dims.K, dims.D),
-                              *(a.reshape((dims.NC, dims.P) + a.shape[3:]) for a in tokens), None)
+    bank = layout.batch_banks(bank, dims).reshape(dims.P, dims.K, dims.D)
+    return kernel_path.Inputs(bank, *layout.kernel_tokens(k_idx, k_val, g, v, beta, q_idx, q_val, dims), None)
 
 
 def product_key_brute_force(x, factors, k):

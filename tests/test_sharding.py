@@ -67,9 +67,11 @@ def _run_checks():
         return [s for s in shapes if tuple(int(d) for d in s.split(",")[-2:]) == (K, D)]
 
     def kernel_streams(hlo, target):
-        """The streams one `target` call sees: the leading dim of its bank result `[P, K, D]`."""
+        """The streams one `target` call sees: the leading dims of its bank result (`[P, K, D]`, `[B, H, K, D]`)."""
         calls = [line for line in hlo.splitlines() if f'custom_call_target="{target}"' in line]
-        return sorted({int(m.group(1)) for line in calls if (m := re.search(r"= \(?\w+\[(\d+),\d+,\d+\]", line))})
+        shapes = [[int(d) for d in m.group(1).split(",")] for line in calls
+                  if (m := re.search(r"= \(?\w+\[([\d,]+)\]", line))]
+        return sorted({int(np.prod(dims[:-2])) for dims in shapes})
 
     def compare(got, want):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
