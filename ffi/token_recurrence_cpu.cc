@@ -1,5 +1,5 @@
 // XLA FFI handler `sdm_token_recurrence` (platform cpu): check, then run the token recurrence of every stream
-// (kernels/token_recurrence_cpu.cc), the CPU's no-grad forward (docs/DESIGN.md "No-grad forward on the CPU"). The
+// (kernels/token_recurrence_cpu.cc), the CPU's no-grad forward (docs/DESIGN.md "No-grad forward"). The
 // final bank is a buffer of its own: each stream's thread copies the stream's rows into it (in parallel, and into
 // that thread's cache), cheaper than XLA's one copy of the whole bank for an input it may not overwrite; unless
 // the caller aliases it to the input bank, which is then updated in place.

@@ -355,7 +355,7 @@ def decode_step_ffi(bank, k_idx, k_val, x, v, beta, q_idx, q_val):
 
 
 def token_recurrence_ffi(bank, k_idx, k_val, x, v, beta, q_idx, q_val, in_place=False):
-    """The token recurrence in one kernel, the CPU's no-grad forward (docs/DESIGN.md "No-grad forward on the CPU"),
+    """The token recurrence in one kernel, the CPU's no-grad forward (docs/DESIGN.md "No-grad forward"),
     on the op's arguments in the public layout as they are: nothing is laid out or widened first.
 
     Args:
