@@ -9,7 +9,6 @@ import numpy as np
 from flax import nnx
 
 import jax_sdm
-from jax_sdm import kernel_path, layout
 
 from .addressing import balanced_factors, topk_slots
 
@@ -350,17 +349,6 @@ class SparseDeltaMemory(nnx.Module):
             return jnp.zeros((self.num_heads, self.slots_per_head, self.head_dim), self.dtype)
         return self.bank[...].astype(self.dtype)
 
-    def _initial_banks(self, batch_size):
-        """The bank each sequence starts from, for `__call__` without a state: a learned bank broadcast to
-        `[B, H, K, D]` before its cast to the layer's dtype, so that XLA makes the copies and the cast in one pass
-        (the op's own broadcast of a shared bank would follow a separate cast: two passes over the bank); zeros as
-        one shared `[H, K, D]` bank. The copies' gradients are summed in a fixed order, in float32."""
-        if self.bank is None:
-            return self.initial_bank()
-        kernels = self.impl in ("auto", "ffi") and kernel_path.kernels_available()
-        broadcast = layout.ordered_broadcast if kernels else layout.differentiable_ordered_broadcast
-        return broadcast(self.bank[...], batch_size, 0).astype(self.dtype)
-
     def init_state(self, batch_size):
         """The decode state before the first token: the initial bank for each batch row, `[B, H, K, D]`."""
         bank = self.initial_bank()
@@ -389,7 +377,7 @@ class SparseDeltaMemory(nnx.Module):
         self._check_state(state, B)
         if state is not None and T == 1 and segment_ids is None:
             return self._decode(x, state, use_running_average=None)
-        bank = self._initial_banks(B) if state is None else state.astype(self.dtype)
+        bank = self.initial_bank() if state is None else state.astype(self.dtype)
         args, gate_in = self._memory_inputs(x, segment_ids)
         if self.sequence_axis is not None:
             # T-sharded activations: the op runs on heads. Each input is pinned T-sharded where it is made, then
