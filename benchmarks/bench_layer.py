@@ -2,7 +2,7 @@
 
     python benchmarks/bench_layer.py [--config a,b | cpu] [--repeats N] [--pipeline N] [--trace]
                                      [--layer-option NAME=VALUE ...]
-    python benchmarks/bench_layer.py --layer-decode [--min-log-k 12 --max-log-k 20] [--decode-steps 256]
+    python benchmarks/bench_layer.py --layer-decode [--min-log-k 12 --max-log-k 20] [--decode-steps 256] [--trace]
 
 For each config:
 * layer training step: `jax.jit` of the gradient of `sum(layer(x) * dy)` with respect to `x` and every parameter;
@@ -18,7 +18,8 @@ the device time grouped by the layer's named scopes (`address`, `project`, `memo
 `--layer-decode`: decoding through the layer against the op alone, per token, against `K` (B 4, H 4, D 128,
 d_model 512, W = R = 16, bf16; float32 on the CPU): the layer's `decode_loop` (one jit, a `lax.scan` over
 `--decode-steps` tokens of `layer.decode`, the state donated) and `sdm_step` in the same kind of loop on the
-memory inputs the layer makes for the same tokens; wall time per token, median of `--repeats` runs.
+memory inputs the layer makes for the same tokens; wall time per token, median of `--repeats` runs. With `--trace`
+also the device timeline of one loop at the smallest and the largest K, by scope and kernel.
 """
 import argparse
 import collections
@@ -39,6 +40,7 @@ from device_trace import record
 
 import jax_sdm
 from jax_sdm.nn import SparseDeltaMemory, decode_loop
+from jax_sdm.nn.layer import _decode_loop
 
 # The layer configs of the brief (bf16, chunk 128, no output gate or readout norm), and a small one for the CPU.
 CONFIGS = {
@@ -157,8 +159,8 @@ def timeline(fn, args, label):
 DECODE = dict(B=4, num_heads=4, head_dim=128, num_writes=16, num_reads=16)
 
 
-def decode_times(K, steps, repeats, options):
-    """(layer us per token, op us per token) for decoding `steps` tokens inside one jitted, donated loop."""
+def decode_layer(K, steps, options):
+    """The layer of the decode benchmark with `K` slots per head (in eval mode) and `steps` tokens of input."""
     B, H, D = DECODE["B"], DECODE["num_heads"], DECODE["head_dim"]
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     kwargs = dict(num_heads=H, head_dim=D, slots_per_head=K, num_writes=DECODE["num_writes"],
@@ -166,6 +168,24 @@ def decode_times(K, steps, repeats, options):
     layer = SparseDeltaMemory(H * D, rngs=nnx.Rngs(0), **kwargs)
     layer.eval()
     x = jnp.asarray(np.random.default_rng(K).standard_normal((B, steps, H * D), np.float32), dtype)
+    return layer, x
+
+
+def decode_timeline(K, steps, options):
+    """The device timeline of one decode loop of `steps` tokens through the layer, by scope and kernel. The loop is
+    jitted without donating the state (a traced call must be repeatable): one copy of the state per call shows in
+    it besides the steps."""
+    layer, x = decode_layer(K, steps, options)
+    graphdef, params = nnx.split(layer)
+    loop = jax.jit(lambda params, x, state: _decode_loop(graphdef, params, x, state))
+    timeline(loop, (params, x, layer.init_state(x.shape[0]) + 0), f"layer decode, K 2^{K.bit_length() - 1}, "
+             f"{steps} tokens")
+
+
+def decode_times(K, steps, repeats, options):
+    """(layer us per token, op us per token) for decoding `steps` tokens inside one jitted, donated loop."""
+    B = DECODE["B"]
+    layer, x = decode_layer(K, steps, options)
     args = jax.jit(lambda x: layer.memory_inputs(x))(x)
 
     @functools.partial(jax.jit, donate_argnums=0)
@@ -206,6 +226,10 @@ def main_decode(opts, options):
         rows.append([f"2^{log_k}", f"{t_layer:.1f}", f"{t_op:.1f}", f"{t_layer / t_op:.2f}"])
         print(f"  K 2^{log_k}: layer {t_layer:.1f} us, op {t_op:.1f} us", file=sys.stderr, flush=True)
     print_table(["K", "layer decode us/token", "op sdm_step us/token", "layer / op"], rows)
+    if opts.trace:
+        print()
+        for log_k in sorted({opts.min_log_k, high}):
+            decode_timeline(1 << log_k, opts.decode_steps, options)
     return 0
 
 
