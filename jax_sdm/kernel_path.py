@@ -80,8 +80,8 @@ _TOKEN_FIELDS = frozenset({"k_idx", "k_val", "x", "v", "beta", "q_idx", "q_val",
 
 
 def _flatten(tree):
-    """`(arrays, axes, treedef)`: the arrays of a tree of named tuples, each one's B axis (by the name of its field,
-    `_BANK_FIELDS`) and the tree's structure."""
+    """`(arrays, axes, treedef)`: the arrays of a tree of named tuples, each one's B and H axes (by the name of its
+    field: `_BANK_FIELDS`, `_TOKEN_FIELDS`, else units) and the tree's structure."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     axes = tuple(BANK if path[-1].name in _BANK_FIELDS else TOKENS if path[-1].name in _TOKEN_FIELDS else UNITS
                  for path, _ in leaves)
@@ -124,13 +124,13 @@ def _sdm_kernels_primal(bank, tokens, dims, slab_tokens):
     chunked kernels without residuals in slabs of `slab_tokens` tokens (`_forward_in_slabs`).
     """
     per_token = (tokens.k_idx, tokens.k_val, tokens.x, tokens.v, tokens.beta, tokens.q_idx, tokens.q_val)
-    B, H = dims.B, dims.H
+    H = dims.H
     ids = lambda i: i if i.dtype == jnp.int32 else layout.slot_ids(i, dims.K)  # the kernel ignores ids outside [0, K)
 
     def recurrence(bank, k_idx, k_val, x, v, beta, q_idx, q_val):
-        y, final, repeats = ffi_ops.token_recurrence_ffi(split(bank, 0, H).reshape(B, H, dims.K, dims.D), ids(k_idx),
-                                                         k_val, x, v, beta, ids(q_idx), q_val)
-        return y, merge(final, 0), repeats.reshape(B * H)
+        y, final, repeats = ffi_ops.token_recurrence_ffi(split(bank, 0, H), ids(k_idx), k_val, x, v, beta,
+                                                         ids(q_idx), q_val)
+        return y, merge(final, 0), merge(repeats, 0)
 
     def chunked(bank, *per_token):
         return _forward_in_slabs(bank, Inputs(None, *per_token, None), dims, slab_tokens)
@@ -170,7 +170,9 @@ def _forward_in_slabs(bank, tokens, dims, slab_tokens):
         return (final, jax.lax.dynamic_update_slice_in_dim(y, y_s, start, 1), repeats + r_s), None
 
     full = T // slab
-    starts = jnp.arange(1, full, dtype=jnp.int32) * slab
+    # The slabs' starts from `iota`, not a constant array: the body of a `custom_partitioning` may hold no constants
+    # (jax 0.8 refuses them).
+    starts = (jax.lax.iota(jnp.int32, full - 1) + 1) * slab
     (final, y, repeats), _ = jax.lax.scan(body, (final, y, repeats), starts)
     if T > full * slab:  # the last, partial slab
         final, y_s, r_s = run(final, full * slab, T - full * slab, True)
