@@ -104,13 +104,13 @@ def _phase1_slots(k_idx, q_idx, packed, num_slots):
 NOGRAD_SLAB_TOKENS = 4096
 
 
-def _kernel_inputs(tokens, bank, packed, dims):
-    """`Inputs` in kernel layout from one shard's bank `[P, K, D]` (or None), per-token arrays in the public layout
-    `[B, T, H, ...]` (`tokens`: an `Inputs` whose bank and packed are ignored) and `Packed` (or None), both as
-    `_local` gives them; `dims` with the shard's `B`, `H` and `T`."""
-    per_token = layout.kernel_tokens(tokens.k_idx, tokens.k_val, tokens.x, tokens.v, tokens.beta, tokens.q_idx,
-                                     tokens.q_val, dims)
-    return Inputs(bank, *per_token, packed)
+def _kernel_inputs(inputs, dims):
+    """`inputs` (one shard's `Inputs` as `_local` gives them: the bank `[P, K, D]` or None, per-token arrays in the
+    public layout `[B, T, H, ...]`) with the per-token arrays in kernel layout; `dims` with the shard's `B`, `H`
+    and `T`."""
+    per_token = layout.kernel_tokens(inputs.k_idx, inputs.k_val, inputs.x, inputs.v, inputs.beta, inputs.q_idx,
+                                     inputs.q_val, dims)
+    return Inputs(inputs.bank, *per_token, inputs.packed)
 
 
 def _sdm_kernels_primal(bank, tokens, dims, slab_tokens):
@@ -151,7 +151,7 @@ def _forward_in_slabs(bank, tokens, dims, slab_tokens):
 
     def run(bank, start, T_slab, in_place):
         cut = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, T_slab, 1), per_token)
-        inputs = _kernel_inputs(cut, bank, None, dims._replace(T=T_slab))
+        inputs = _kernel_inputs(cut._replace(bank=bank), dims._replace(T=T_slab))
         p1 = ffi_ops.phase1_ffi(inputs.k_idx, inputs.k_val, inputs.x, inputs.q_idx, inputs.q_val, dims.K)
         minv = ffi_ops.solve_ffi(p1.A, inputs.beta)
         out = ffi_ops.forward_ffi(bank, inputs.k_idx, inputs.q_idx, inputs.v, inputs.beta, p1, minv, False,
@@ -318,8 +318,7 @@ def _local_forward(save, static, *arrays):
     """
     tree, dims = _local(static, arrays)
     if save or tree.packed is not None:
-        (y, final, repeats), saved = _sdm_kernels_fwd(_kernel_inputs(tree, tree.bank, tree.packed, dims), dims.K,
-                                                      save)
+        (y, final, repeats), saved = _sdm_kernels_fwd(_kernel_inputs(tree, dims), dims.K, save)
         # The readings leave in the bank's dtype (one rounding, as the op's result): their cotangent then comes in
         # that dtype too, which the backward's kernels take as it is (half the bytes of float32 for bfloat16).
         y = layout.from_units(y.astype(tree.bank.dtype), dims)
@@ -355,7 +354,7 @@ def _local_backward(static, *arrays):
     and the kept inputs in the public layout); `static` as `_local_forward`'s. Returns the gradients of the bank
     `[B, H, K, D]` and of the float per-token inputs, in the public layout and in their dtypes."""
     args, dims = _local(static, arrays)
-    kept = _kernel_inputs(args.kept, args.kept.bank, args.kept.packed, dims)
+    kept = _kernel_inputs(args.kept, dims)
     grads = _sdm_kernels_bwd(dims.K, kept, args.final, args.saved, layout.to_units(args.dy, dims), args.dfinal)
     public = lambda g, like, per_lane=True: layout.tokens_from_units(g, dims, like.dtype, per_lane)
     tokens = args.kept
@@ -369,7 +368,7 @@ def _saved_structure(static, arrays):
     without running anything."""
     def saved(*arrays):
         tree, dims = _local(static, arrays)
-        return _sdm_kernels_fwd(_kernel_inputs(tree, tree.bank, tree.packed, dims), dims.K)[1]
+        return _sdm_kernels_fwd(_kernel_inputs(tree, dims), dims.K)[1]
 
     _, saved_axes, saved_def = _flatten(jax.eval_shape(saved, *arrays))
     return saved_def, saved_axes

@@ -126,8 +126,8 @@ def _stream_axes(in_axes, arg_shapes):
 def _partitioned(local_fn, in_axes, out_axes, in_ranks, out_ranks):
     """`local_fn(static, *arrays) -> tuple of arrays` as a custom-partitioned function of the same arguments.
 
-    `in_axes` / `out_axes`: each array's B and H axes (`BANK`, `UNITS` or `TOKENS`). `local_fn` sees the arrays of one shard (all of
-    them, when nothing is sharded) and must be agnostic to the sizes of B and H.
+    `in_axes` / `out_axes`: each array's B and H axes (`BANK`, `UNITS` or `TOKENS`). `local_fn` sees the arrays of
+    one shard (all of them, when nothing is sharded) and must be agnostic to the sizes of B and H.
     """
     fn = custom_partitioning(local_fn, static_argnums=(0,))
 
