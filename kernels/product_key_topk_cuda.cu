@@ -1,12 +1,17 @@
 // The product-key top-k on the GPU (kernels/product_key_topk.h): one warp per row, kWarps rows per block, no
-// barrier but the warp's own. Each selection (a factor's top m_f of n_f, then the top k of the C candidates) is
-//   1. a search for the threshold T, the m-th largest key: bit by bit from the top, counting the keys >= a trial
-//      value with one warp reduction per bit, and stopping early at a trial value that exactly m keys reach;
-//   2. one pass that keeps the keys > T and, in element order, the first keys == T that complete m (ballots give
-//      every kept element its place);
-//   3. a bitonic sort of the m kept composites (padded to a power of two) in the warp's shared memory.
+// barrier but the warp's own. Each selection (a factor's top m_f of n_f, then the top k of the C candidates) takes
+// one of two routes, both exact:
+//   - prefiltered (m <= 32, m < N): a lower bound L of the m-th largest key, the m-th largest of the lanes' own
+//     best keys (their best one for m <= 16, their best two for m <= 32); the keys >= L, in element order, into
+//     the warp's shared memory (at most kPrefilterCap of them, else the other route); a sort of those in registers.
+//     L leaves about 1.5 m keys in random data, so the cost hardly grows with N.
+//   - threshold search: the threshold T, the m-th largest key, bit by bit from the top over the bits where the keys
+//     differ (one warp reduction per bit, stopping early at a trial value that exactly m keys reach); one pass that
+//     keeps the keys > T and, in element order, the first keys == T that complete m (ballots give every kept
+//     element its place); a bitonic sort of the m kept composites (padded to a power of two), in registers up to
+//     64, else in the warp's shared memory.
 // Keys of up to 1024 elements stay in registers (32 per lane); longer lists are recomputed on every pass. The
-// composites order the elements totally, so the result is the CPU kernel's, bit for bit, whatever the search does.
+// composites order the elements totally, so the result is the CPU kernel's, bit for bit, whatever the route.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -68,8 +73,69 @@ struct Keys {
   }
 };
 
-// Sorts buf[0, P) descending (P a power of two), the warp's lanes together.
+// A 64-bit warp shuffle as two 32-bit ones.
+__device__ __forceinline__ uint64_t shfl_xor_u64(uint64_t v, int mask) {
+  const int lo = __shfl_xor_sync(kFull, static_cast<int>(static_cast<uint32_t>(v)), mask);
+  const int hi = __shfl_xor_sync(kFull, static_cast<int>(static_cast<uint32_t>(v >> 32)), mask);
+  return (static_cast<uint64_t>(static_cast<uint32_t>(hi)) << 32) | static_cast<uint32_t>(lo);
+}
+__device__ __forceinline__ uint64_t shfl_u64(uint64_t v, int src) {
+  const int lo = __shfl_sync(kFull, static_cast<int>(static_cast<uint32_t>(v)), src);
+  const int hi = __shfl_sync(kFull, static_cast<int>(static_cast<uint32_t>(v >> 32)), src);
+  return (static_cast<uint64_t>(static_cast<uint32_t>(hi)) << 32) | static_cast<uint32_t>(lo);
+}
+
+// Sorts the warp's 32 E values descending, element 32 j + lane in v[j] (bitonic: pairs across lanes by shuffles,
+// pairs of one lane in registers).
+template <int E>
+__device__ __forceinline__ void warp_sort_regs(uint64_t (&v)[E], int lane) {
+#pragma unroll
+  for (int size = 2; size <= 32 * E; size <<= 1) {
+#pragma unroll
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      if (stride >= 32) {
+        const int js = stride >> 5;
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+          if (j & js) continue;
+          const bool desc = ((32 * j + lane) & size) == 0;
+          const uint64_t a = v[j], b = v[j | js];
+          if ((a < b) == desc) {
+            v[j] = b;
+            v[j | js] = a;
+          }
+        }
+      } else {
+        const bool lower = (lane & stride) == 0;
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+          const uint64_t other = shfl_xor_u64(v[j], stride);
+          const bool keep_max = lower == (((32 * j + lane) & size) == 0);
+          v[j] = keep_max == (v[j] > other) ? v[j] : other;
+        }
+      }
+    }
+  }
+}
+
+// Sorts buf[0, P) descending (P a power of two; the warp's lanes together), in registers up to P = 64.
 __device__ void warp_sort_desc(uint64_t* buf, int P, int lane) {
+  if (P <= 64) {
+    __syncwarp();
+    uint64_t v[2] = {lane < P ? buf[lane] : 0u, 32 + lane < P ? buf[32 + lane] : 0u};
+    __syncwarp();
+    if (P <= 32) {
+      uint64_t one[1] = {v[0]};
+      warp_sort_regs<1>(one, lane);
+      v[0] = one[0];
+    } else {
+      warp_sort_regs<2>(v, lane);
+    }
+    if (lane < P) buf[lane] = v[0];
+    if (32 + lane < P) buf[32 + lane] = v[1];
+    __syncwarp();
+    return;
+  }
   for (int size = 2; size <= P; size <<= 1) {
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
       for (int t = lane; t < P / 2; t += 32) {
@@ -86,8 +152,66 @@ __device__ void warp_sort_desc(uint64_t* buf, int P, int lane) {
   }
 }
 
-// The m best of the N elements (1 <= m <= N) into buf[0, m), best first; buf[m, P) padding (P >= m a power of
-// two). Composites (key, element), so ties go to the smaller element.
+constexpr int kPrefilterCap = 64;  // keys the prefiltered route sorts at most
+
+// The prefiltered route (see the file's head) for 1 <= m <= 32, m < N: the m best of the N elements into
+// buf[0, m), best first (buf holds at least kPrefilterCap composites). False, with buf's contents undefined, when
+// more than kPrefilterCap keys reach the bound (many ties): the caller takes the threshold search.
+template <typename K>
+__device__ bool warp_top_prefiltered(const K& keys, int N, int m, uint64_t* buf, int lane) {
+  // The lane's two best keys (0 where it has fewer elements: then the bound is 0 and every element passes).
+  uint32_t best0 = 0, best1 = 0;
+  keys.each([&](int s, uint32_t key) {
+    if (32 * s + lane >= N) return;
+    if (key > best0) {
+      best1 = best0;
+      best0 = key;
+    } else if (key > best1) {
+      best1 = key;
+    }
+  });
+  // L: the m-th largest of the lanes' best keys. m of them are keys of distinct elements >= L (or L = 0 <= every
+  // key), so the m best elements all have keys >= L.
+  uint32_t bound;
+  if (m <= 16) {
+    uint64_t v[1] = {uint64_t{best0}};
+    warp_sort_regs<1>(v, lane);
+    bound = static_cast<uint32_t>(shfl_u64(v[0], m - 1));
+  } else {
+    uint64_t v[2] = {uint64_t{best0}, uint64_t{best1}};
+    warp_sort_regs<2>(v, lane);
+    bound = static_cast<uint32_t>(shfl_u64(v[0], m - 1));  // m <= 32: among the first 32
+  }
+  const unsigned below = (1u << lane) - 1u;
+  unsigned count = 0;  // keys >= L before this chunk, in element order
+  keys.each([&](int s, uint32_t key) {
+    const int e = 32 * s + lane;
+    const bool pass = e < N && key >= bound;
+    const unsigned mask = __ballot_sync(kFull, pass);
+    const unsigned at = count + __popc(mask & below);
+    if (pass && at < static_cast<unsigned>(kPrefilterCap)) buf[at] = composite(key, static_cast<uint32_t>(e));
+    count += __popc(mask);
+  });
+  if (count > static_cast<unsigned>(kPrefilterCap)) return false;
+  __syncwarp();
+  const int n = static_cast<int>(count);
+  uint64_t v[2] = {lane < n ? buf[lane] : 0u, 32 + lane < n ? buf[32 + lane] : 0u};
+  __syncwarp();
+  if (count <= 32) {
+    uint64_t one[1] = {v[0]};
+    warp_sort_regs<1>(one, lane);
+    if (lane < m) buf[lane] = one[0];
+  } else {
+    warp_sort_regs<2>(v, lane);
+    if (lane < m) buf[lane] = v[0];
+    if (32 + lane < m) buf[32 + lane] = v[1];
+  }
+  __syncwarp();
+  return true;
+}
+
+// The m best of the N elements (1 <= m <= N) into buf[0, m), best first (buf holds max(P, kPrefilterCap)
+// composites, P >= m a power of two). Composites (key, element), so ties go to the smaller element.
 template <typename K>
 __device__ void warp_top(const K& keys, int N, int m, int P, uint64_t* buf, int lane) {
   const unsigned below = (1u << lane) - 1u;
@@ -97,8 +221,24 @@ __device__ void warp_top(const K& keys, int N, int m, int P, uint64_t* buf, int 
       if (e < N) buf[e] = composite(key, static_cast<uint32_t>(e));
     });
   } else {
-    uint32_t T = 0;  // the largest value that at least m keys reach, once the loop ends without a break
-    for (int b = 31; b >= 0; --b) {
+    if (m <= 32 && warp_top_prefiltered(keys, N, m, buf, lane)) return;
+    // The bits where the keys differ: above the highest and below the lowest, every key (and so T) has the same.
+    uint32_t any = 0, all = ~0u;
+    keys.each([&](int s, uint32_t key) {
+      if (32 * s + lane >= N) return;
+      any |= key;
+      all &= key;
+    });
+    any = __reduce_or_sync(kFull, any);
+    all = __reduce_and_sync(kFull, all);
+    const uint32_t differ = any ^ all;
+    const int high = differ ? 31 - __clz(differ) : -1;
+    const int low = differ ? __ffs(differ) - 1 : 0;
+    const uint32_t low_bits = all & ((1u << low) - 1u);
+    // T: the largest value that at least m keys reach, built from the top (T's bits below the current one are
+    // the keys' common low bits, so that a key compares with T as with its prefix).
+    uint32_t T = high < 0 ? all : (all & ~(high == 31 ? ~0u : (2u << high) - 1u)) | low_bits;
+    for (int b = high; b >= low; --b) {
       const uint32_t trial = T | (1u << b);
       unsigned c = 0;
       keys.each([&](int, uint32_t key) { c += key >= trial ? 1u : 0u; });
@@ -152,11 +292,16 @@ __device__ __forceinline__ WarpRow warp_row(int64_t bytes_per_warp) {
                  shared + warp * bytes_per_warp};
 }
 
-// Shared memory of one warp: the sort buffer (p_k composites), then the row's top lists (tops entries).
-int64_t warp_bytes(const ProductKeyDims& d) { return 8 * int64_t{d.p_k} + 8 * int64_t{d.tops}; }
+// Shared memory of one warp: the sort buffer (max(p_k, kPrefilterCap) composites; p_k >= every factor's p_f),
+// then the row's top lists (tops entries).
+__host__ __device__ inline int64_t sort_slots(const ProductKeyDims& d) {
+  return d.p_k > kPrefilterCap ? d.p_k : kPrefilterCap;
+}
+int64_t warp_bytes(const ProductKeyDims& d) { return 8 * sort_slots(d) + 8 * int64_t{d.tops}; }
 
+// At least 5 blocks an SM: 96 registers a thread, no spills (the 1024-element register keys are the most).
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, 5)
     product_key_topk_kernel(ProductKeyDims d, const T* __restrict__ x, const int32_t* __restrict__ table,
                             float* __restrict__ scores, int32_t* __restrict__ ids, int64_t bytes_per_warp) {
   const WarpRow w = warp_row(bytes_per_warp);
@@ -164,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lane = w.lane;
   if (row >= d.rows) return;
   uint64_t* buf = reinterpret_cast<uint64_t*>(w.shared);
-  Top* tops = reinterpret_cast<Top*>(buf + d.p_k);
+  Top* tops = reinterpret_cast<Top*>(buf + sort_slots(d));
   const T* xr = x + row * d.width;
 
   for (int f = 0; f < d.F; ++f) {

@@ -540,6 +540,10 @@ def test_decode_loop_equals_one_call_and_donates_the_state(variant):
     state = model.init_state(2)
     y_t, state = nnx.jit(lambda m, x, s: m.decode(x, s))(model, x[:, 0], state)
     assert y_t.shape == (2, D_MODEL) and rel_err(y_t, y_all[:, 0]) < 1e-5
+    # The projection weights made beforehand (as decode_loop does, outside its scan): the same bits.
+    y_w, state_w = nnx.jit(lambda m, x, s: m.decode(x, s, weights=m.projection_weights()))(
+        model, x[:, 0], model.init_state(2))
+    assert np.array_equal(np.asarray(y_w), np.asarray(y_t)) and np.array_equal(np.asarray(state_w), np.asarray(state))
     # The compiled loop aliases the state to the returned bank.
     graphdef, params = nnx.split(model)
     from jax_sdm.nn.layer import _decode_loop

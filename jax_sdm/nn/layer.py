@@ -251,19 +251,32 @@ class SparseDeltaMemory(nnx.Module):
         mods = [self.write_query, self.read_query, self.value_proj, self.beta_proj, self.gate_proj]
         return mods + ([self.output_gate] if self.output_gate is not None else [])
 
-    def project(self, x):
-        """`x [B, T, d_model]` -> `(write_address [B, T, H, address_width], read_address, value [B, T, H, D],
-        b [B, T, H], a [B, T, H], output_gate [B, T, H, D] or None)`: every projection of `x` as one matmul in the
-        computation dtype, the kernels concatenated per head (so that a head-sharded layer stays head-sharded)."""
+    def projection_weights(self):
+        """`(kernel [d_model, H, width], bias [H, width] or None)`: the input projections' weights concatenated per
+        head in the computation dtype, in the column order of `project`. A decode loop makes them once, outside
+        its scan (`decode_loop`): they grow with `sqrt(K)` for direct factor scores, and remaking them every step
+        would cost more than the step itself at large `K`."""
         H = self.num_heads
         mods = self._input_projections()
         widths = [m.out_features // H for m in mods]
         kernel = jnp.concatenate([m.kernel[...].astype(self.dtype).reshape(self.d_model, H, w)
                                   for m, w in zip(mods, widths)], axis=2)
-        out = jnp.einsum("btd,dhw->bthw", x.astype(self.dtype), kernel)
+        bias = None
         if mods[0].bias is not None:
-            out = out + jnp.concatenate([m.bias[...].astype(self.dtype).reshape(H, w)
-                                         for m, w in zip(mods, widths)], axis=1)
+            bias = jnp.concatenate([m.bias[...].astype(self.dtype).reshape(H, w) for m, w in zip(mods, widths)],
+                                   axis=1)
+        return kernel, bias
+
+    def project(self, x, weights=None):
+        """`x [B, T, d_model]` -> `(write_address [B, T, H, address_width], read_address, value [B, T, H, D],
+        b [B, T, H], a [B, T, H], output_gate [B, T, H, D] or None)`: every projection of `x` as one matmul in the
+        computation dtype, the kernels concatenated per head (so that a head-sharded layer stays head-sharded).
+        `weights`: `projection_weights()`, when the caller has made them already."""
+        kernel, bias = self.projection_weights() if weights is None else weights
+        widths = [m.out_features // self.num_heads for m in self._input_projections()]
+        out = jnp.einsum("btd,dhw->bthw", x.astype(self.dtype), kernel)
+        if bias is not None:
+            out = out + bias
         parts = jnp.split(out, np.cumsum(widths)[:-1], axis=-1)
         parts[3], parts[4] = parts[3][..., 0], parts[4][..., 0]  # b, a: one column per head
         return tuple(parts) + ((None,) if self.output_gate is None else ())
@@ -306,13 +319,13 @@ class SparseDeltaMemory(nnx.Module):
             g = g[..., None] * jnp.abs(k_val.astype(jnp.float32))
         return beta, g
 
-    def _memory_inputs(self, x, segment_ids=None, use_running_average=None):
+    def _memory_inputs(self, x, segment_ids=None, use_running_average=None, weights=None):
         """The op's arguments and the output gate's projection for `x [B, T, d_model]`."""
         B, T, _ = x.shape
         H = self.num_heads
         # Named scopes: a device trace groups the layer's kernels by them (benchmarks/bench_layer.py --trace).
         with jax.named_scope("project"):
-            write_address, read_address, v, b, a, gate_in = self.project(x)
+            write_address, read_address, v, b, a, gate_in = self.project(x, weights)
         with jax.named_scope("address"):
             if self.write_norm is not None:
                 shape = (B, T, H * self.address_width)
@@ -396,34 +409,36 @@ class SparseDeltaMemory(nnx.Module):
         with jax.named_scope("readout"):
             return self._readout(y, gate_in), bank
 
-    def _decode(self, x, state, use_running_average):
-        args, gate_in = self._memory_inputs(x, use_running_average=use_running_average)
+    def _decode(self, x, state, use_running_average, weights=None):
+        args, gate_in = self._memory_inputs(x, use_running_average=use_running_average, weights=weights)
         with jax.named_scope("memory"):
             y, bank = jax_sdm.sdm_step(state.astype(self.dtype), *(a[:, 0] for a in args), impl=self.impl)
         with jax.named_scope("readout"):
             return self._readout(y[:, None], gate_in), bank
 
-    def decode(self, x_t, state):
+    def decode(self, x_t, state, *, weights=None):
         """One decode step: `x_t [B, d_model]` (or `[B, 1, d_model]`) and the state `[B, H, K, D]` ->
         `(y_t, state)`, `y_t` shaped like `x_t`. Runs `jax_sdm.sdm_step` (inference only) with the batch-norm
         running statistics. Under `jax.jit` with the state donated (`decode_loop` does that) the bank is
-        updated in place; an undonated state is copied every step."""
+        updated in place; an undonated state is copied every step. In a loop of steps, pass
+        `weights=layer.projection_weights()` made once before the loop (XLA does not hoist them out of a scan)."""
         squeeze = x_t.ndim == 2
         x = x_t[:, None] if squeeze else x_t
         if x.ndim != 3 or x.shape[1:] != (1, self.d_model):
             raise ValueError(f"SparseDeltaMemory.decode: `x_t` must be [B, d_model={self.d_model}] or "
                              f"[B, 1, d_model], got {x_t.shape}")
         self._check_state(state, x.shape[0])
-        y, state = self._decode(x, state, use_running_average=True)
+        y, state = self._decode(x, state, use_running_average=True, weights=weights)
         return (y[:, 0] if squeeze else y), state
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
 def _decode_loop(graphdef, params, x, state):
     layer = nnx.merge(graphdef, params)
+    weights = layer.projection_weights()  # once, not in every step
 
     def body(state, x_t):
-        y_t, state = layer.decode(x_t, state)
+        y_t, state = layer.decode(x_t, state, weights=weights)
         return state, y_t
 
     state, ys = jax.lax.scan(body, state, jnp.swapaxes(x, 0, 1))

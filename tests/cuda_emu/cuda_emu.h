@@ -236,6 +236,7 @@ inline void __syncthreads() { emu::block_bar->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_sync(); }
 inline int __ffs(unsigned v) { return __builtin_ffs(static_cast<int>(v)); }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __clz(unsigned v) { return v ? __builtin_clz(v) : 32; }
 
 namespace emu {
 // A warp collective: each lane posts v; f(the 32 posted values) runs once all have posted, and every lane waits
@@ -267,6 +268,20 @@ inline unsigned __reduce_add_sync(unsigned, unsigned v) {
     unsigned sum = 0;
     for (int l = 0; l < 32; ++l) sum += w[l];
     return sum;
+  });
+}
+inline unsigned __reduce_or_sync(unsigned, unsigned v) {
+  return emu::collective(v, [](const unsigned* w) {
+    unsigned r = 0;
+    for (int l = 0; l < 32; ++l) r |= w[l];
+    return r;
+  });
+}
+inline unsigned __reduce_and_sync(unsigned, unsigned v) {
+  return emu::collective(v, [](const unsigned* w) {
+    unsigned r = ~0u;
+    for (int l = 0; l < 32; ++l) r &= w[l];
+    return r;
   });
 }
 inline int __shfl_up_sync(unsigned, int x, int o) {

@@ -2,7 +2,8 @@
 // CPU kernels (kernels/product_key_topk_cpu.cc), bitwise, forward and backward: one to three factors, float32 and
 // bfloat16 scores, continuous and tied values (small integers, all equal, NaN, infinities of one sign, signed
 // zeros), lists that take each of the CUDA kernel's key paths (registers up to 256 and up to 1024 elements,
-// recomputed beyond), row counts that leave a block's last warps idle, and backward rows of several tiles.
+// recomputed beyond) and both selection routes (prefiltered; the threshold search where m > 32 or too many keys
+// tie), row counts that leave a block's last warps idle, and backward rows of several tiles.
 #include "product_key_emu.inc"
 
 #include <cmath>
@@ -106,6 +107,9 @@ int main() {
       {1, {1500, 1500}, 64}, // a backward row of two tiles
       {3, {4, 1, 6}, 10},    // a factor of one entry
       {9, {16, 16}, 1},      // k = 1; three blocks, the last with one row
+      {5, {1024, 1024}, 16}, // a decode step at K = 2^20: prefiltered factors (32 keys a lane) and candidates
+      {3, {64, 64}, 16},     // a decode step at K = 2^12
+      {3, {40, 70}, 20},     // prefiltered with lanes of no element (n = 40) and m in (16, 32]
   };
   int failing = 0;
   unsigned seed = 1;
