@@ -252,10 +252,11 @@ class SparseDeltaMemory(nnx.Module):
         return mods + ([self.output_gate] if self.output_gate is not None else [])
 
     def projection_weights(self):
-        """`(kernel [d_model, H, width], bias [H, width] or None)`: the input projections' weights concatenated per
-        head in the computation dtype, in the column order of `project`. A decode loop makes them once, outside
-        its scan (`decode_loop`): they grow with `sqrt(K)` for direct factor scores, and remaking them every step
-        would cost more than the step itself at large `K`."""
+        """The weights of the layer's matmuls in the computation dtype: `(kernel [d_model, H, width], bias
+        [H, width] or None, out_kernel [H * D, d_model], out_bias [d_model] or None)`, the input projections
+        concatenated per head in the column order of `project`, then `out_proj`'s. A decode loop makes them once,
+        outside its scan (`decode_loop`): they grow with `sqrt(K)` for direct factor scores, and remaking them every
+        step costs more than the step itself at large `K`."""
         H = self.num_heads
         mods = self._input_projections()
         widths = [m.out_features // H for m in mods]
@@ -265,14 +266,15 @@ class SparseDeltaMemory(nnx.Module):
         if mods[0].bias is not None:
             bias = jnp.concatenate([m.bias[...].astype(self.dtype).reshape(H, w) for m, w in zip(mods, widths)],
                                    axis=1)
-        return kernel, bias
+        out_bias = None if self.out_proj.bias is None else self.out_proj.bias[...].astype(self.dtype)
+        return kernel, bias, self.out_proj.kernel[...].astype(self.dtype), out_bias
 
     def project(self, x, weights=None):
         """`x [B, T, d_model]` -> `(write_address [B, T, H, address_width], read_address, value [B, T, H, D],
         b [B, T, H], a [B, T, H], output_gate [B, T, H, D] or None)`: every projection of `x` as one matmul in the
         computation dtype, the kernels concatenated per head (so that a head-sharded layer stays head-sharded).
         `weights`: `projection_weights()`, when the caller has made them already."""
-        kernel, bias = self.projection_weights() if weights is None else weights
+        kernel, bias = (self.projection_weights() if weights is None else weights)[:2]
         widths = [m.out_features // self.num_heads for m in self._input_projections()]
         out = jnp.einsum("btd,dhw->bthw", x.astype(self.dtype), kernel)
         if bias is not None:
@@ -347,14 +349,20 @@ class SparseDeltaMemory(nnx.Module):
         """Readings `y [B, T, H, D]` of `x [B, T, d_model]` -> the layer's output `[B, T, d_model]`."""
         return self._readout(y, None if self.output_gate is None else self.output_gate(x))
 
-    def _readout(self, y, gate_in):
-        """`readout` with the output gate's projection of `x` given (`[B, T, H * D]`, from `project`)."""
+    def _readout(self, y, gate_in, weights=None):
+        """`readout` with the output gate's projection of `x` given (`[B, T, H * D]`, from `project`), and
+        optionally `projection_weights()`."""
         B, T = y.shape[:2]
         if self.norm is not None:
             y = self.norm(y)
         if gate_in is not None:
             y = y * jax.nn.sigmoid(gate_in.reshape(y.shape)).astype(y.dtype)
-        return self.out_proj(y.reshape(B, T, self.num_heads * self.head_dim).astype(self.dtype))
+        y = y.reshape(B, T, self.num_heads * self.head_dim).astype(self.dtype)
+        if weights is None:
+            return self.out_proj(y)
+        _, _, out_kernel, out_bias = weights  # what out_proj computes, with its kernel cast beforehand
+        out = jax.lax.dot_general(y, out_kernel, (((y.ndim - 1,), (0,)), ((), ())))
+        return out if out_bias is None else out + out_bias
 
     def initial_bank(self):
         """The bank every sequence starts from, `[H, K, D]` in the layer's dtype."""
@@ -414,7 +422,7 @@ class SparseDeltaMemory(nnx.Module):
         with jax.named_scope("memory"):
             y, bank = jax_sdm.sdm_step(state.astype(self.dtype), *(a[:, 0] for a in args), impl=self.impl)
         with jax.named_scope("readout"):
-            return self._readout(y[:, None], gate_in), bank
+            return self._readout(y[:, None], gate_in, weights), bank
 
     def decode(self, x_t, state, *, weights=None):
         """One decode step: `x_t [B, d_model]` (or `[B, 1, d_model]`) and the state `[B, H, K, D]` ->
