@@ -9,8 +9,7 @@
 # Environment: PYTEST_ARGS (extra pytest arguments, split at spaces, e.g. "-x"), PYTEST_K (a pytest -k expression,
 # kept whole: "run_arrays or workspace_path"), BENCH_ARGS (extra bench.py arguments, e.g.
 # "--pipeline 20"), GPU_TEST_FILES (replaces the GPU test list: names of files in tests/, "test_nn.py test_step.py"),
-# GPU_TEST_JOBS (pytest processes sharing
-# it, default 3), BENCH_SHAPES, BENCH_CHUNKS, BENCH_REPEATS,
+# GPU_TEST_JOBS (pytest processes sharing it, default 3), BENCH_SHAPES, BENCH_CHUNKS, BENCH_REPEATS,
 # BENCH_DECODE (0 skips bench_decode.py), BENCH_DECODE_ARGS (bench_decode.py's arguments, default "--impls ffi";
 # e.g. "--impls ffi,noop --device-time" adds the device's kernel time per step), PROFILE_SHAPES, PROFILE_CHUNKS,
 # PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections), PROFILE_DETAIL_CHUNK,
