@@ -3,6 +3,7 @@ must fail here, not on the GPU machine)."""
 import math
 import re
 
+import numpy as np
 import pytest
 
 from .helpers import load_benchmark
@@ -33,6 +34,28 @@ def test_bench_topk_prints_times(capsys):
     row = next(line for line in out.splitlines() if line.startswith("| c: rows 4,"))
     times = [float(x) for x in re.findall(r"\| (\d+\.\d+)", row)]
     assert len(times) == 6 and min(times) > 0 and all(math.isfinite(t) for t in times)
+
+
+def test_profile_topk_runs_the_kernel(capsys):
+    profile_topk = load_benchmark("profile_topk")
+    assert profile_topk.main(["--rows", "3", "--factors", "16,8", "--k", "5", "--dtype", "float32", "--calls", "2"]) == 0
+    assert "rows 3, factors (16, 8), k 5, float32: 2 calls" in capsys.readouterr().out
+
+
+def test_ncu_source_summary_ranks_instructions_by_samples(tmp_path, capsys):
+    summary = load_benchmark("ncu_source_summary")
+    samples = [int(v) for v in np.random.default_rng().permutation(50)[:6] + 1]  # distinct: one order
+    lines = ["==PROF== a line of the profiler", '"Address","Source","Warp Stall Sampling (All Samples)","Other"']
+    lines += [f'"{16 * i:x}","INSTR_{i} R{i}, R{i + 1}","{n}","7"' for i, n in enumerate(samples)]
+    path = tmp_path / "source.csv"
+    path.write_text("\n".join(lines) + "\n")
+    assert summary.main([str(path), "--top", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"6 instructions, {sum(samples)} samples (Warp Stall Sampling (All Samples))"
+    order = sorted(range(6), key=lambda i: -samples[i])[:3]
+    assert [line.split()[3] for line in out[1:]] == [f"INSTR_{i}" for i in order]
+    share = [float(line.split()[0].rstrip("%")) for line in out[1:]]
+    assert share[0] == pytest.approx(100 * samples[order[0]] / sum(samples), abs=0.06)
 
 
 def test_bench_layer_decode_prints_times(capsys):
