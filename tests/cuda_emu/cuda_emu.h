@@ -263,26 +263,25 @@ inline unsigned __match_any_sync(unsigned, unsigned v) {
 inline unsigned __ballot_sync(unsigned, bool p) {
   return emu::collective(p, [](const unsigned* w) { return emu::lanes_where(w, 0, true); });
 }
-inline unsigned __reduce_add_sync(unsigned, unsigned v) {
-  return emu::collective(v, [](const unsigned* w) {
-    unsigned sum = 0;
-    for (int l = 0; l < 32; ++l) sum += w[l];
-    return sum;
+namespace emu {
+// A warp reduction: op folded over the 32 posted values in lane order, from init.
+template <typename Op>
+unsigned reduce_lanes(unsigned v, unsigned init, Op op) {
+  return collective(v, [&](const unsigned* w) {
+    unsigned r = init;
+    for (int l = 0; l < 32; ++l) r = op(r, w[l]);
+    return r;
   });
+}
+}  // namespace emu
+inline unsigned __reduce_add_sync(unsigned, unsigned v) {
+  return emu::reduce_lanes(v, 0u, [](unsigned a, unsigned b) { return a + b; });
 }
 inline unsigned __reduce_or_sync(unsigned, unsigned v) {
-  return emu::collective(v, [](const unsigned* w) {
-    unsigned r = 0;
-    for (int l = 0; l < 32; ++l) r |= w[l];
-    return r;
-  });
+  return emu::reduce_lanes(v, 0u, [](unsigned a, unsigned b) { return a | b; });
 }
 inline unsigned __reduce_and_sync(unsigned, unsigned v) {
-  return emu::collective(v, [](const unsigned* w) {
-    unsigned r = ~0u;
-    for (int l = 0; l < 32; ++l) r &= w[l];
-    return r;
-  });
+  return emu::reduce_lanes(v, ~0u, [](unsigned a, unsigned b) { return a & b; });
 }
 inline int __shfl_up_sync(unsigned, int x, int o) {
   return emu::collective(static_cast<unsigned>(x), [&](const unsigned* w) {
