@@ -1,6 +1,6 @@
 // The product-key top-k on the GPU (kernels/product_key_topk.h): one warp per row, kWarps rows per block, no
-// barrier but the warp's own. Each selection (a factor's top m_f of n_f, then the top k of the C candidates) takes
-// one of two routes, both exact:
+// barrier but the warp's own; for few rows, a block per row whose warps select the factors side by side. Each
+// selection (a factor's top m_f of n_f, then the top k of the C candidates) takes one of two routes, both exact:
 //   - prefiltered (m <= 32, m < N): a lower bound L of the m-th largest key, the m-th largest of the lanes' own
 //     best keys (their best one for m <= 16, their best two for m <= 32); the keys >= L, in element order, into
 //     the warp's shared memory (at most kPrefilterCap of them, else the other route); a sort of those in registers.
@@ -28,6 +28,10 @@ constexpr int kWarps = 4;  // rows per block
 constexpr int kThreads = 32 * kWarps;
 constexpr int64_t kSharedBytes = 48 * 1024;  // the default dynamic shared memory limit (no opt-in needed)
 constexpr int kBwdTile = 2048;              // gradient columns a warp accumulates at once
+// The forward takes a block per row (product_key_topk_split_kernel) for at most kSplitRows rows of 2 to
+// kSplitMaxFactors factors, else a warp per row.
+constexpr int64_t kSplitRows = 512;
+constexpr int kSplitMaxFactors = 8;
 
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -299,31 +303,23 @@ __host__ __device__ inline int64_t sort_slots(const ProductKeyDims& d) {
 }
 int64_t warp_bytes(const ProductKeyDims& d) { return 8 * sort_slots(d) + 8 * int64_t{d.tops}; }
 
-// At least 5 blocks an SM: 96 registers a thread, no spills (the 1024-element register keys are the most).
+// Factor f of row xr: its top m_f (score, index) into the row's top lists, by one warp (buf: its sort buffer).
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 5)
-    product_key_topk_kernel(ProductKeyDims d, const T* __restrict__ x, const int32_t* __restrict__ table,
-                            float* __restrict__ scores, int32_t* __restrict__ ids, int64_t bytes_per_warp) {
-  const WarpRow w = warp_row(bytes_per_warp);
-  const int64_t row = w.row;
-  const int lane = w.lane;
-  if (row >= d.rows) return;
-  uint64_t* buf = reinterpret_cast<uint64_t*>(w.shared);
-  Top* tops = reinterpret_cast<Top*>(buf + sort_slots(d));
-  const T* xr = x + row * d.width;
-
-  for (int f = 0; f < d.F; ++f) {
-    const T* xf = xr + d.x_offset[f];
-    warp_top_of([xf](int e) { return order_key(to_f(xf[e])); }, d.n[f], d.m[f], d.p[f], buf, lane);
-    Top* tf = tops + d.top_offset[f];
-    for (int r = lane; r < d.m[f]; r += 32) {
-      const uint32_t e = composite_pos(buf[r]);
-      tf[r] = Top{to_f(xf[e]), static_cast<int32_t>(e)};
-    }
-    __syncwarp();
+__device__ void select_factor(const ProductKeyDims& d, const T* xr, int f, uint64_t* buf, Top* tops, int lane) {
+  const T* xf = xr + d.x_offset[f];
+  warp_top_of([xf](int e) { return order_key(to_f(xf[e])); }, d.n[f], d.m[f], d.p[f], buf, lane);
+  Top* tf = tops + d.top_offset[f];
+  for (int r = lane; r < d.m[f]; r += 32) {
+    const uint32_t e = composite_pos(buf[r]);
+    tf[r] = Top{to_f(xf[e]), static_cast<int32_t>(e)};
   }
-  float* sr = scores + row * d.k;
-  int32_t* ir = ids + row * d.k;
+  __syncwarp();
+}
+
+// The row's top k from its top lists (all F written and visible to the warp), by one warp: for F = 1 the list
+// itself, else the best k candidates.
+__device__ void select_slots(const ProductKeyDims& d, const Top* tops, const int32_t* __restrict__ table,
+                             uint64_t* buf, float* sr, int32_t* ir, int lane) {
   if (d.F == 1) {
     for (int r = lane; r < d.k; r += 32) {
       sr[r] = canonical_score(tops[r].score);
@@ -349,6 +345,38 @@ __global__ void __launch_bounds__(kThreads, 5)
     sr[r] = canonical_score(slot.score);
     ir[r] = slot.index;
   }
+}
+
+// One warp per row. At least 5 blocks an SM: 96 registers a thread, no spills (the 1024-element register keys are
+// the most).
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 5)
+    product_key_topk_kernel(ProductKeyDims d, const T* __restrict__ x, const int32_t* __restrict__ table,
+                            float* __restrict__ scores, int32_t* __restrict__ ids, int64_t bytes_per_warp) {
+  const WarpRow w = warp_row(bytes_per_warp);
+  if (w.row >= d.rows) return;
+  uint64_t* buf = reinterpret_cast<uint64_t*>(w.shared);
+  Top* tops = reinterpret_cast<Top*>(buf + sort_slots(d));
+  const T* xr = x + w.row * d.width;
+  for (int f = 0; f < d.F; ++f) select_factor(d, xr, f, buf, tops, w.lane);
+  select_slots(d, tops, table, buf, scores + w.row * d.k, ids + w.row * d.k, w.lane);
+}
+
+// A block per row, warp f selecting factor f, then warp 0 the slots: for few rows (a decode step's), where one warp
+// a row leaves the GPU idle and the row's latency is the call's. Shared memory: F sort buffers, then the top lists.
+template <typename T>
+__global__ void __launch_bounds__(32 * kSplitMaxFactors)
+    product_key_topk_split_kernel(ProductKeyDims d, const T* __restrict__ x, const int32_t* __restrict__ table,
+                                  float* __restrict__ scores, int32_t* __restrict__ ids) {
+  extern __shared__ __align__(16) unsigned char shared[];
+  const int64_t row = blockIdx.x;
+  const int warp = static_cast<int>(threadIdx.x >> 5);
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  uint64_t* bufs = reinterpret_cast<uint64_t*>(shared);
+  Top* tops = reinterpret_cast<Top*>(bufs + d.F * sort_slots(d));
+  select_factor(d, x + row * d.width, warp, bufs + warp * sort_slots(d), tops, lane);
+  __syncthreads();
+  if (warp == 0) select_slots(d, tops, table, bufs, scores + row * d.k, ids + row * d.k, lane);
 }
 
 // The backward, one warp per row: the row's dscores and ids in shared memory, then per tile of kBwdTile columns
@@ -411,8 +439,15 @@ template <typename T>
 int product_key_topk_cuda(const ProductKeyDims& d, const T* x, const int32_t* table, float* scores, int32_t* ids,
                           CUstream_st* stream) {
   using D = typename Device<T>::type;
-  return launch(product_key_topk_kernel<D>, d, warp_bytes(d), stream, reinterpret_cast<const D*>(x), table, scores,
-                ids);
+  const D* xd = reinterpret_cast<const D*>(x);
+  if (d.rows > 0 && d.rows <= kSplitRows && d.F >= 2 && d.F <= kSplitMaxFactors) {
+    const int64_t bytes = 8 * (d.F * sort_slots(d) + int64_t{d.tops});
+    if (bytes > kSharedBytes) return static_cast<int>(cudaErrorInvalidValue);
+    product_key_topk_split_kernel<D><<<static_cast<unsigned>(d.rows), 32 * d.F, bytes, stream>>>(d, xd, table,
+                                                                                                  scores, ids);
+    return static_cast<int>(cudaGetLastError());
+  }
+  return launch(product_key_topk_kernel<D>, d, warp_bytes(d), stream, xd, table, scores, ids);
 }
 
 template <typename T>

@@ -3,7 +3,8 @@
 // bfloat16 scores, continuous and tied values (small integers, all equal, NaN, infinities of one sign, signed
 // zeros), lists that take each of the CUDA kernel's key paths (registers up to 256 and up to 1024 elements,
 // recomputed beyond) and both selection routes (prefiltered; the threshold search where m > 32 or too many keys
-// tie), row counts that leave a block's last warps idle, and backward rows of several tiles.
+// tie), both launch forms (a block per row for a few rows of 2 to 8 factors, else a warp per row), row counts that
+// leave a block's last warps idle, and backward rows of several tiles.
 #include "product_key_emu.inc"
 
 #include <cmath>
@@ -90,6 +91,7 @@ struct Case {
   int64_t rows;
   std::vector<int64_t> factors;
   int64_t k;
+  int kinds = 4;  // the first `kinds` of the value kinds (a case of many rows takes long to emulate)
 };
 
 }  // namespace
@@ -110,11 +112,12 @@ int main() {
       {5, {1024, 1024}, 16}, // a decode step at K = 2^20: prefiltered factors (32 keys a lane) and candidates
       {3, {64, 64}, 16},     // a decode step at K = 2^12
       {3, {40, 70}, 20},     // prefiltered with lanes of no element (n = 40) and m in (16, 32]
+      {515, {12, 20}, 8, 1}, // more rows than the block-per-row kernel takes: a warp per row
   };
   int failing = 0;
   unsigned seed = 1;
   for (const Case& c : cases) {
-    for (int kind = 0; kind < 4; ++kind) {
+    for (int kind = 0; kind < c.kinds; ++kind) {
       failing += !run<float>(c.rows, c.factors, c.k, static_cast<Kind>(kind), seed++);
       failing += !run<bf16>(c.rows, c.factors, c.k, static_cast<Kind>(kind), seed++);
     }
