@@ -122,22 +122,27 @@ __device__ __forceinline__ void warp_sort_regs(uint64_t (&v)[E], int lane) {
   }
 }
 
+// The n (<= 64) composites of buf sorted descending in registers, the best `keep` (<= n) written back to buf[0, keep).
+__device__ void warp_sort_prefix(uint64_t* buf, int n, int keep, int lane) {
+  __syncwarp();
+  uint64_t v[2] = {lane < n ? buf[lane] : 0u, 32 + lane < n ? buf[32 + lane] : 0u};
+  __syncwarp();
+  if (n <= 32) {
+    uint64_t one[1] = {v[0]};
+    warp_sort_regs<1>(one, lane);
+    v[0] = one[0];
+  } else {
+    warp_sort_regs<2>(v, lane);
+  }
+  if (lane < keep) buf[lane] = v[0];
+  if (32 + lane < keep) buf[32 + lane] = v[1];
+  __syncwarp();
+}
+
 // Sorts buf[0, P) descending (P a power of two; the warp's lanes together), in registers up to P = 64.
 __device__ void warp_sort_desc(uint64_t* buf, int P, int lane) {
   if (P <= 64) {
-    __syncwarp();
-    uint64_t v[2] = {lane < P ? buf[lane] : 0u, 32 + lane < P ? buf[32 + lane] : 0u};
-    __syncwarp();
-    if (P <= 32) {
-      uint64_t one[1] = {v[0]};
-      warp_sort_regs<1>(one, lane);
-      v[0] = one[0];
-    } else {
-      warp_sort_regs<2>(v, lane);
-    }
-    if (lane < P) buf[lane] = v[0];
-    if (32 + lane < P) buf[32 + lane] = v[1];
-    __syncwarp();
+    warp_sort_prefix(buf, P, P, lane);
     return;
   }
   for (int size = 2; size <= P; size <<= 1) {
@@ -197,20 +202,7 @@ __device__ bool warp_top_prefiltered(const K& keys, int N, int m, uint64_t* buf,
     count += __popc(mask);
   });
   if (count > static_cast<unsigned>(kPrefilterCap)) return false;
-  __syncwarp();
-  const int n = static_cast<int>(count);
-  uint64_t v[2] = {lane < n ? buf[lane] : 0u, 32 + lane < n ? buf[32 + lane] : 0u};
-  __syncwarp();
-  if (count <= 32) {
-    uint64_t one[1] = {v[0]};
-    warp_sort_regs<1>(one, lane);
-    if (lane < m) buf[lane] = one[0];
-  } else {
-    warp_sort_regs<2>(v, lane);
-    if (lane < m) buf[lane] = v[0];
-    if (32 + lane < m) buf[32 + lane] = v[1];
-  }
-  __syncwarp();
+  warp_sort_prefix(buf, static_cast<int>(count), m, lane);
   return true;
 }
 
