@@ -45,15 +45,27 @@ struct Top {
 
 // The keys of elements e = 32 s + lane, s < chunks (e >= N reads as 0, below every real element's composite and
 // after it in element order, so it is never kept). E > 0: all in registers (chunks <= E); E == 0: key_of(e) on
-// every pass.
-template <int E, typename KeyOf>
+// every pass. kTogether: the E keys are read with no branch between them (out-of-range lanes read element 0, then
+// read as 0), so that their loads are in flight together: a load under its own test waits for the one before it.
+// That needs registers for all E loads at once, so it serves the block-per-row kernel, whose rows' latency is the
+// call's; the warp-per-row kernel keeps its occupancy.
+template <int E, typename KeyOf, bool kTogether>
 struct Keys {
   KeyOf key_of;
   int N, chunks, lane;
   uint32_t r[E > 0 ? E : 1];
 
   __device__ Keys(KeyOf k, int n, int l) : key_of(k), N(n), chunks((n + 31) / 32), lane(l) {
-    if constexpr (E > 0) {
+    if constexpr (E > 0 && kTogether) {
+#pragma unroll
+      for (int s = 0; s < E; ++s) {
+        const int e = 32 * s + lane;
+        r[s] = key_of(e < N ? e : 0);
+      }
+#pragma unroll
+      for (int s = 0; s < E; ++s)
+        if (32 * s + lane >= N) r[s] = 0u;
+    } else if constexpr (E > 0) {
 #pragma unroll
       for (int s = 0; s < E; ++s) {
         const int e = 32 * s + lane;
@@ -264,14 +276,14 @@ __device__ void warp_top(const K& keys, int N, int m, int P, uint64_t* buf, int 
 }
 
 // warp_top with the keys in registers when they fit, recomputed on every pass otherwise.
-template <typename KeyOf>
+template <bool kTogether, typename KeyOf>
 __device__ void warp_top_of(KeyOf key_of, int N, int m, int P, uint64_t* buf, int lane) {
   if (N <= 32 * 8) {
-    warp_top(Keys<8, KeyOf>(key_of, N, lane), N, m, P, buf, lane);
+    warp_top(Keys<8, KeyOf, kTogether>(key_of, N, lane), N, m, P, buf, lane);
   } else if (N <= 32 * 32) {
-    warp_top(Keys<32, KeyOf>(key_of, N, lane), N, m, P, buf, lane);
+    warp_top(Keys<32, KeyOf, kTogether>(key_of, N, lane), N, m, P, buf, lane);
   } else {
-    warp_top(Keys<0, KeyOf>(key_of, N, lane), N, m, P, buf, lane);
+    warp_top(Keys<0, KeyOf, kTogether>(key_of, N, lane), N, m, P, buf, lane);
   }
 }
 
@@ -296,10 +308,10 @@ __host__ __device__ inline int64_t sort_slots(const ProductKeyDims& d) {
 int64_t warp_bytes(const ProductKeyDims& d) { return 8 * sort_slots(d) + 8 * int64_t{d.tops}; }
 
 // Factor f of row xr: its top m_f (score, index) into the row's top lists, by one warp (buf: its sort buffer).
-template <typename T>
+template <bool kTogether, typename T>
 __device__ void select_factor(const ProductKeyDims& d, const T* xr, int f, uint64_t* buf, Top* tops, int lane) {
   const T* xf = xr + d.x_offset[f];
-  warp_top_of([xf](int e) { return order_key(to_f(xf[e])); }, d.n[f], d.m[f], d.p[f], buf, lane);
+  warp_top_of<kTogether>([xf](int e) { return order_key(to_f(xf[e])); }, d.n[f], d.m[f], d.p[f], buf, lane);
   Top* tf = tops + d.top_offset[f];
   for (int r = lane; r < d.m[f]; r += 32) {
     const uint32_t e = composite_pos(buf[r]);
@@ -310,6 +322,7 @@ __device__ void select_factor(const ProductKeyDims& d, const T* xr, int f, uint6
 
 // The row's top k from its top lists (all F written and visible to the warp), by one warp: for F = 1 the list
 // itself, else the best k candidates.
+template <bool kTogether>
 __device__ void select_slots(const ProductKeyDims& d, const Top* tops, const int32_t* __restrict__ table,
                              uint64_t* buf, float* sr, int32_t* ir, int lane) {
   if (d.F == 1) {
@@ -331,7 +344,7 @@ __device__ void select_slots(const ProductKeyDims& d, const Top* tops, const int
     }
     return slot;
   };
-  warp_top_of([&candidate](int c) { return order_key(candidate(c).score); }, d.C, d.k, d.p_k, buf, lane);
+  warp_top_of<kTogether>([&candidate](int c) { return order_key(candidate(c).score); }, d.C, d.k, d.p_k, buf, lane);
   for (int r = lane; r < d.k; r += 32) {
     const Top slot = candidate(static_cast<int>(composite_pos(buf[r])));
     sr[r] = canonical_score(slot.score);
@@ -350,14 +363,15 @@ __global__ void __launch_bounds__(kThreads, 5)
   uint64_t* buf = reinterpret_cast<uint64_t*>(w.shared);
   Top* tops = reinterpret_cast<Top*>(buf + sort_slots(d));
   const T* xr = x + w.row * d.width;
-  for (int f = 0; f < d.F; ++f) select_factor(d, xr, f, buf, tops, w.lane);
-  select_slots(d, tops, table, buf, scores + w.row * d.k, ids + w.row * d.k, w.lane);
+  for (int f = 0; f < d.F; ++f) select_factor<false>(d, xr, f, buf, tops, w.lane);
+  select_slots<false>(d, tops, table, buf, scores + w.row * d.k, ids + w.row * d.k, w.lane);
 }
 
 // A block per row, warp f selecting factor f, then warp 0 the slots: for few rows (a decode step's), where one warp
 // a row leaves the GPU idle and the row's latency is the call's. Shared memory: F sort buffers, then the top lists.
+// Its few blocks leave registers plenty: the keys' loads are all in flight together (Keys, kTogether).
 template <typename T>
-__global__ void __launch_bounds__(32 * kSplitMaxFactors)
+__global__ void __launch_bounds__(32 * kSplitMaxFactors, 1)
     product_key_topk_split_kernel(ProductKeyDims d, const T* __restrict__ x, const int32_t* __restrict__ table,
                                   float* __restrict__ scores, int32_t* __restrict__ ids) {
   extern __shared__ __align__(16) unsigned char shared[];
@@ -366,9 +380,9 @@ __global__ void __launch_bounds__(32 * kSplitMaxFactors)
   const int lane = static_cast<int>(threadIdx.x & 31);
   uint64_t* bufs = reinterpret_cast<uint64_t*>(shared);
   Top* tops = reinterpret_cast<Top*>(bufs + d.F * sort_slots(d));
-  select_factor(d, x + row * d.width, warp, bufs + warp * sort_slots(d), tops, lane);
+  select_factor<true>(d, x + row * d.width, warp, bufs + warp * sort_slots(d), tops, lane);
   __syncthreads();
-  if (warp == 0) select_slots(d, tops, table, bufs, scores + row * d.k, ids + row * d.k, lane);
+  if (warp == 0) select_slots<true>(d, tops, table, bufs, scores + row * d.k, ids + row * d.k, lane);
 }
 
 // The backward, one warp per row: the row's dscores and ids in shared memory, then per tile of kBwdTile columns
