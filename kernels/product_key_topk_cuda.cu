@@ -278,6 +278,10 @@ __device__ void warp_top(const K& keys, int N, int m, int P, uint64_t* buf, int 
 // warp_top with the keys in registers when they fit, recomputed on every pass otherwise.
 template <bool kTogether, typename KeyOf>
 __device__ void warp_top_of(KeyOf key_of, int N, int m, int P, uint64_t* buf, int lane) {
+  if constexpr (kTogether) {  // reading every key at once reads all E chunks: short lists get fewer
+    if (N <= 32 * 2) return warp_top(Keys<2, KeyOf, true>(key_of, N, lane), N, m, P, buf, lane);
+    if (N <= 32 * 4) return warp_top(Keys<4, KeyOf, true>(key_of, N, lane), N, m, P, buf, lane);
+  }
   if (N <= 32 * 8) {
     warp_top(Keys<8, KeyOf, kTogether>(key_of, N, lane), N, m, P, buf, lane);
   } else if (N <= 32 * 32) {

@@ -130,24 +130,22 @@ if has topk; then
 fi
 pack
 if has decode_profile; then
-  # Where a layer decode step's time goes: the top-k kernel's stalls per SASS instruction at the decode shapes
-  # (ncu's sampled stalls, benchmarks/ncu_source_summary.py), and the decode loop's device timeline at K 2^20 with
-  # XLA's command buffers on and off (a device copy per step appears at large K).
+  # Where a layer decode step's time goes: the top-k kernels' stalls per SASS instruction at the decode shapes
+  # (ncu's sampled stalls at its highest rate, benchmarks/ncu_source_summary.py), then the decode loop against K
+  # with device timelines at the smallest and largest K (each traced call also copies the undonated state once).
   for shape in "1024,1024" "64,64"; do
     name=ncu_topk_source_${shape/,/x}
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none --section SourceCounters \
-      --section WarpStateStats -k regex:product_key_topk_kernel -c 1 --page source --print-source sass --csv \
-      python3 "$REPO/benchmarks/profile_topk.py" --factors "$shape" > "$OUT/$name.csv" 2>> "$OUT/ncu_err.log"
+      --section WarpStateStats --warp-sampling-interval 0 -k regex:product_key_topk -c 1 --page source \
+      --print-source sass --csv python3 "$REPO/benchmarks/profile_topk.py" --factors "$shape" > "$OUT/$name.csv" \
+      2>> "$OUT/ncu_err.log"
     summary "topk source profile $shape rc=$?"
     python3 "$REPO/benchmarks/ncu_source_summary.py" "$OUT/$name.csv" > "$OUT/$name.txt" 2>&1
     head -25 "$OUT/$name.txt"
   done
-  for flags in "" "--xla_gpu_enable_command_buffer="; do
-    name=decode_timeline${flags:+_no_cmdbuf}
-    XLA_FLAGS="$flags" timeout 200 python3 "$REPO/benchmarks/bench_layer.py" --layer-decode --min-log-k 20 \
-      --max-log-k 20 --trace > "$OUT/$name.txt" 2>&1
-    summary "decode timeline ${flags:-(command buffers on)} rc=$?: $(grep -E "^\| 2\^" "$OUT/$name.txt")"
-  done
+  timeout 300 python3 "$REPO/benchmarks/bench_layer.py" --layer-decode --trace > "$OUT/decode_timeline.txt" 2>&1
+  summary "layer decode rc=$?"
+  grep -E "^\|" "$OUT/decode_timeline.txt" | tee -a "$OUT/summary.txt"
 fi
 pack
 if has sanitize; then
