@@ -136,7 +136,7 @@ __device__ __forceinline__ void write_batch(const StepDims& dm, const StepPhase1
   const int64_t C = dm.C, W = dm.W, D = dm.D, u = gr.u;
   constexpr int64_t kStep = 32 * VEC;
   T* row = bank + (gr.s * dm.K + gr.slot) * D;
-  T* snap = snapshot_row<T>(io.snapshot, dm, u, gr.g);
+  T* snap = snapshot_row<T>(io, dm, u, gr.g);
   const float* w = p1.w + u * C * W;
   const float cpe = p1.cpe[u * C * W + gr.first], w0 = w[gr.first];
 #pragma unroll
@@ -176,6 +176,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     stage_token(D, vecs, staged, pre);
     while (owned.next()) {
       const T* row = row_of(owned.gr);
+      snapshot_store_row(io, dm, u, owned.gr.g, row, owned.gr.lane);
       for (int64_t d = d0; d < D; d += S * 32 * VEC) {
         Cols<VEC, T> x[S];
         load_batch(row, d, D, x);
@@ -196,6 +197,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     const bool more = owned.next();
     Cols<VEC, T> y[S];
     if (more) load_batch(row_of(owned.gr), d0, D, y);
+    snapshot_store_row(io, dm, u, cur.g, row_of(cur), cur.lane);
     write_batch<VEC>(dm, p1, io, bank, delta, pre[0], cur, d0, x);
     if (!more) break;
     cur = owned.gr;
