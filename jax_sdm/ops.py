@@ -109,10 +109,9 @@ def snapshot_code(snapshot_dtype, bank_dtype):
         name = snapshot_dtype if isinstance(snapshot_dtype, str) else jnp.dtype(snapshot_dtype).name
     except TypeError:
         name = None
-    if name is not None and name == jnp.dtype(bank_dtype).name:
-        return 0
-    if name in ffi_ops.SNAPSHOT_CODES:
-        return ffi_ops.SNAPSHOT_CODES[name]
+    codes = dict(ffi_ops.SNAPSHOT_CODES, **{jnp.dtype(bank_dtype).name: 0})
+    if name is not None and name in codes:
+        return codes[name]
     raise ValueError(f"sdm_write_read: `snapshot_dtype` must be None (the bank's dtype, {jnp.dtype(bank_dtype).name}), "
                      f"jnp.bfloat16, \"float8_e4m3fn\" or \"int4\", got {snapshot_dtype!r}")
 
