@@ -57,10 +57,11 @@ def assert_same_bits(a, b):
 # ---- The stored codes
 
 
-def stored(seed, code, chunk=16, **shape):
+def stored(seed, code, device=None, chunk=16, **shape):
     """The forward's snapshot with storage `code` and the exact one (the bank's float32), with a mask of the rows
-    the forward writes (rows past a unit's group count are never written or read)."""
-    inputs = kernel_inputs(seed, chunk, **shape)
+    the forward writes (rows past a unit's group count are never written or read); on `device` (None: the
+    default)."""
+    inputs = jax.device_put(kernel_inputs(seed, chunk, **shape), device)
     fwd = jax.jit(functools.partial(ffi_ops.forward_ffi, save=True, snapshot_code=code))
     exact = np.asarray(jax.jit(functools.partial(ffi_ops.forward_ffi, save=True))(*inputs).snapshot)
     out = fwd(*inputs)
@@ -69,44 +70,46 @@ def stored(seed, code, chunk=16, **shape):
     return np.asarray(out.snapshot), np.asarray(out.snapshot_scale), exact.astype(np.float32), used
 
 
+def scaled_codes(exact, top):
+    """Each row's scale (largest magnitude / top) and the row divided by it (zero rows: zeros), in float32."""
+    scale = np.max(np.abs(exact), axis=-1) / np.float32(top)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return scale, np.where(scale[..., None] > 0, exact / scale[..., None], np.float32(0))
+
+
+def check_codes(name, device=None, seed=11, **shape):
+    """The stored snapshot of option `name` is the exact pre-write rows rounded as NumPy (ml_dtypes) rounds them:
+    bfloat16 and float8 e4m3fn to nearest even, int4 to the nearest of -7..7, two codes a byte (the even element in
+    the low nibble), with each row's scale (its largest magnitude / 448 or / 7) bitwise."""
+    snap, scale, exact, used = stored(seed, ffi_ops.SNAPSHOT_CODES[name], device, **(shape or SHAPE))
+    D = exact.shape[-1]
+    if name == "bfloat16":
+        assert snap.dtype == jnp.bfloat16 and snap.shape == exact.shape and scale.size == 0
+        want = exact.astype(ml_dtypes.bfloat16)
+        np.testing.assert_array_equal(snap[used].view(np.uint16), want[used].view(np.uint16))
+        return
+    want_scale, q = scaled_codes(exact, 448 if name == "float8_e4m3fn" else 7)
+    assert snap.dtype == np.uint8 and scale.shape == exact.shape[:-1]
+    np.testing.assert_array_equal(scale[used], want_scale[used])
+    if name == "float8_e4m3fn":
+        assert snap.shape == exact.shape
+        want = q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        assert np.count_nonzero(snap[used]) > snap[used].size // 2  # real rows, not zeros
+    else:
+        assert snap.shape == exact.shape[:-1] + ((D + 1) // 2,)
+        nibbles = (np.clip(np.rint(q), -7, 7).astype(np.int8) & 0xF).astype(np.uint8)
+        assert len(np.unique(nibbles[used])) > 8  # codes across the range
+        nibbles = np.concatenate([nibbles, np.zeros(nibbles.shape[:-1] + (D % 2,), np.uint8)], axis=-1)
+        want = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    np.testing.assert_array_equal(snap[used], want[used])
+
+
 SHAPE = dict(B=2, T=70, H=2, K=48, D=37, W=5, R=3, distinct=False, repeats=True)
 
 
-def test_bfloat16_codes_round_to_nearest_even():
-    snap, scale, exact, used = stored(11, ffi_ops.SNAPSHOT_CODES["bfloat16"], **SHAPE)
-    assert snap.dtype == jnp.bfloat16 and snap.shape == exact.shape and scale.size == 0
-    np.testing.assert_array_equal(snap[used].view(np.uint16), exact[used].astype(ml_dtypes.bfloat16).view(np.uint16))
-
-
-def row_scales(exact, top):
-    return np.max(np.abs(exact), axis=-1) / np.float32(top)
-
-
-def test_float8_codes_and_scales():
-    snap, scale, exact, used = stored(12, ffi_ops.SNAPSHOT_CODES["float8_e4m3fn"], **SHAPE)
-    assert snap.dtype == np.uint8 and snap.shape == exact.shape and scale.shape == exact.shape[:-1]
-    want_scale = row_scales(exact, 448)
-    np.testing.assert_array_equal(scale[used], want_scale[used])
-    with np.errstate(invalid="ignore", divide="ignore"):
-        q = np.where(want_scale[..., None] > 0, exact / want_scale[..., None], np.float32(0))
-    want = q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-    np.testing.assert_array_equal(snap[used], want[used])
-    assert np.count_nonzero(snap[used]) > snap[used].size // 2  # real rows, not zeros
-
-
-def test_int4_codes_and_scales():
-    snap, scale, exact, used = stored(13, ffi_ops.SNAPSHOT_CODES["int4"], **SHAPE)
-    D = exact.shape[-1]
-    assert snap.dtype == np.uint8 and snap.shape == exact.shape[:-1] + ((D + 1) // 2,)
-    want_scale = row_scales(exact, 7)
-    np.testing.assert_array_equal(scale[used], want_scale[used])
-    with np.errstate(invalid="ignore", divide="ignore"):
-        q = np.where(want_scale[..., None] > 0, exact / want_scale[..., None], np.float32(0))
-    nibbles = (np.clip(np.rint(q), -7, 7).astype(np.int8) & 0xF).astype(np.uint8)
-    nibbles = np.concatenate([nibbles, np.zeros(nibbles.shape[:-1] + (D % 2,), np.uint8)], axis=-1)
-    want = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
-    np.testing.assert_array_equal(snap[used], want[used])
-    assert len(np.unique(nibbles[used])) > 8  # codes across the range
+@pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn", "int4"])
+def test_stored_codes(name):
+    check_codes(name)
 
 
 def test_zero_rows_store_zero_codes():
