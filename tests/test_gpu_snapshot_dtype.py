@@ -6,8 +6,6 @@ test_gpu_determinism.py) across processes and command-buffer settings. tests/tes
 default backend too: on a GPU it checks the CUDA kernels against the token loop with packed sequences and the layer.
 """
 import functools
-import os
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +16,7 @@ from jax_sdm import sdm_write_read
 from jax_sdm.testing import random_problem
 
 from .helpers import FLOAT_ARGS, cotangents, outputs_and_grads, rel_err
-from .test_gpu_determinism import differences
+from .test_gpu_determinism import assert_as_in_earlier_processes, differences
 from .test_snapshot_dtype import SHAPE, SNAPSHOT_FREE, assert_same_bits, check_codes, name_of, token_loop64
 
 # Rows of one batch per lane (D = 37), of several batches (float32 D = 1100 > 512 columns a batch; bfloat16
@@ -96,14 +94,7 @@ def test_gpu_bitwise_repeatable(case, snapshot_dtype):
     first = results(case, snapshot_dtype)
     jax.clear_caches()  # compiled anew
     assert differences(results(case, snapshot_dtype), first) == {}
-    path = (pathlib.Path(os.environ.get("SDM_DIGEST_FILE", "/tmp/sdm_digests")) /
-            f"snapshot_{case}_{name_of(snapshot_dtype) if snapshot_dtype else 'none'}.npz")
-    if path.exists():
-        diff = differences(first, dict(np.load(path)))
-        assert diff == {}, f"differs from an earlier process ({path}): {diff}"
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(path, **first)
+    assert_as_in_earlier_processes(f"snapshot_{case}_{name_of(snapshot_dtype) if snapshot_dtype else 'none'}", first)
 
 
 @pytest.mark.parametrize("case", sorted(REPEAT_CASES))
