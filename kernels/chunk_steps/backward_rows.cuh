@@ -75,8 +75,9 @@ __device__ __forceinline__ const GT* fresh_source(const Group& gr, const GT* inp
 
 // Phase A, one block per (stream, token) whose warps take the write groups the token heads (for_owned_groups): per
 // group the dots dcpe, dw and dk_eff on the row before the chunk's write (the snapshot), the gradient row
-// dS0 = cpe dS1 + sum k_eff dG, and the restore of the bank row.
-template <int VEC, typename T, typename GT>
+// dS0 = cpe dS1 + sum k_eff dG, and the restore of the bank row. kCoded: the snapshot has another dtype than the
+// bank's (a kernel of its own, so that the bank-dtype one keeps its registers).
+template <int VEC, typename T, typename GT, bool kCoded>
 __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T* __restrict__ bank, GT* __restrict__ dbank,
                        const GT* dbank_in, const GT* zero_row, int64_t c, BackRows rows, GroupTables tables) {
@@ -96,7 +97,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     const float cpe = p1.cpe[e0];
     const float* k_eff = p1.k_eff + u * C * W;
     T* row = bank + (s * K + slot) * D;
-    const bool restored = snapshot_restore_row(io, dm, u, gr.g, row, lane);
+    const bool restored = kCoded && snapshot_restore_row(io, dm, u, gr.g, row, lane);
     const T* s0 = restored ? row : snapshot_row<T>(io, dm, u, gr.g);
     if (hi - lo > kInlineEntries) {
       phase_a_dots<VEC>(dsrc, s0, delta, dG, order, lo, hi, W, D, lane, io, u * C * W, e0);
