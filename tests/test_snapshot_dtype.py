@@ -262,3 +262,24 @@ def test_the_training_step_holds_the_smaller_snapshot():
     for name, row_bytes in (("bfloat16", 2 * D), ("float8_e4m3fn", D + 4), ("int4", D // 2 + 4)):
         saving = rows * (4 * D - row_bytes)
         assert today - temp_bytes(name) >= 0.95 * saving, name
+
+
+def test_vmap_gives_each_problem_its_own_result():
+    """Under vmap (a leading dim of one kernel call: its snapshot and scales too) each problem's gradients are
+    those of its own call, bitwise."""
+    problems = [random_problem(s, T=40, K=32, D=8, W=3, R=3) for s in range(3)]
+    ids = ("k_idx", "q_idx")
+
+    def grads(floats, slots):
+        def loss(f):
+            y, final = sdm_write_read(**f, **slots, impl="ffi", chunk_size=16, snapshot_dtype="int4")
+            return jnp.sum(y * y) + jnp.sum(final)
+        return jax.grad(loss)(floats)
+
+    split = lambda p: ({k: jnp.asarray(p[k]) for k in FLOAT_ARGS}, {k: jnp.asarray(p[k]) for k in ids})
+    stacked = split({k: np.stack([p[k] for p in problems]) for k in problems[0]})
+    batched = jax.vmap(grads)(*stacked)
+    for i, p in enumerate(problems):
+        own = grads(*split(p))
+        for k in FLOAT_ARGS:
+            np.testing.assert_array_equal(np.asarray(batched[k][i]), np.asarray(own[k]), err_msg=k)
