@@ -36,7 +36,8 @@ __device__ __forceinline__ const T* snapshot_row(const BackwardIO& io, const Ste
   return static_cast<const T*>(io.snapshot) + (u * dm.C * dm.W + g) * dm.D;
 }
 
-// The stored bytes of group g's row of unit u in a snapshot of another dtype than the bank's, and its scale.
+// Where group g's row of unit u starts, in bytes, in a snapshot of another dtype than the bank's (its scale, if any,
+// is at u * C * W + g).
 __device__ __forceinline__ int64_t snapshot_coded_at(SnapshotDtype t, const StepDims& dm, int64_t u, int64_t g) {
   return (u * dm.C * dm.W + g) * snapshot_row_bytes(t, dm.D, 0);
 }
