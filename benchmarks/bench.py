@@ -3,6 +3,7 @@
     python benchmarks/bench.py [--impls reference,xla,ffi]
                                [--shape cpu-small|cpu-large|cpu-demo|cpu-notebook|small|mid|flagship|paper|mid-16k|...]
                                [--repeats N] [--pipeline N] [--chunk C] [--detail] [--loss y+bank|y]
+                               [--snapshot-dtype bfloat16|float8_e4m3fn|int4]
 
 * forward: `jax.jit` of the op, returning `(y, final_bank)`.
 * forward+backward: `jax.jit(jax.grad(loss))` with `loss = sum(y * dy) + sum(final_bank * dbank)` (fixed random
@@ -106,9 +107,9 @@ class WithCotangents:
         return self.fn.lower(*args, *self.cotangents)
 
 
-def make_functions(impl, chunk, dy, dbank):
+def make_functions(impl, chunk, dy, dbank, snapshot_dtype=None):
     def forward(*args):
-        return sdm_write_read(*args, chunk_size=chunk, impl=impl)
+        return sdm_write_read(*args, chunk_size=chunk, impl=impl, snapshot_dtype=snapshot_dtype)
 
     def loss(*args_and_cotangents):
         *args, dy_, dbank_ = args_and_cotangents
@@ -180,7 +181,7 @@ def measure(label, fn, args, repeats, calls, after_sync=None):
         return ERROR, ERROR
 
 
-def detail_row(impl, name, shape, args, dy, dbank, repeats, calls):
+def detail_row(impl, name, shape, args, dy, dbank, repeats, calls, snapshot_dtype=None):
     """The GPU table's row: no-grad forward, training forward (the VJP's forward, saving residuals), backward
     (applying the VJP), their sum, forward + backward as one jitted grad, peak device memory of the one-jit grad
     (timed first in the process, read after its synchronous calls: the inputs, the cotangents in the bank's dtype,
@@ -194,13 +195,13 @@ def detail_row(impl, name, shape, args, dy, dbank, repeats, calls):
         full = [rest[i] if i in rest else None for i in range(len(args))]
         for i, a in zip(FLOAT_ARGS, fl):
             full[i] = a
-        return sdm_write_read(*full, chunk_size=chunk, impl=impl)
+        return sdm_write_read(*full, chunk_size=chunk, impl=impl, snapshot_dtype=snapshot_dtype)
 
     nograd = jax.jit(op)
     train_fwd = jax.jit(lambda *fl: jax.vjp(op, *fl))
     # The one-jit grad first: the peak after it is a training step's (inputs, cotangents, residuals, gradients),
     # so nothing else may be on the device yet (the separate backward's cotangents are made after it).
-    _, grad = make_functions(impl, chunk, dy, dbank)
+    _, grad = make_functions(impl, chunk, dy, dbank, snapshot_dtype)
     peak = []
     t_grad = measure(f"{impl} {name} grad", grad, args, repeats, calls,
                      after_sync=lambda: peak.append((jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")))
@@ -298,6 +299,9 @@ def main(argv=None):
                         help="the training loss: sum(y * dy) + sum(final_bank * dbank) (the default), or sum(y * dy) "
                              "alone, as when a model's loss reads only the readings (no bank-sized cotangent "
                              "argument)")
+    parser.add_argument("--snapshot-dtype", default=None, choices=["bfloat16", "float8_e4m3fn", "int4"],
+                        help="sdm_write_read's snapshot_dtype (the kernels' storage of the rows the backward "
+                             "restores; default: the bank's dtype)")
     opts = parser.parse_args(argv)
 
     backend = jax.default_backend()
@@ -317,7 +321,7 @@ def main(argv=None):
     device = jax.devices()[0]
     print(f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}, commit {git_commit()}, "
           f"jax {jax.__version__}, backend {backend}, device {device.device_kind}, "
-          f"loss {opts.loss}{_load()}", flush=True)
+          f"loss {opts.loss}, snapshot {opts.snapshot_dtype or 'the bank dtype'}{_load()}", flush=True)
     print(f"ms: per call in runs of {opts.pipeline} calls enqueued back to back, one wait per run (device time per "
           f"call when the device is the bottleneck), median of {opts.repeats} runs; ms (sync): each call waited "
           f"for, median of {opts.repeats} calls; both after at least {WARMUP_SECONDS} s of warm-up calls")
@@ -336,10 +340,11 @@ def main(argv=None):
         anchor = ANCHORS.get(name)
         for impl in impls:
             if opts.detail:
-                rows.append(detail_row(impl, name, shape, args, dy, dbank, opts.repeats, opts.pipeline))
+                rows.append(detail_row(impl, name, shape, args, dy, dbank, opts.repeats, opts.pipeline,
+                                       opts.snapshot_dtype))
                 failed |= ERROR in rows[-1]
                 continue
-            fwd, fwd_bwd = make_functions(impl, shape["chunk"], dy, dbank)
+            fwd, fwd_bwd = make_functions(impl, shape["chunk"], dy, dbank, opts.snapshot_dtype)
             (t_fwd, t_fwd_sync) = measure(f"{impl} {name} fwd", fwd, args, opts.repeats, opts.pipeline)
             (t_bwd, t_bwd_sync) = measure(f"{impl} {name} fwd+bwd", fwd_bwd, args, opts.repeats, opts.pipeline)
             failed |= ERROR in (t_fwd, t_bwd)

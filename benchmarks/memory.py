@@ -2,7 +2,7 @@
 no-grad forward and the one-jit forward + backward of `bench.py`, in GiB. Compiles only (runs nothing), so it
 works on any backend for any shape:
 
-    python benchmarks/memory.py [--shape flagship] [--chunk 64] [--impl ffi] [--hlo DIR]
+    python benchmarks/memory.py [--shape flagship] [--chunk 64] [--impl ffi] [--snapshot-dtype int4] [--hlo DIR]
 
 `peak` is arguments + outputs + temporaries - aliased bytes: what the call holds at most on the device besides
 the runtime's own buffers.
@@ -35,15 +35,18 @@ def main(argv=None):
     ap.add_argument("--hlo", help="write each compiled module's text here")
     ap.add_argument("--loss", choices=["y+bank", "y"], default="y+bank",
                     help="bench.py's training loss (y: the readings only, no bank-sized cotangent)")
+    ap.add_argument("--snapshot-dtype", choices=["bfloat16", "float8_e4m3fn", "int4"],
+                    help="sdm_write_read's snapshot_dtype (default: the bank's dtype)")
     a = ap.parse_args(argv)
     shape = dict(SHAPES[a.shape])
     if a.T:
         shape["T"] = a.T
     chunk = a.chunk or shape["chunk"]
     args, dy, dbank = abstract_inputs(shape)
-    fwd, grad = make_functions(a.impl, chunk, dy, None if a.loss == "y" else dbank)
+    fwd, grad = make_functions(a.impl, chunk, dy, None if a.loss == "y" else dbank, a.snapshot_dtype)
     gib = 2.0**30
-    print(f"{a.impl} {a.shape} T {shape['T']} chunk {chunk} on {jax.devices()[0].platform}, loss {a.loss}")
+    print(f"{a.impl} {a.shape} T {shape['T']} chunk {chunk} on {jax.devices()[0].platform}, loss {a.loss}, "
+          f"snapshot {a.snapshot_dtype or 'the bank dtype'}")
     for name, fn in (("no-grad fwd", fwd), ("fwd+bwd (one jit)", grad))[:1 if a.nograd_only else 2]:
         compiled = fn.lower(*args).compile()
         m = compiled.memory_analysis()

@@ -14,10 +14,12 @@
 // The buffers of the chunk-step targets, in order (docs/DESIGN.md "Forward steps", "Backward steps", "Packed
 // sequences"; ffi/common.h SDM_FFI_PARAMS), shared by the CPU and CUDA handlers. `sdm_forward`: the initial bank,
 // the forward's inputs and Phase 1's arrays; the final bank (bank_out, a buffer of its own), y, the residuals
-// (empty for a no-grad call) and the workspace. `sdm_backward`: the final bank (aliased to bank_out, which ends as
-// the initial bank), dbank (the final bank's cotangent; dbank_out, the initial bank's gradient, a buffer of its own
-// or aliased to it), dy, the forward's inputs but v, and its residuals; the gradients and the workspace. The packed
-// targets take those buffers, then the packed sequences' (kernels/chunk_steps.h StepSegments).
+// (empty for a no-grad call) and the workspace; the attribute snapshot_dtype, how the snapshot is stored
+// (kernels/snapshot_codec.h SnapshotDtype; the backward takes the forward's). `sdm_backward`: the final bank
+// (aliased to bank_out, which ends as the initial bank), dbank (the final bank's cotangent; dbank_out, the initial
+// bank's gradient, a buffer of its own or aliased to it), dy, the forward's inputs but v, and its residuals with
+// snapshot_dtype; the gradients and the workspace. The packed targets take those buffers, then the packed
+// sequences' (kernels/chunk_steps.h StepSegments).
 #define SDM_FORWARD_BUFFERS(X, SEP)                                                                             \
   X(Arg, ::sdm_ffi::AnyBuffer, bank) SEP() X(Arg, ::sdm_ffi::S32, k_idx) SEP() X(Arg, ::sdm_ffi::S32, q_idx)    \
   SEP() X(Arg, ::sdm_ffi::F32, v) SEP() X(Arg, ::sdm_ffi::F32, beta) SEP() X(Arg, ::sdm_ffi::F32, k_eff) SEP()  \
@@ -25,7 +27,8 @@
   X(Arg, ::sdm_ffi::F32, QK) SEP() X(Arg, ::sdm_ffi::S32, w_order) SEP() X(Arg, ::sdm_ffi::S32, w_group) SEP()  \
   X(Arg, ::sdm_ffi::F32, minv) SEP() X(Ret, ::sdm_ffi::AnyBuffer, bank_out) SEP() X(Ret, ::sdm_ffi::F32, y)     \
   SEP() X(Ret, ::sdm_ffi::F32, delta) SEP() X(Ret, ::sdm_ffi::F32, vg) SEP()                                    \
-  X(Ret, ::sdm_ffi::AnyBuffer, snapshot) SEP() X(Ret, ::sdm_ffi::F32, workspace)
+  X(Ret, ::sdm_ffi::AnyBuffer, snapshot) SEP() X(Ret, ::sdm_ffi::F32, snapshot_scale) SEP()                  \
+  X(Ret, ::sdm_ffi::F32, workspace) SEP() X(Attr, int64_t, snapshot_dtype)
 
 #define SDM_BACKWARD_BUFFERS(X, SEP)                                                                            \
   X(Arg, ::sdm_ffi::AnyBuffer, bank) SEP() X(Arg, ::sdm_ffi::AnyBuffer, dbank) SEP()                            \
@@ -35,7 +38,8 @@
   X(Arg, ::sdm_ffi::F32, QK) SEP() X(Arg, ::sdm_ffi::S32, w_order) SEP() X(Arg, ::sdm_ffi::S32, w_group) SEP()  \
   X(Arg, ::sdm_ffi::S32, r_order) SEP() X(Arg, ::sdm_ffi::S32, r_group) SEP() X(Arg, ::sdm_ffi::F32, minv)      \
   SEP() X(Arg, ::sdm_ffi::F32, delta) SEP() X(Arg, ::sdm_ffi::F32, vg) SEP()                                    \
-  X(Arg, ::sdm_ffi::AnyBuffer, snapshot) SEP() X(Ret, ::sdm_ffi::AnyBuffer, bank_out) SEP()                     \
+  X(Arg, ::sdm_ffi::AnyBuffer, snapshot) SEP() X(Arg, ::sdm_ffi::F32, snapshot_scale) SEP()                   \
+  X(Attr, int64_t, snapshot_dtype) SEP() X(Ret, ::sdm_ffi::AnyBuffer, bank_out) SEP()                           \
   X(Ret, ::sdm_ffi::AnyBuffer, dbank_out) SEP() X(Ret, ::sdm_ffi::F32, dk_eff) SEP() X(Ret, ::sdm_ffi::F32, dw) \
   SEP() X(Ret, ::sdm_ffi::F32, dcpe) SEP() X(Ret, ::sdm_ffi::F32, dq_w) SEP() X(Ret, ::sdm_ffi::F32, dA) SEP()  \
   X(Ret, ::sdm_ffi::F32, dQK) SEP() X(Ret, ::sdm_ffi::F32, dbeta) SEP() X(Ret, ::sdm_ffi::F32, dv) SEP()        \
@@ -105,24 +109,53 @@ ffi::Error CheckPhase1(const char* op, const sdm::StepDims& dm, const VT& v, con
   return ffi::Error::Success();
 }
 
+// The attribute snapshot_dtype as the kernels' code.
+inline ffi::Error SnapshotDtypeOf(const char* op, int64_t code, sdm::SnapshotDtype* type) {
+  if (code < 0 || code > static_cast<int64_t>(sdm::SnapshotDtype::kInt4))
+    return ffi::Error::InvalidArgument(std::string(op) + ": snapshot_dtype must be 0 (the bank's dtype), 1 (bfloat16), "
+                                       "2 (float8_e4m3fn) or 3 (int4), got " + std::to_string(code));
+  *type = static_cast<sdm::SnapshotDtype>(code);
+  return ffi::Error::Success();
+}
+
+// The snapshot as `type` stores it (kernels/snapshot_codec.h): [.., C*W, D] of the bank's dtype or bfloat16, or
+// [.., C*W, row bytes] uint8; with a scale per row [.., C*W] float32 for the scaled codes, else an empty scale.
+template <typename ScaleT>
+ffi::Error CheckSnapshot(const char* op, const sdm::StepDims& dm, const ffi::AnyBuffer& bank, sdm::SnapshotDtype type,
+                         const ffi::AnyBuffer& snapshot, const ScaleT& scale) {
+  const int64_t rows = dm.C * dm.W;
+  const bool coded = type == sdm::SnapshotDtype::kFloat8 || type == sdm::SnapshotDtype::kInt4;
+  const int64_t cols = coded ? sdm::snapshot_row_bytes(type, dm.D, 1) : dm.D;
+  SDM_RETURN_IF_ERROR(CheckShape(op, "snapshot", snapshot, dm.V, {dm.NC, dm.P, rows, cols}));
+  const ffi::DataType want = type == sdm::SnapshotDtype::kBank ? bank.element_type()
+                             : type == sdm::SnapshotDtype::kBf16 ? ffi::DataType::BF16
+                                                                 : ffi::DataType::U8;
+  if (snapshot.element_type() != want)
+    return ffi::Error::InvalidArgument(std::string(op) + ": the snapshot's dtype does not match snapshot_dtype " +
+                                       std::to_string(static_cast<int>(type)));
+  if (sdm::snapshot_scaled(type)) return CheckShape(op, "snapshot_scale", scale, dm.V, {dm.NC, dm.P, rows});
+  if (scale.element_count() != 0)
+    return ffi::Error::InvalidArgument(std::string(op) + ": snapshot_scale must be empty for snapshot_dtype " +
+                                       std::to_string(static_cast<int>(type)));
+  return ffi::Error::Success();
+}
+
 // Results of the forward: y and (unless all empty, a no-grad call) the residuals.
-template <typename YT, typename SnapshotT>
+template <typename YT, typename ScaleT>
 ffi::Error CheckForwardResults(const char* op, const sdm::StepDims& dm, const ffi::AnyBuffer& bank,
                                const ffi::AnyBuffer& bank_out, const YT& y, const F32& delta, const F32& vg,
-                               const SnapshotT& snapshot, bool* save) {
+                               const ffi::AnyBuffer& snapshot, const ScaleT& scale, sdm::SnapshotDtype type,
+                               bool* save) {
   const int64_t V = dm.V, NC = dm.NC, P = dm.P, C = dm.C;
   SDM_RETURN_IF_ERROR(CheckShape(op, "bank (result)", bank_out, dm.V, {dm.P, dm.K, dm.D}));
   if (bank_out.element_type() != bank.element_type())
     return ffi::Error::InvalidArgument(std::string(op) + ": the result bank must have the input bank's dtype");
   SDM_RETURN_IF_ERROR(CheckShape(op, "y (result)", y, V, {NC, P, C, dm.D}));
-  *save = delta.element_count() + vg.element_count() + snapshot.element_count() > 0;
+  *save = delta.element_count() + vg.element_count() + snapshot.element_count() + scale.element_count() > 0;
   if (!*save) return ffi::Error::Success();
   SDM_RETURN_IF_ERROR(CheckShape(op, "delta (result)", delta, V, {NC, P, C, dm.D}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "vg (result)", vg, V, {NC, P, C, dm.D}));
-  SDM_RETURN_IF_ERROR(CheckShape(op, "snapshot (result)", snapshot, V, {NC, P, C * dm.W, dm.D}));
-  if (snapshot.element_type() != bank.element_type())
-    return ffi::Error::InvalidArgument(std::string(op) + ": the snapshot must have the bank's dtype");
-  return ffi::Error::Success();
+  return CheckSnapshot(op, dm, bank, type, snapshot, scale);
 }
 
 inline sdm::StepPhase1 Phase1View(const S32& k_idx, const S32& q_idx, const F32& k_eff, const F32& w,
@@ -150,14 +183,18 @@ inline ffi::Error PrepareForward(SDM_FFI_PARAMS(SDM_FORWARD_BUFFERS), ForwardCal
   const char* op = "sdm_forward";
   sdm::StepDims& dm = call->dm;
   bool save = false;
+  sdm::SnapshotDtype type;
   SDM_RETURN_IF_ERROR(StepDimsOf(op, bank, k_idx, q_idx, &dm));
+  SDM_RETURN_IF_ERROR(SnapshotDtypeOf(op, snapshot_dtype, &type));
   SDM_RETURN_IF_ERROR(CheckPhase1(op, dm, v, beta, k_eff, w, cpe, q_w, QK, w_order, w_group, minv));
-  SDM_RETURN_IF_ERROR(CheckForwardResults(op, dm, bank, *bank_out, *y, *delta, *vg, *snapshot, &save));
+  SDM_RETURN_IF_ERROR(
+      CheckForwardResults(op, dm, bank, *bank_out, *y, *delta, *vg, *snapshot, *snapshot_scale, type, &save));
   SDM_RETURN_IF_ERROR(CheckWorkspace(op, *workspace, sdm::forward_workspace_floats(dm)));
   call->p1 = Phase1View(k_idx, q_idx, k_eff, w, cpe, q_w, nullptr, QK, w_order, w_group, nullptr, nullptr, minv);
   call->io = sdm::ForwardIO{v.typed_data(), beta.typed_data(), y->typed_data(),
                             save ? delta->typed_data() : nullptr, save ? vg->typed_data() : nullptr,
-                            save ? snapshot->untyped_data() : nullptr};
+                            save ? snapshot->untyped_data() : nullptr, type,
+                            save && sdm::snapshot_scaled(type) ? snapshot_scale->typed_data() : nullptr};
   call->type = bank.element_type();
   call->bank_in = bank.untyped_data();
   call->bank = bank_out->untyped_data();
@@ -195,10 +232,13 @@ inline ffi::Error PrepareBackward(SDM_FFI_PARAMS(SDM_BACKWARD_BUFFERS), Backward
   const char* op = "sdm_backward";
   sdm::StepDims& dm = call->dm;
   bool save = false;
+  sdm::SnapshotDtype type;
   SDM_RETURN_IF_ERROR(StepDimsOf(op, bank, k_idx, q_idx, &dm));
+  SDM_RETURN_IF_ERROR(SnapshotDtypeOf(op, snapshot_dtype, &type));
   // dy has v's shape: the backward needs no v (the forward's residual vg is v - G).
   SDM_RETURN_IF_ERROR(CheckPhase1(op, dm, dy, beta, k_eff, w, cpe, q_w, QK, w_order, w_group, minv));
-  SDM_RETURN_IF_ERROR(CheckForwardResults(op, dm, bank, bank, dy, delta, vg, snapshot, &save));
+  SDM_RETURN_IF_ERROR(
+      CheckForwardResults(op, dm, bank, bank, dy, delta, vg, snapshot, snapshot_scale, type, &save));
   if (!save) return ffi::Error::InvalidArgument(std::string(op) + ": the forward residuals are empty");
   if (dy.element_type() != bank.element_type())
     return ffi::Error::InvalidArgument(std::string(op) + ": dy must have the bank's dtype");
@@ -230,7 +270,8 @@ inline ffi::Error PrepareBackward(SDM_FFI_PARAMS(SDM_BACKWARD_BUFFERS), Backward
                              delta.typed_data(),   vg.typed_data(),     snapshot.untyped_data(),
                              dk_eff->typed_data(), dw->typed_data(),
                              dcpe->typed_data(),   dq_w->typed_data(),  dA->typed_data(),
-                             dQK->typed_data(),    dbeta->typed_data(), dv->typed_data()};
+                             dQK->typed_data(),    dbeta->typed_data(), dv->typed_data(),
+                             type,                 sdm::snapshot_scaled(type) ? snapshot_scale.typed_data() : nullptr};
   call->type = bank.element_type();
   call->bank_in = bank.untyped_data();
   call->bank = bank_out->untyped_data();

@@ -203,15 +203,33 @@ class BackwardSegments(NamedTuple):
 
 
 class Forward(NamedTuple):
-    """`forward_ffi`'s results: the final bank, the readings `y` and the residuals `delta`, `vg`, `snapshot`; with
-    packed sequences the stamps and their snapshot (else None)."""
+    """`forward_ffi`'s results: the final bank, the readings `y` and the residuals `delta`, `vg`, `snapshot` and
+    `snapshot_scale`; with packed sequences the stamps and their snapshot (else None)."""
     bank: jax.Array
     y: jax.Array
     delta: jax.Array
     vg: jax.Array
     snapshot: jax.Array
+    snapshot_scale: jax.Array
     stamp: jax.Array | None = None
     stamp_snapshot: jax.Array | None = None
+
+
+# How the forward stores the snapshot (docs/MATH.md "Snapshot storage"): the kernels' codes
+# (kernels/snapshot_codec.h SnapshotDtype), by name; None is the bank's dtype.
+SNAPSHOT_CODES = {None: 0, "bfloat16": 1, "float8_e4m3fn": 2, "int4": 3}
+
+
+def snapshot_arrays(code, units, C, W, D, bank_dtype):
+    """The snapshot's shape and dtype for storage `code` (`SNAPSHOT_CODES`), and its scales': `((shape, dtype),
+    (shape, dtype))` for the unit shape `units` (`[..., NC, P]`). The bank's dtype or bfloat16 `[..., C*W, D]`;
+    float8 codes `[..., C*W, D]` and int4 codes two a byte `[..., C*W, ceil(D/2)]` as uint8, with a float32 scale
+    per row `[..., C*W]` (an empty `[..., 0]` scale for the unscaled codes)."""
+    rows = units + (C * W,)
+    if code in (0, 1):
+        return (rows + (D,), bank_dtype if code == 0 else jnp.bfloat16), (units + (0,), jnp.float32)
+    cols = D if code == 2 else (D + 1) // 2
+    return (rows + (cols,), jnp.uint8), (rows, jnp.float32)
 
 
 class Backward(NamedTuple):
@@ -243,7 +261,7 @@ def _phase1_operands(p1, names):
     return {n: getattr(p1, n) for n in names}
 
 
-def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_place=False):
+def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_place=False, snapshot_code=0):
     """The forward chunk loop (docs/DESIGN.md "Forward steps").
 
     Args:
@@ -258,12 +276,14 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_p
         forward in slabs carries the bank from one slab to the next without copying it).
       segments: None, or a `ForwardSegments` for packed sequences. `p1` must then come from the virtual slot ids
         (`segments.virtual_slots`); `k_idx` and `q_idx` are the real ones.
+      snapshot_code: how the snapshot is stored (`SNAPSHOT_CODES`, `snapshot_arrays`).
 
     Returns:
       A `Forward`: the final bank; `y`, `delta` and `vg = v - G` (G the gathers of the write lanes, the backward's
-      only use of `v`) float32, `snapshot` in the bank's dtype. With `segments`, the final bank is the working bank
-      (each row that of its stamp's segment), and the stamps `[..., P, K]` int32 (each row's segment of its last
-      write) and, with `save`, the stamps' snapshot `[..., NC, P, C*W]` int32 follow.
+      only use of `v`) float32, `snapshot` and `snapshot_scale` as `snapshot_arrays` says. With `segments`, the
+      final bank is the working bank (each row that of its stamp's segment), and the stamps `[..., P, K]` int32
+      (each row's segment of its last write) and, with `save`, the stamps' snapshot `[..., NC, P, C*W]` int32
+      follow.
     """
     C, W = k_idx.shape[-2:]
     D = bank.shape[-1]
@@ -273,12 +293,13 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_p
     def residual(shape, dtype):
         return jax.ShapeDtypeStruct(shape if save else (0,), dtype)
 
+    snapshot, scale = snapshot_arrays(snapshot_code, tokens[:-1], C, W, D, bank.dtype)
     results = dict(bank_out=jax.ShapeDtypeStruct(bank.shape, bank.dtype), y=jax.ShapeDtypeStruct(tokens + (D,), f32),
                    delta=residual(tokens + (D,), f32), vg=residual(tokens + (D,), f32),
-                   snapshot=residual(tokens[:-1] + (C * W, D), bank.dtype),
+                   snapshot=residual(*snapshot), snapshot_scale=residual(*scale),
                    workspace=_workspace(bank, k_idx, q_idx, backward=False))
     operands = dict(bank=bank, k_idx=k_idx.astype(i32), q_idx=q_idx.astype(i32), v=v.astype(f32),
-                    beta=beta.astype(f32), minv=minv,
+                    beta=beta.astype(f32), minv=minv, snapshot_dtype=np.int64(snapshot_code),
                     **_phase1_operands(p1, ("k_eff", "w", "cpe", "q_w", "QK", "w_order", "w_group")))
     if segments is None:
         outs = _call("sdm_forward", results, aliases=dict(bank="bank_out") if in_place else None, **operands)
@@ -288,11 +309,12 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_p
         outs = _call("sdm_forward_packed", results, aliases=dict(bank="bank_out"), **operands,
                      initial=segments.initial.astype(bank.dtype), local=segments.local.astype(i32),
                      seg0=segments.seg0.astype(i32))
-    return Forward(outs["bank_out"], outs["y"], outs["delta"], outs["vg"], outs["snapshot"], outs.get("stamp"),
-                   outs.get("stamp_snapshot"))
+    return Forward(outs["bank_out"], outs["y"], outs["delta"], outs["vg"], outs["snapshot"], outs["snapshot_scale"],
+                   outs.get("stamp"), outs.get("stamp_snapshot"))
 
 
-def backward_ffi(bank, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snapshot, segments=None):
+def backward_ffi(bank, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snapshot, snapshot_scale=None,
+                 snapshot_code=0, segments=None):
     """The reverse chunk loop (docs/DESIGN.md "Backward steps").
 
     `bank` is the final bank (it comes back as the initial one, restored in place) and `dbank` the cotangent of
@@ -304,12 +326,18 @@ def backward_ffi(bank, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snaps
     `dy`, the readings' cotangent `[..., NC, P, C, D]`, goes to the kernels in the bank's dtype (they widen it on
     load): the readings leave the op in that dtype, so their cotangent is exact there at half float32's bytes.
 
+    `snapshot`, `snapshot_scale`: the forward's, stored as `snapshot_code` says (`snapshot_arrays`; None: the
+    empty scale of an unscaled code); the backward restores each written row from the decoded snapshot, rounded
+    to the bank's dtype.
+
     `segments`: None, or a `BackwardSegments` for packed sequences (`bank` then is the forward's working bank).
 
     Returns:
       A `Backward`; with `segments` the initial bank's whole gradient is `dbank + dinitial`.
     """
     f32, i32 = jnp.float32, jnp.int32
+    if snapshot_scale is None:
+        snapshot_scale = jnp.zeros(snapshot.shape[:-2] + (0,), f32)
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
     results = dict(bank_out=like(bank), dbank_out=jax.ShapeDtypeStruct(bank.shape, dbank.dtype), dk_eff=like(p1.k_eff),
                    dw=like(p1.w), dcpe=like(p1.cpe), dq_w=like(p1.q_w), dA=like(p1.A), dQK=like(p1.QK),
@@ -317,6 +345,7 @@ def backward_ffi(bank, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snaps
                    workspace=_workspace(bank, k_idx, q_idx, backward=True))
     operands = dict(bank=bank, dbank=dbank, dy=dy.astype(bank.dtype), k_idx=k_idx.astype(i32),
                     q_idx=q_idx.astype(i32), beta=beta.astype(f32), minv=minv, delta=delta, vg=vg, snapshot=snapshot,
+                    snapshot_scale=snapshot_scale, snapshot_dtype=np.int64(snapshot_code),
                     **_phase1_operands(p1, ("k_eff", "w", "cpe", "q_w", "A", "QK", "w_order", "w_group", "r_order",
                                             "r_group")))
     if segments is None:

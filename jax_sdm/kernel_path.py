@@ -59,6 +59,7 @@ class Saved(NamedTuple):
     delta: jax.Array
     vg: jax.Array
     snapshot: jax.Array
+    snapshot_scale: jax.Array
     packed: PackedSaved | None
 
 
@@ -180,9 +181,10 @@ def _forward_in_slabs(bank, tokens, dims, slab_tokens):
     return y, final, repeats
 
 
-def _sdm_kernels_fwd(inputs, num_slots, save=True):
+def _sdm_kernels_fwd(inputs, num_slots, save=True, snapshot_code=0):
     """The kernels' forward on `Inputs` in kernel layout (bank `[P, K, D]`): `((y [NC, P, C, D] float32, final_bank,
-    repeats [NC, P]), saved)`, `saved` the `Saved` residuals for the backward (None with `save=False`).
+    repeats [NC, P]), saved)`, `saved` the `Saved` residuals for the backward (None with `save=False`), the snapshot
+    stored as `snapshot_code` says (`ffi_ops.SNAPSHOT_CODES`).
     `stream_kernels` runs it (and `_sdm_kernels_bwd`) per shard inside its custom VJP."""
     bank, packed = inputs.bank, inputs.packed
     p1_k_idx, p1_q_idx, p1_slots = _phase1_slots(inputs.k_idx, inputs.q_idx, packed, num_slots)
@@ -190,22 +192,24 @@ def _sdm_kernels_fwd(inputs, num_slots, save=True):
     minv = ffi_ops.solve_ffi(p1.A, inputs.beta)
     steps = (inputs.k_idx, inputs.q_idx, inputs.v, inputs.beta, p1, minv, save)
     if packed is None:
-        out = ffi_ops.forward_ffi(bank, *steps)
+        out = ffi_ops.forward_ffi(bank, *steps, snapshot_code=snapshot_code)
         final, packed_saved = out.bank, None
     else:
-        out = ffi_ops.forward_ffi(bank, *steps, segments=ffi_ops.ForwardSegments(bank, packed.local, packed.seg0))
+        out = ffi_ops.forward_ffi(bank, *steps, segments=ffi_ops.ForwardSegments(bank, packed.local, packed.seg0),
+                                  snapshot_code=snapshot_code)
         final = segments.final_bank(out.bank, bank, out.stamp, packed.last)
         packed_saved = PackedSaved(out.bank, out.stamp, out.stamp_snapshot)
-    saved = Saved(p1, minv, out.delta, out.vg, out.snapshot, packed_saved) if save else None
+    saved = Saved(p1, minv, out.delta, out.vg, out.snapshot, out.snapshot_scale, packed_saved) if save else None
     return (out.y, final, p1.repeats), saved
 
 
-def _sdm_kernels_bwd(num_slots, inputs, final, saved, dy, dfinal):
+def _sdm_kernels_bwd(num_slots, inputs, final, saved, dy, dfinal, snapshot_code=0):
     """The kernels' backward: the `Grads` of `_sdm_kernels_fwd`'s inputs (`inputs`, whose bank and `v` may be None)
-    from its final bank, its `Saved` residuals and the cotangents; `dfinal` `[P, 0, D]` without packed sequences
-    is a zero cotangent (`ffi_ops.backward_ffi`)."""
+    from its final bank, its `Saved` residuals (the snapshot stored as `snapshot_code` says) and the cotangents;
+    `dfinal` `[P, 0, D]` without packed sequences is a zero cotangent (`ffi_ops.backward_ffi`)."""
     packed, p1 = inputs.packed, saved.p1
-    steps = (dy, inputs.k_idx, inputs.q_idx, inputs.beta, p1, saved.minv, saved.delta, saved.vg, saved.snapshot)
+    steps = (dy, inputs.k_idx, inputs.q_idx, inputs.beta, p1, saved.minv, saved.delta, saved.vg, saved.snapshot,
+             saved.snapshot_scale, snapshot_code)
     if packed is None:
         out = ffi_ops.backward_ffi(final, dfinal, *steps)
         dbank = out.dbank
@@ -297,7 +301,7 @@ def _kernels_per_stream(local_fn, static, args, in_axes, out_axes):
 def _local(static, arrays):
     """One shard's tree (`static`'s structure) of `arrays`, with `B, H` merged into `P = B*H` in every array but the
     per-token ones in the public layout, and the `Dims` of the shard (its `B` and `H`)."""
-    dims, _, treedef, axes = static
+    dims, _, treedef, axes, _ = static
     tree = jax.tree_util.tree_unflatten(treedef, arrays)
     B, _, H = _tokens_of(tree).k_idx.shape[:3]
     merged = [a if at == TOKENS else merge(a, at[0]) for a, at in zip(arrays, axes)]
@@ -311,14 +315,15 @@ def _tokens_of(tree):
 def _local_forward(save, static, *arrays):
     """One shard's forward on the arrays of an `Inputs` (bank `[B, H, K, D]`, per-token arrays `[B, T, H, ...]`):
     lay the tokens out for the kernels and run them (`_sdm_kernels_fwd`), or without `save` and packed sequences
-    run the no-grad forward (`_sdm_kernels_primal`). `static` is `(dims, slab_tokens, treedef, axes)` (`_flatten`).
+    run the no-grad forward (`_sdm_kernels_primal`). `static` is `(dims, slab_tokens, treedef, axes, snapshot_code)`
+    (`_flatten`; `snapshot_code`: how the snapshot is stored, `ffi_ops.SNAPSHOT_CODES`).
 
     Returns `(y [B, T, H, D] in the bank's dtype, final [B, H, K, D], repeats [B, H])`, then with `save` the arrays
     of the kernels' `Saved` residuals (`_flatten`).
     """
     tree, dims = _local(static, arrays)
     if save or tree.packed is not None:
-        (y, final, repeats), saved = _sdm_kernels_fwd(_kernel_inputs(tree, dims), dims.K, save)
+        (y, final, repeats), saved = _sdm_kernels_fwd(_kernel_inputs(tree, dims), dims.K, save, static[4])
         # The readings leave in the bank's dtype (one rounding, as the op's result): their cotangent then comes in
         # that dtype too, which the backward's kernels take as it is (half the bytes of float32 for bfloat16).
         y = layout.from_units(y.astype(tree.bank.dtype), dims)
@@ -355,7 +360,8 @@ def _local_backward(static, *arrays):
     `[B, H, K, D]` and of the float per-token inputs, in the public layout and in their dtypes."""
     args, dims = _local(static, arrays)
     kept = _kernel_inputs(args.kept, dims)
-    grads = _sdm_kernels_bwd(dims.K, kept, args.final, args.saved, layout.to_units(args.dy, dims), args.dfinal)
+    grads = _sdm_kernels_bwd(dims.K, kept, args.final, args.saved, layout.to_units(args.dy, dims), args.dfinal,
+                             static[4])
     public = lambda g, like, per_lane=True: layout.tokens_from_units(g, dims, like.dtype, per_lane)
     tokens = args.kept
     return (split(grads.bank, 0, dims.H), public(grads.k_val, tokens.k_val),
@@ -368,36 +374,37 @@ def _saved_structure(static, arrays):
     without running anything."""
     def saved(*arrays):
         tree, dims = _local(static, arrays)
-        return _sdm_kernels_fwd(_kernel_inputs(tree, dims), dims.K)[1]
+        return _sdm_kernels_fwd(_kernel_inputs(tree, dims), dims.K, True, static[4])[1]
 
     _, saved_axes, saved_def = _flatten(jax.eval_shape(saved, *arrays))
     return saved_def, saved_axes
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def stream_kernels(inputs, dims, grad_dtype, slab_tokens):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def stream_kernels(inputs, dims, grad_dtype, slab_tokens, snapshot_code=0):
     """The op on the kernels with explicit streams: `Inputs` with the bank `[B, H, K, D]` and per-token arrays in
     the public layout `[B, T, H, ...]` (int32 ids, the values in the bank's dtype, float32 `beta` and gates `x`,
     per token or per lane as `dims.per_write_gates` says; `packed`: None, or a `Packed` of
     `segments.chunk_segments`, int32, in stream units). `grad_dtype` (a dtype name) is the backward's working
     gradient bank: "float32", or the bank's dtype. A call that is not differentiated runs in slabs of
-    `slab_tokens` tokens (without packed sequences) and saves no residuals.
+    `slab_tokens` tokens (without packed sequences) and saves no residuals. `snapshot_code`: how the forward stores
+    the snapshot for the backward (`ffi_ops.SNAPSHOT_CODES`).
 
     Returns `(y [B, T, H, D] in the bank's dtype, final_bank [B, H, K, D], repeats [B, H])`. Inside `shard_map`
     the inputs must vary along the same manual axes; the results and the gradients are typed as varying along them
     (the FFI calls' results carry no such type).
     """
     arrays, axes, treedef = _flatten(inputs)
-    outs = _kernels_per_stream(_local_primal, (dims, slab_tokens, treedef, axes), arrays, axes,
+    outs = _kernels_per_stream(_local_primal, (dims, slab_tokens, treedef, axes, snapshot_code), arrays, axes,
                                (TOKENS, BANK, BANK))
     return tuple(to_varying(o, varying_axes(*arrays)) for o in outs)
 
 
-def _stream_kernels_fwd(inputs, dims, grad_dtype, slab_tokens):
+def _stream_kernels_fwd(inputs, dims, grad_dtype, slab_tokens, snapshot_code):
     # symbolic_zeros: the inputs come as CustomVJPPrimal (value, perturbed)
     inputs = jax.tree_util.tree_map(lambda a: a.value, inputs, is_leaf=lambda a: isinstance(a, CustomVJPPrimal))
     arrays, axes, treedef = _flatten(inputs)
-    static = (dims, slab_tokens, treedef, axes)
+    static = (dims, slab_tokens, treedef, axes, snapshot_code)
     saved_def, saved_axes = _saved_structure(static, arrays)
     y, final, repeats, *saved = _kernels_per_stream(_local_saving, static, arrays, axes,
                                                     (TOKENS, BANK, BANK) + saved_axes)
@@ -408,7 +415,7 @@ def _stream_kernels_fwd(inputs, dims, grad_dtype, slab_tokens):
     return (y, final, repeats), (final, kept, jax.tree_util.tree_unflatten(saved_def, saved))
 
 
-def _stream_kernels_bwd(dims, grad_dtype, slab_tokens, residuals, cotangents):
+def _stream_kernels_bwd(dims, grad_dtype, slab_tokens, snapshot_code, residuals, cotangents):
     final, kept, saved = residuals
     packed = kept.packed is not None
     dy, dfinal, _ = cotangents
@@ -419,7 +426,7 @@ def _stream_kernels_bwd(dims, grad_dtype, slab_tokens, residuals, cotangents):
         dfinal = jnp.zeros(shape, grad_dtype)
     dy = jnp.zeros(dy.shape, dy.dtype) if isinstance(dy, SymbolicZero) else dy  # the readings' dtype, the bank's
     arrays, axes, treedef = _flatten(BackwardArgs(final, dfinal.astype(grad_dtype), dy, kept, saved))
-    grads = _kernels_per_stream(_local_backward, (dims, slab_tokens, treedef, axes), arrays, axes,
+    grads = _kernels_per_stream(_local_backward, (dims, slab_tokens, treedef, axes, snapshot_code), arrays, axes,
                                 (BANK,) + (TOKENS,) * 5)
     grads = Grads(*(to_varying(g, varying_axes(final)) for g in grads))
     return (Inputs(grads.bank.astype(final.dtype), None, grads.k_val, grads.x, grads.v, grads.beta, None, grads.q_val,
@@ -430,11 +437,12 @@ stream_kernels.defvjp(_stream_kernels_fwd, _stream_kernels_bwd, symbolic_zeros=T
 
 
 def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, grad_dtype=None, seg=None,
-            slab_tokens=NOGRAD_SLAB_TOKENS):
+            slab_tokens=NOGRAD_SLAB_TOKENS, snapshot_code=0):
     """The op on the FFI kernels, partitioned per stream: `(y [B, T, H, D], final_bank [B, H, K, D], repeats)`.
     `grad_dtype`: the backward's working gradient bank, float32 or (None, the default) the bank's dtype. `seg`:
     the tokens' segment counters of packed sequences (`segments.segment_numbers`, padding already dropped), or
     None. `slab_tokens`: the tokens per slab of a call that is not differentiated (`_forward_in_slabs`).
+    `snapshot_code`: how the forward stores the snapshot for the backward (`ffi_ops.SNAPSHOT_CODES`).
 
     Under a mesh with `Explicit` axes (sharding in types) the body runs with those axes made `Auto` (where
     `custom_partitioning` works) and the results get the shardings of the inputs: `y` like `k_idx`, the final bank
@@ -444,7 +452,8 @@ def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, grad_dtype=None,
     args = (bank, k_idx, k_val, v, beta, g, q_idx, q_val)
     _refuse_forward_mode(args)
     grad_dtype = jnp.dtype(bank.dtype if grad_dtype is None else grad_dtype).name
-    run = functools.partial(_sdm_ffi_streams, dims=dims, grad_dtype=grad_dtype, slab_tokens=slab_tokens)
+    run = functools.partial(_sdm_ffi_streams, dims=dims, grad_dtype=grad_dtype, slab_tokens=slab_tokens,
+                            snapshot_code=snapshot_code)
     explicit = explicit_out_sharding(*args)
     if explicit is not None:
         out_sharding, axes = explicit
@@ -452,12 +461,12 @@ def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, grad_dtype=None,
     return run(*args, seg)
 
 
-def _sdm_ffi_streams(bank, k_idx, k_val, v, beta, g, q_idx, q_val, seg, dims, grad_dtype, slab_tokens):
+def _sdm_ffi_streams(bank, k_idx, k_val, v, beta, g, q_idx, q_val, seg, dims, grad_dtype, slab_tokens, snapshot_code):
     packed = None if seg is None else Packed(*segments.chunk_segments(seg, dims, layout.to_stream_units))
     inputs = Inputs(layout.batch_banks(bank, dims), k_idx, k_val, g, v, beta, q_idx, q_val, packed)
     # Inside `shard_map`, every input varies along the manual axes along which any does (the results do too); for
     # an input that does not (e.g. a bank shared by the devices) the transpose of this cast sums its gradient.
     axes = varying_axes(*jax.tree_util.tree_leaves(inputs))
     y, final, repeats = stream_kernels(jax.tree_util.tree_map(lambda a: to_varying(a, axes), inputs), dims,
-                                       grad_dtype, slab_tokens)
+                                       grad_dtype, slab_tokens, snapshot_code)
     return y, final, jnp.sum(repeats)

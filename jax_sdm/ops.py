@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from . import kernel_path, layout, segments, sharding
+from . import ffi_ops, kernel_path, layout, segments, sharding
 from .reference import sdm_reference
 from .xla import chunk_loop_xla, phase1_xla, solve_xla
 
@@ -99,6 +99,23 @@ def _count_repeats(k_idx, num_slots):
     return jnp.sum(valid & jnp.any(same, axis=-1)).astype(jnp.int32)
 
 
+def snapshot_code(snapshot_dtype, bank_dtype):
+    """The kernels' code (`ffi_ops.SNAPSHOT_CODES`) of `sdm_write_read`'s `snapshot_dtype` for a bank of
+    `bank_dtype`: None or the bank's own dtype store the bank's dtype (so bfloat16 for a bfloat16 bank is None);
+    bfloat16, "float8_e4m3fn" and "int4" (names or JAX dtypes) their codes. Anything else is a ValueError."""
+    if snapshot_dtype is None:
+        return 0
+    try:
+        name = snapshot_dtype if isinstance(snapshot_dtype, str) else jnp.dtype(snapshot_dtype).name
+    except TypeError:
+        name = None
+    codes = dict(ffi_ops.SNAPSHOT_CODES, **{jnp.dtype(bank_dtype).name: 0})
+    if name is not None and name in codes:
+        return codes[name]
+    raise ValueError(f"sdm_write_read: `snapshot_dtype` must be None (the bank's dtype, {jnp.dtype(bank_dtype).name}), "
+                     f"jnp.bfloat16, \"float8_e4m3fn\" or \"int4\", got {snapshot_dtype!r}")
+
+
 def default_chunk_size(impl="auto"):
     """The tokens per chunk that `chunk_size=None` picks for `impl` on the default backend: 128 where the CUDA
     kernels run the call (faster than 64 on the H200 at every measured shape, forward and backward), else 64."""
@@ -107,7 +124,7 @@ def default_chunk_size(impl="auto"):
 
 
 def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=None, impl="auto", check=False,
-                   return_repeats=False, segment_ids=None, bank_grad_dtype=None):
+                   return_repeats=False, segment_ids=None, bank_grad_dtype=None, snapshot_dtype=None):
     """Sparse Delta Memory: write then read a sparse per-head memory bank at every token (docs/MATH.md).
 
     Args:
@@ -149,6 +166,16 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=N
         bfloat16's own rounding of the inputs and outputs the larger part). The pure-JAX paths ignore it: the
         chunked form (`"xla"`) keeps it in float32 (the rows rounded as stored, the gradient not), the token loop
         works in float32 throughout.
+      snapshot_dtype: how the kernels' forward (`impl="ffi"`) stores, for the backward, each chunk's written rows as
+        they were before its write (the snapshot, the largest part of the training memory: `T * W * D` elements
+        per stream; docs/MATH.md "Snapshot storage"). None (the default): the bank's dtype, exact (so is the
+        bank's own dtype, e.g. `jnp.bfloat16` for a bfloat16 bank). `jnp.bfloat16` for a float32 bank: half the
+        bytes, each element rounded to nearest even. `"float8_e4m3fn"`: a byte per element and a float32 scale per
+        row (the row's largest magnitude / 448). `"int4"` (experimental: gradient errors near 1e-1): two elements a
+        byte, symmetric codes -7..7 of the row's largest magnitude / 7, rounded to nearest, and a float32 scale per
+        row. The lossy ones change only the gradients of `k_val`, `g` and `q_val`: the backward reads and restores
+        each row from the decoded snapshot (measured errors in docs/MATH.md). Results are bitwise reproducible for
+        each. The pure-JAX paths ignore it (they keep no snapshot).
 
     Returns:
       `(y, final_bank)`: readings `[B, T, H, D]` and the bank after the last token `[B, H, K, D]`, in the bank's
@@ -171,6 +198,7 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=N
     if bank_grad_dtype is not None and jnp.dtype(bank_grad_dtype) not in (jnp.dtype(jnp.float32), bank.dtype):
         raise ValueError(f"sdm_write_read: `bank_grad_dtype` must be None, float32 or the bank's dtype "
                          f"({bank.dtype}), got {jnp.dtype(bank_grad_dtype)}")
+    snapshot = snapshot_code(snapshot_dtype, bank.dtype)
     seg = None
     if segment_ids is not None:
         segment_ids = jnp.asarray(segment_ids)
@@ -204,5 +232,5 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=N
         y, final, repeats = _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, seg)
     else:
         y, final, repeats = kernel_path.sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, bank_grad_dtype,
-                                                seg)
+                                                seg, snapshot_code=snapshot)
     return (y, final, repeats) if return_repeats else (y, final)

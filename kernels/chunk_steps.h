@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "kernels/snapshot_codec.h"
+
 struct CUstream_st;  // cudaStream_t, declared so that this header needs no CUDA include
 
 namespace sdm {
@@ -47,7 +49,10 @@ struct ForwardIO {
   // Residuals for the backward; all null for a no-grad forward.
   float* delta;    // [.., C, D] the write vectors
   float* vg;       // [.., C, D] v - G, G the gathers sum_n k_eff S0[s] (the backward's only use of v and G)
-  void* snapshot;  // [.., C*W, D] bank dtype: the pre-write row of each write group
+  void* snapshot;  // [.., C*W, row bytes] the pre-write row of each write group, stored as snapshot_dtype says
+  // (kernels/snapshot_codec.h: rows of snapshot_row_bytes; kBank: [.., C*W, D] of the bank's dtype)
+  SnapshotDtype snapshot_dtype = SnapshotDtype::kBank;
+  float* snapshot_scale = nullptr;  // [.., C*W] each stored row's scale (kFloat8, kInt4; else null)
 };
 
 struct BackwardIO {
@@ -65,6 +70,8 @@ struct BackwardIO {
   float* dQK;             // [.., C, C]
   float* dbeta;           // [.., C]
   float* dv;              // [.., C, D]
+  SnapshotDtype snapshot_dtype = SnapshotDtype::kBank;  // as the forward stored the snapshot (ForwardIO)
+  const float* snapshot_scale = nullptr;
 };
 
 // Packed sequences (docs/DESIGN.md "Packed sequences"): several segments per stream, each starting from the

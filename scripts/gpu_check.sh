@@ -91,10 +91,12 @@ fi
 pack
 if has determinism; then
   # Three processes must agree bit for bit: command buffers (CUDA graphs) on, on again, and off.
+  # (test_gpu_snapshot_dtype.py's: each snapshot_dtype).
   export SDM_DIGEST_FILE=$(mktemp -d)
-  run_pytest determinism_first "$REPO"/tests/test_gpu_determinism.py
-  run_pytest determinism_again "$REPO"/tests/test_gpu_determinism.py
-  XLA_FLAGS=--xla_gpu_enable_command_buffer= run_pytest determinism_no_cmdbuf "$REPO"/tests/test_gpu_determinism.py
+  digests=("$REPO"/tests/test_gpu_determinism.py "$REPO"/tests/test_gpu_snapshot_dtype.py::test_gpu_bitwise_repeatable)
+  run_pytest determinism_first "${digests[@]}"
+  run_pytest determinism_again "${digests[@]}"
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= run_pytest determinism_no_cmdbuf "${digests[@]}"
 fi
 pack
 if has bench; then

@@ -5,7 +5,8 @@
   and long write groups; packed sequences with several segments per chunk, some starting at a chunk's first token;
   5 chunks, whose backward rebuilds its ring of group tables for 3 batches of chunks), so that the emulation keeps
   building as the CUDA source changes; every launch with programmatic dependent launch, and with the build option
-  SDM_CUDA_PDL=0 (kernels/chunk_steps.h) none, with the same results.
+  SDM_CUDA_PDL=0 (kernels/chunk_steps.h) none, with the same results; and with the snapshot stored in bfloat16,
+  float8 and int4 (kernels/snapshot_codec.h).
 - The decode step (kernels/decode_step_cuda.cu) against kernels/decode_step_cpu.cc, bitwise.
 - The solve (kernels/solve_cuda.cu, both of its kernels) against kernels/solve_cpu.cc, bitwise.
 - The product-key top-k (kernels/product_key_topk_cuda.cu, forward and backward) against
@@ -66,6 +67,12 @@ def launches(out):
 def test_cuda_steps_on_cpu_match_cpu_kernels():
     total, pdl = launches(run_check("steps", "1,4,18,28", cases=4))
     assert total > 0 and pdl == total
+
+
+@pytest.mark.slow  # compiles the emulated steps again
+@pytest.mark.parametrize("snapshot", [1, 2, 3])  # kernels/snapshot_codec.h: bfloat16, float8, int4
+def test_cuda_steps_with_a_snapshot_of_another_dtype(snapshot):
+    run_check("steps", f"snapshot={snapshot}", "1,4,18,28", cases=4)
 
 
 @pytest.mark.slow  # compiles the emulated steps again

@@ -34,6 +34,18 @@ def results(name, chunk_size):
     return {k: np.asarray(v, np.float32) for k, v in out.items()}
 
 
+def assert_as_in_earlier_processes(key, arrays):
+    """`arrays` (by name) are bitwise those an earlier process saved under `key` in $SDM_DIGEST_FILE; the first
+    process saves them."""
+    path = pathlib.Path(os.environ.get("SDM_DIGEST_FILE", "/tmp/sdm_digests")) / f"{key}.npz"
+    if path.exists():
+        diff = differences(arrays, dict(np.load(path)))
+        assert diff == {}, f"differs from an earlier process ({path}): {diff}"
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(path, **arrays)
+
+
 def differences(a, b):
     """The arrays of `a` and `b` that are not bitwise equal, with their largest difference."""
     return {k: float(np.max(np.abs(a[k] - b[k]))) for k in a if a[k].tobytes() != b[k].tobytes()}
@@ -44,10 +56,4 @@ def differences(a, b):
 def test_gpu_bitwise(name, chunk_size):
     first = results(name, chunk_size)
     assert differences(results(name, chunk_size), first) == {}  # same process, second call
-    path = pathlib.Path(os.environ.get("SDM_DIGEST_FILE", "/tmp/sdm_digests")) / f"{name}_c{chunk_size}.npz"
-    if path.exists():
-        diff = differences(first, dict(np.load(path)))
-        assert diff == {}, f"differs from an earlier process ({path}): {diff}"
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(path, **first)
+    assert_as_in_earlier_processes(f"{name}_c{chunk_size}", first)

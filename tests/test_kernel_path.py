@@ -187,7 +187,7 @@ def test_readings_cotangent_goes_to_the_kernels_in_the_bank_dtype(monkeypatch):
         call = real_ffi_call(target, *a, **kw)
         if target != "sdm_backward":
             return call
-        return lambda *ops: call(*ops[:2], ops[2].astype(jnp.float32), *ops[3:])
+        return lambda *ops, **attrs: call(*ops[:2], ops[2].astype(jnp.float32), *ops[3:], **attrs)
 
     monkeypatch.setattr(jax.ffi, "ffi_call", float32_dy)
     with pytest.raises(Exception, match="dy must have the bank's dtype"):  # a new function: traced anew

@@ -106,6 +106,8 @@ class SparseDeltaMemory(nnx.Module):
       initial_bank: `"learned"` (a parameter `[H, K, D]`, shared by the batch) or `"zeros"`.
       chunk_size, impl: passed to `jax_sdm.sdm_write_read` (`impl` "auto", "ffi", "xla" or "reference"); `impl`
         also picks `product_key_topk`'s ("xla" for "xla" and "reference").
+      snapshot_dtype: passed to `jax_sdm.sdm_write_read`: how the kernels' forward stores the written rows for the
+        backward (None, the bank's dtype; `jnp.bfloat16` for a float32 bank, `"float8_e4m3fn"`, `"int4"`).
       dtype: the computation dtype and the bank's (float32 or bfloat16); `beta` and `g` are float32.
       param_dtype: the parameters' dtype.
       sequence_axis: sequence parallelism: the name of a mesh axis along which the caller shards the activations'
@@ -133,7 +135,7 @@ class SparseDeltaMemory(nnx.Module):
                  key_dim=None, write_activation="softmax", read_activation="softmax", write_scale=None,
                  read_scale=None, gate="token", query_batchnorm=False, output_gate=True, readout_norm="rms",
                  norm_eps=1e-6, use_bias=True, init_std=None, bank_init_std=None, A_init_range=(0.0, 16.0),
-                 initial_bank="learned", chunk_size=None, impl="auto", dtype=jnp.float32,
+                 initial_bank="learned", chunk_size=None, impl="auto", snapshot_dtype=None, dtype=jnp.float32,
                  param_dtype=jnp.float32, sequence_axis=None, rngs):
         def fail(message):
             raise ValueError(f"SparseDeltaMemory: {message}")
@@ -200,6 +202,8 @@ class SparseDeltaMemory(nnx.Module):
         self.read_activation = activations["read_activation"]
         self.gate = gate
         self.chunk_size, self.impl = chunk_size, impl
+        jax_sdm.ops.snapshot_code(snapshot_dtype, dtype)  # a bad value fails here, not at the first call
+        self.snapshot_dtype = snapshot_dtype
         self.initial_bank_kind = initial_bank
         self.dtype, self.param_dtype = dtype, param_dtype
         self.sequence_axis = sequence_axis
@@ -409,7 +413,7 @@ class SparseDeltaMemory(nnx.Module):
                          for a in args)
         with jax.named_scope("memory"):
             y, bank = jax_sdm.sdm_write_read(bank, *args, chunk_size=self.chunk_size, impl=self.impl,
-                                             segment_ids=segment_ids)
+                                             segment_ids=segment_ids, snapshot_dtype=self.snapshot_dtype)
         if self.sequence_axis is not None:  # back to T; pinned on heads first, so that its cotangent reaches the op so
             spec = jax.sharding.PartitionSpec
             pin = lambda a, s: jax.lax.with_sharding_constraint(a, s)

@@ -89,6 +89,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   }
   const dim3 group_block(kGroupWarps * 32);
   const OwnerLaunch phase_a = owner_launch(dm, 2), read_side = owner_launch(dm, 1);
+  const bool coded = io.snapshot_dtype != SnapshotDtype::kBank;
   SegView<T> sv{};
   if (segments) {
     sv = SegView<T>{segments->local, segments->seg0, static_cast<const T*>(segments->initial), segments->stamp,
@@ -115,8 +116,9 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
       continue;
     }
     if (!rc)
-      rc = launch(pdl, bwd_phase_a_kernel<VEC, T, GT>, phase_a.grid, phase_a.block, phase_a.smem, stream, dm, p1, io,
-                  bank, dbank, dbank_in, zero_row, c, rows, tables);
+      rc = launch(pdl, coded ? bwd_phase_a_kernel<VEC, T, GT, true> : bwd_phase_a_kernel<VEC, T, GT, false>,
+                  phase_a.grid, phase_a.block, phase_a.smem, stream, dm, p1, io, bank, dbank, dbank_in, zero_row, c,
+                  rows, tables);
     if (!rc)
       rc = launch(pdl, bwd_read_side_kernel<VEC, T, GT>, read_side.grid, read_side.block, read_side.smem, stream, dm,
                   p1, io, static_cast<const T*>(bank), dbank, dbank_in, zero_row, c, tables);

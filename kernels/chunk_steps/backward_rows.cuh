@@ -75,8 +75,9 @@ __device__ __forceinline__ const GT* fresh_source(const Group& gr, const GT* inp
 
 // Phase A, one block per (stream, token) whose warps take the write groups the token heads (for_owned_groups): per
 // group the dots dcpe, dw and dk_eff on the row before the chunk's write (the snapshot), the gradient row
-// dS0 = cpe dS1 + sum k_eff dG, and the restore of the bank row.
-template <int VEC, typename T, typename GT>
+// dS0 = cpe dS1 + sum k_eff dG, and the restore of the bank row. kCoded: the snapshot has another dtype than the
+// bank's (a kernel of its own, so that the bank-dtype one keeps its registers).
+template <int VEC, typename T, typename GT, bool kCoded>
 __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T* __restrict__ bank, GT* __restrict__ dbank,
                        const GT* dbank_in, const GT* zero_row, int64_t c, BackRows rows, GroupTables tables) {
@@ -92,11 +93,12 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     const int32_t* order = p1.w_order + u * C * W;
     GT* drow = dbank + (s * K + slot) * D;  // dS1 is read at dsrc (the input's row until a fresh result's first write)
     const GT* dsrc = fresh_source(gr, dbank_in, dbank, zero_row, (s * K + slot) * D);
-    const T* s0 = snapshot_row<T>(io.snapshot, dm, u, gr.g);
     const int64_t e0 = u * C * W + gr.first;
     const float cpe = p1.cpe[e0];
     const float* k_eff = p1.k_eff + u * C * W;
     T* row = bank + (s * K + slot) * D;
+    const bool restored = kCoded && snapshot_restore_row(io, dm, u, gr.g, row, lane);
+    const T* s0 = restored ? row : snapshot_row<T>(io, dm, u, gr.g);
     if (hi - lo > kInlineEntries) {
       phase_a_dots<VEC>(dsrc, s0, delta, dG, order, lo, hi, W, D, lane, io, u * C * W, e0);
       for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
@@ -106,7 +108,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
         for (int i = 0; i < VEC; ++i) acc[i] *= cpe;
         group_add<VEC>(order, lo, hi, k_eff, dG + d, W, D, acc);
         store_cols<VEC>(drow + d, acc);
-        snapshot_restore<VEC>(row, d, s0);
+        if (!restored) snapshot_restore<VEC>(row, d, s0);
       }
       return;
     }
@@ -143,7 +145,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
         }
       }
       store_cols<VEC>(drow + d, acc);
-      snapshot_restore<VEC>(row, d, sv);
+      if (!restored) snapshot_restore<VEC>(row, d, sv);
     });
     const float dcpe = warp_sum(p_cpe);
     if (lane == 0) io.dcpe[e0] = dcpe;

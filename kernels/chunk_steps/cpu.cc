@@ -5,6 +5,7 @@
 // Streams are independent through every chunk, so each thread takes whole streams and runs their chunks in
 // order; every value is computed by one thread in a fixed order, whatever the split.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -120,25 +121,53 @@ struct Scratch {
   explicit Scratch(int64_t n) : a(n), b(n), c(n), d(n), e(n) {}
 };
 
-// The snapshot (MATH.md "The forward chunk step"; ForwardIO::snapshot): per unit and write group g, the row of the
-// group's slot before the chunk's write, in the bank's dtype. The forward stores it (store_snapshot), Phase A reads
-// it as S0 and puts it back into the bank (restore_snapshot); these are the only functions that know its layout.
+// The snapshot (MATH.md "The forward chunk step", "Snapshot storage"; ForwardIO::snapshot): per unit and write
+// group g, the row of the group's slot before the chunk's write, stored as snapshot_dtype says
+// (kernels/snapshot_codec.h). The forward stores it (store), Phase A reads it as S0 (load: the decoded row, rounded
+// to the bank's dtype as the restore puts it back); this is the only code that knows its layout.
 template <typename BankT>
-BankT* snapshot_rows(void* snapshot, const StepDims& dm, int64_t u) {  // unit u's rows; null: no residuals
-  return snapshot ? static_cast<BankT*>(snapshot) + u * dm.C * dm.W * dm.D : nullptr;
-}
-template <typename BankT>
-const BankT* snapshot_rows(const void* snapshot, const StepDims& dm, int64_t u) {
-  return static_cast<const BankT*>(snapshot) + u * dm.C * dm.W * dm.D;
-}
-template <typename BankT>
-void store_snapshot(const BankT* row, BankT* snap_row, int64_t D) {
-  std::copy(row, row + D, snap_row);
-}
-template <typename BankT>
-void restore_snapshot(const BankT* snap_row, BankT* row, int64_t D) {
-  std::copy(snap_row, snap_row + D, row);
-}
+struct UnitSnapshot {
+  SnapshotDtype type;
+  uint8_t* rows;  // null: no residuals
+  float* scale;
+  int64_t row_bytes, D;
+
+  UnitSnapshot(const void* snapshot, const float* snapshot_scale, SnapshotDtype t, const StepDims& dm, int64_t u)
+      : type(t), rows(nullptr), scale(nullptr), row_bytes(snapshot_row_bytes(t, dm.D, sizeof(BankT))), D(dm.D) {
+    if (!snapshot) return;
+    rows = static_cast<uint8_t*>(const_cast<void*>(snapshot)) + u * dm.C * dm.W * row_bytes;
+    if (snapshot_scaled(t)) scale = const_cast<float*>(snapshot_scale) + u * dm.C * dm.W;
+  }
+  explicit operator bool() const { return rows != nullptr; }
+
+  void store(int64_t g, const BankT* row) const {
+    uint8_t* out = rows + g * row_bytes;
+    if (type == SnapshotDtype::kBank) {
+      std::memcpy(out, row, row_bytes);
+      return;
+    }
+    float amax = 0.f;
+    if (scale) {
+      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(to_float(row[d])));
+      scale[g] = snapshot_scale(type, amax);
+    }
+    const float sc = scale ? scale[g] : 0.f;
+    const auto elem = [&](int64_t d) { return to_float(row[d]); };
+    for (int64_t b = 0; b < row_bytes; ++b) out[b] = snapshot_byte(type, b, D, sc, elem);
+  }
+
+  // The row as stored, decoded to float32 and rounded to the bank's dtype, into s0.
+  void load(int64_t g, float* s0) const {
+    const uint8_t* in = rows + g * row_bytes;
+    if (type == SnapshotDtype::kBank) {
+      const BankT* row = reinterpret_cast<const BankT*>(in);
+      for (int64_t d = 0; d < D; ++d) s0[d] = to_float(row[d]);
+      return;
+    }
+    const float sc = scale ? scale[g] : 0.f;
+    for (int64_t d = 0; d < D; ++d) s0[d] = to_float(from_float<BankT>(snapshot_element(type, in, d, sc)));
+  }
+};
 
 // ---- The forward chunk step (MATH.md "The forward chunk step"): gather, apply the inverse, write.
 
@@ -169,7 +198,7 @@ void write_rows(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, i
   const int32_t* order = p1.w_order + u * C * W;
   const int32_t* group = p1.w_group + u * (C * W + 1);
   const float* w = p1.w + u * C * W;
-  BankT* snap = snapshot_rows<BankT>(io.snapshot, dm, u);
+  const UnitSnapshot<BankT> snap(io.snapshot, io.snapshot_scale, io.snapshot_dtype, dm, u);
   for (int64_t g = 0; g < C * W; ++g) {
     int32_t lo, hi;
     const int32_t s = group_slot(order, group, k_idx, g, K, &lo, &hi);
@@ -178,7 +207,7 @@ void write_rows(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, i
     if (!sg.stored(t0)) continue;
     BankT* row = S + static_cast<int64_t>(s) * D;
     const BankT* old = sg.row(S, s, t0, D);  // the row as at the segment's start
-    if (snap) store_snapshot(row, snap + g * D, D);
+    if (snap) snap.store(g, row);
     if (sg.stamp_snapshot) sg.stamp_snapshot[g] = sg.stamp[s];
     const float cpe = p1.cpe[u * C * W + order[lo]];
     for (int64_t d = 0; d < D; ++d) acc[d] = cpe * to_float(old[d]);
@@ -289,21 +318,25 @@ void phase_a(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, int
   const float* cpe = p1.cpe + u * C * W;
   float* dk_eff = io.dk_eff + u * C * W;
   float* dcpe = io.dcpe + u * C * W;
-  const BankT* snap = snapshot_rows<BankT>(io.snapshot, dm, u);
+  const UnitSnapshot<BankT> snap(io.snapshot, io.snapshot_scale, io.snapshot_dtype, dm, u);
   float* acc = b.tmp;
   float* s0 = b.tmp + D;
+  float* stored = b.tmp + 2 * D;  // the stored group's snapshot row, decoded
   for (int64_t g = 0; g < C * W; ++g) {
     int32_t lo, hi;
     const int32_t s = group_slot(order, group, k_idx, g, K, &lo, &hi);
     if (s < 0) continue;
     const int32_t e0 = order[lo];
     if (sg.stored(e0 / W) != stored_groups) continue;
-    const BankT* snap_row = snap + g * D;
     if (sg.local && stored_groups) sg.stamp[s] = sg.stamp_snapshot[g];
     const bool current = sg.current(s, e0 / W);
-    const BankT* old = !current ? sg.initial + static_cast<int64_t>(s) * D
-                       : stored_groups ? snap_row : S + static_cast<int64_t>(s) * D;
-    for (int64_t d = 0; d < D; ++d) s0[d] = to_float(old[d]);
+    if (stored_groups) snap.load(g, stored);
+    if (current && stored_groups) {
+      std::copy(stored, stored + D, s0);
+    } else {
+      const BankT* old = current ? S + static_cast<int64_t>(s) * D : sg.initial + static_cast<int64_t>(s) * D;
+      for (int64_t d = 0; d < D; ++d) s0[d] = to_float(old[d]);
+    }
     GradT* drow = dS + static_cast<int64_t>(s) * D;
     GradT* target = current ? drow : dI + static_cast<int64_t>(s) * D;
     if (stored_groups) {
@@ -323,7 +356,10 @@ void phase_a(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, int
       for (int64_t d = 0; d < D; ++d) acc[d] += k_eff[e] * dg[d];
     }
     for (int64_t d = 0; d < D; ++d) target[d] = from_float<GradT>(acc[d]);
-    if (stored_groups) restore_snapshot(snap_row, S + static_cast<int64_t>(s) * D, D);
+    if (stored_groups) {
+      BankT* row = S + static_cast<int64_t>(s) * D;
+      for (int64_t d = 0; d < D; ++d) row[d] = from_float<BankT>(stored[d]);
+    }
   }
 }
 
@@ -378,7 +414,7 @@ void backward_unit(const StepDims& dm, const StepPhase1& p1, const BackwardIO& i
   read_side(dm, p1, io, u, S, dS, sg, dI, b);
 }
 
-int64_t scratch_size(const StepDims& dm) { return std::max<int64_t>(dm.C * dm.D, 2 * dm.D); }
+int64_t scratch_size(const StepDims& dm) { return std::max<int64_t>(dm.C * dm.D, 3 * dm.D); }
 
 }  // namespace
 

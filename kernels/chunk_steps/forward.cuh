@@ -129,14 +129,14 @@ __global__ void fwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, ForwardIO i
 }
 
 // the first entry's delta the block's token's (pre).
-template <int VEC, int S, typename T>
+template <bool kCoded, int VEC, int S, typename T>
 __device__ __forceinline__ void write_batch(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, T* bank,
                                             const float* delta, const float* pre, const Group& gr, int64_t d0,
                                             const Cols<VEC, T> (&x)[S]) {
   const int64_t C = dm.C, W = dm.W, D = dm.D, u = gr.u;
   constexpr int64_t kStep = 32 * VEC;
   T* row = bank + (gr.s * dm.K + gr.slot) * D;
-  T* snap = snapshot_row<T>(io.snapshot, dm, u, gr.g);
+  T* snap = snapshot_row<T, kCoded ? SnapshotKernel::kCoded : SnapshotKernel::kBank>(io, dm, u, gr.g);
   const float* w = p1.w + u * C * W;
   const float cpe = p1.cpe[u * C * W + gr.first], w0 = w[gr.first];
 #pragma unroll
@@ -154,7 +154,9 @@ __device__ __forceinline__ void write_batch(const StepDims& dm, const StepPhase1
 }
 
 // `input` is the input bank of a fresh output bank (the rows of groups from_input are read there), else `bank`.
-template <int VEC, typename T>
+// kCoded: the snapshot has another dtype than the bank's (a kernel of its own, so that the bank-dtype one keeps its
+// registers).
+template <int VEC, typename T, bool kCoded>
 __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, const T* input, T* __restrict__ bank, int64_t c,
                      ChunkRows rows, GroupTables tables) {
@@ -176,10 +178,11 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     stage_token(D, vecs, staged, pre);
     while (owned.next()) {
       const T* row = row_of(owned.gr);
+      if constexpr (kCoded) snapshot_store_row(io, dm, u, owned.gr.g, row, owned.gr.lane);
       for (int64_t d = d0; d < D; d += S * 32 * VEC) {
         Cols<VEC, T> x[S];
         load_batch(row, d, D, x);
-        write_batch<VEC>(dm, p1, io, bank, delta, pre[0], owned.gr, d, x);
+        write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], owned.gr, d, x);
       }
     }
     return;
@@ -196,7 +199,8 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     const bool more = owned.next();
     Cols<VEC, T> y[S];
     if (more) load_batch(row_of(owned.gr), d0, D, y);
-    write_batch<VEC>(dm, p1, io, bank, delta, pre[0], cur, d0, x);
+    if constexpr (kCoded) snapshot_store_row(io, dm, u, cur.g, row_of(cur), cur.lane);
+    write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], cur, d0, x);
     if (!more) break;
     cur = owned.gr;
 #pragma unroll

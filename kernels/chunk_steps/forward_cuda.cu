@@ -63,9 +63,11 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   };
   if (!segments) {
     const OwnerLaunch ol = owner_launch(dm, 1);
+    const bool coded = io.snapshot && io.snapshot_dtype != SnapshotDtype::kBank;
     const auto write = [&](int64_t c) {
-      return launch(pdl, fwd_write_kernel<VEC, T>, ol.grid, ol.block, ol.smem, stream, dm, p1, io,
-                    fresh ? input : static_cast<const T*>(bank), bank, c, rows, group_tables.at(dm, c));
+      return launch(pdl, coded ? fwd_write_kernel<VEC, T, true> : fwd_write_kernel<VEC, T, false>, ol.grid, ol.block,
+                    ol.smem, stream, dm, p1, io, fresh ? input : static_cast<const T*>(bank), bank, c, rows,
+                    group_tables.at(dm, c));
     };
     if (fresh)
       steps(fwd_gather_kernel<VEC, T, FreshView<T>>, write, FreshView<T>{input, fa.w_tag, fa.r_tag});

@@ -90,7 +90,8 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
   const bool current = local_u[gr.first / W] == 0 && stamp == sg.seg0[u];
   T* row = bank + (s * K + gr.slot) * D;
   const T* old = current ? row : sg.initial + (s * K + gr.slot) * D;
-  T* snap = snapshot_row<T>(io.snapshot, dm, u, g);
+  T* snap = snapshot_row<T>(io, dm, u, g);
+  snapshot_store_row(io, dm, u, g, static_cast<const T*>(row), gr.lane);
   const int32_t* order = p1.w_order + u * C * W;
   const float cpe = p1.cpe[u * C * W + gr.first];
   const float* delta = rows.delta + rows.at(dm, u, s);
@@ -130,7 +131,8 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
   const int64_t at = (s * K + gr.slot) * D;
   GT* drow = dbank + at;
   GT* target = current ? drow : static_cast<GT*>(sg.dinitial) + at;
-  const T* snap = snapshot_row<T>(io.snapshot, dm, u, g);
+  const bool restored = snapshot_restore_row(io, dm, u, g, bank + at, lane);
+  const T* snap = restored ? bank + at : snapshot_row<T>(io, dm, u, g);
   const T* s0 = current ? snap : sg.initial + at;
   const int32_t* order = p1.w_order + u * C * W;
   const int64_t e0 = u * C * W + gr.first;
@@ -153,7 +155,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
     }
     group_add<VEC>(order, gr.lo, gr.hi, p1.k_eff + u * C * W, dG + d, W, D, acc);
     store_cols<VEC>(target + d, acc);
-    snapshot_restore<VEC>(bank + at, d, snap);
+    if (!restored) snapshot_restore<VEC>(bank + at, d, snap);
   }
   if (lane == 0) sg.stamp[s * K + gr.slot] = stamp;
 }

@@ -21,7 +21,10 @@
 // initial bank.
 //
 // A first argument `cpu-both` (run.sh plain steps cpu-both [...]) runs the CPU loops in place of the CUDA ones
-// too: a check of this harness (every case must pass), not of the CUDA code.
+// too: a check of this harness (every case must pass), not of the CUDA code. Then `snapshot=N` stores the snapshot
+// as kernels/snapshot_codec.h's SnapshotDtype N says (0, the bank's dtype, by default; 1 bfloat16 is for float32
+// banks): the forward's snapshots are compared decoded, and the backward, which restores the rows from the decoded
+// snapshot, must give the CPU backward's restored bank bitwise (the initial bank itself only for N = 0).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -53,6 +56,7 @@ struct Case {
 };
 
 bool cpu_both = false;  // run the CPU loops on the "CUDA" side too (a check of the harness)
+SnapshotDtype snapshot_dtype = SnapshotDtype::kBank;  // how the forward stores the snapshot
 constexpr int32_t kPoison = -12345;  // stamps and stamp snapshot cells before a pass writes them
 
 // Largest errors over the cases, per output name.
@@ -226,6 +230,7 @@ struct BackwardOut {
   std::vector<float> dk_eff, dw, dcpe, dq_w, dA, dQK, dbeta, dv;
   std::vector<float> dbank;
   bool restored = false;  // the bank came back as the initial bank, bitwise
+  std::vector<float> bank;  // the restored bank, as float32
   std::vector<float> dinitial;  // packed sequences only
   bool stamps_zero = true, initial_kept = true;
 };
@@ -300,7 +305,24 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
     }
 
   const int64_t fwd_ws_floats = forward_workspace_floats(dm), bwd_ws_floats = backward_workspace_floats(dm);
-  const size_t ncd = size_t(N * C * D), nsnap = size_t(N * C * W * D), nstamp = size_t(dm.streams() * K);
+  const size_t ncd = size_t(N * C * D), nstamp = size_t(dm.streams() * K);
+  const size_t nsnap = size_t(N * C * W * snapshot_row_bytes(snapshot_dtype, D, sizeof(BankT)));
+  const size_t nscale = snapshot_scaled(snapshot_dtype) ? size_t(N * C * W) : 0;
+  // The snapshot decoded to float32 per element, [N, C*W, D].
+  auto decoded = [&](const std::vector<uint8_t>& snap, const std::vector<float>& scale) {
+    if (snapshot_dtype == SnapshotDtype::kBank) {
+      std::vector<BankT> rows(snap.size() / sizeof(BankT));
+      if (!snap.empty()) std::memcpy(rows.data(), snap.data(), snap.size());
+      return as_float(rows);
+    }
+    const int64_t rows = snap.empty() ? 0 : N * C * W, bytes = snapshot_row_bytes(snapshot_dtype, D, 0);
+    std::vector<float> out(size_t(rows * D));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t d = 0; d < D; ++d)
+        out[size_t(r * D + d)] = snapshot_element(snapshot_dtype, snap.data() + r * bytes, d,
+                                                  nscale ? scale[size_t(r)] : 0.f);
+    return out;
+  };
   // The packed sequences' arguments of one pass (null without packed sequences).
   auto segments_of = [&](StepSegments& sg, const std::vector<BankT>& initial, std::vector<int32_t>& stamp,
                          std::vector<int32_t>& stamp_snapshot, void* dinitial) -> const StepSegments* {
@@ -311,18 +333,27 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
   // One forward; save: with residuals. cuda: the emulated CUDA kernels (the CPU ones under cpu-both), else the
   // CPU ones; the CUDA forward with residuals gets the result as a second buffer (filled with NaN: a fresh output
   // bank must write every row), the one without them the bank in place.
-  std::vector<BankT> final_cpu, snap_cpu;
+  std::vector<BankT> final_cpu;
+  std::vector<uint8_t> snap_cpu;
+  std::vector<float> scale_cpu;
   auto forward = [&](bool cuda, bool save, int* rc) {
     std::vector<BankT> bank = bank0, initial = bank0, input = bank0;
-    std::vector<BankT> snap(save ? nsnap : 0, from_float<BankT>(kNaN));
+    std::vector<uint8_t> snap(save ? nsnap : 0, 0xff);  // NaN in either float dtype
+    std::vector<float> scale(save ? nscale : 0, kNaN);
     ForwardOut o{std::vector<float>(ncd, kNaN), std::vector<float>(save ? ncd : 0, kNaN),
                  std::vector<float>(save ? ncd : 0, kNaN), {}, {}};
     o.stamp.assign(packed ? nstamp : 0, kPoison);
     o.stamp_snapshot.assign(packed && save ? nw : 0, kPoison);
     StepSegments sg;
     const StepSegments* segments = segments_of(sg, initial, o.stamp, o.stamp_snapshot, nullptr);
-    const ForwardIO io{v.data(), beta.data(), o.y.data(), save ? o.delta.data() : nullptr,
-                       save ? o.vg.data() : nullptr, save ? snap.data() : nullptr};
+    const ForwardIO io{v.data(),
+                       beta.data(),
+                       o.y.data(),
+                       save ? o.delta.data() : nullptr,
+                       save ? o.vg.data() : nullptr,
+                       save ? snap.data() : nullptr,
+                       snapshot_dtype,
+                       save && nscale ? scale.data() : nullptr};
     if (cuda && !cpu_both) {
       std::vector<float> ws(size_t(fwd_ws_floats), kNaN);
       if (save) std::fill(bank.begin(), bank.end(), from_float<BankT>(kNaN));
@@ -335,9 +366,9 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
     } else {
       forward_cpu<BankT>(dm, p1, io, bank.data(), segments);
     }
-    if (!cuda && save) final_cpu = bank, snap_cpu = snap;
+    if (!cuda && save) final_cpu = bank, snap_cpu = snap, scale_cpu = scale;
     o.bank = as_float(bank);
-    o.snapshot = as_float(snap);
+    o.snapshot = decoded(snap, scale);
     o.initial_kept = same_bits(initial, bank0);
     return o;
   };
@@ -359,9 +390,10 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
     BackwardOut o{std::vector<float>(cw, kNaN),  std::vector<float>(cw, kNaN),        std::vector<float>(cw, kNaN),
                   std::vector<float>(cr, kNaN),  std::vector<float>(ncc, kNaN),       std::vector<float>(ncc, kNaN),
                   std::vector<float>(size_t(N * C), kNaN), std::vector<float>(ncd, kNaN), {}};
-    const BackwardIO io{beta.data(), dy.data(), res.delta.data(), res.vg.data(), snap_cpu.data(),
-                        o.dk_eff.data(), o.dw.data(), o.dcpe.data(), o.dq_w.data(), o.dA.data(), o.dQK.data(),
-                        o.dbeta.data(), o.dv.data()};
+    const BackwardIO io{beta.data(),     dy.data(),       res.delta.data(), res.vg.data(), snap_cpu.data(),
+                        o.dk_eff.data(),  o.dw.data(),     o.dcpe.data(),    o.dq_w.data(),  o.dA.data(),
+                        o.dQK.data(),     o.dbeta.data(),  o.dv.data(),      snapshot_dtype,
+                        nscale ? scale_cpu.data() : nullptr};
     if (cuda && !cpu_both) {
       // Without packed sequences the gradient bank comes back in a second buffer (filled with NaN: every row must
       // be written), as kernel_path.py calls it; with them in place.
@@ -379,6 +411,7 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
     }
     o.dbank = as_float(dbank);
     o.restored = same_bits(bank, bank0);
+    o.bank = as_float(bank);
     o.dinitial = as_float(dinitial);
     o.stamps_zero = std::all_of(stamp.begin(), stamp.end(), [](int32_t s) { return s == 0; });
     o.initial_kept = same_bits(initial, bank0);
@@ -400,7 +433,8 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
   };
   auto kept_initial = [&](const char* what, bool kept) { expect(kept, what, "changed the initial bank"); };
   auto restored = [&](const char* what, const BackwardOut& o) {
-    expect(o.restored, what, "did not restore the bank to the initial bank (bitwise)");
+    if (snapshot_dtype == SnapshotDtype::kBank)
+      expect(o.restored, what, "did not restore the bank to the initial bank (bitwise)");
     expect(o.stamps_zero, what, "did not restore the stamps to zero");
     kept_initial(what, o.initial_kept);
   };
@@ -445,6 +479,8 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
     fails += compare(("dbank" + what).c_str(), bg.dbank, bc.dbank, gbf, verbose);
     if (packed) fails += compare(("dinitial" + what).c_str(), bg.dinitial, bc.dinitial, gbf, verbose);
     restored(("backward_cuda" + what).c_str(), bg);
+    expect(same_bits(bg.bank, bc.bank), ("backward_cuda" + what).c_str(),
+           "restored another bank than the CPU backward (bitwise)");
   };
   if (verbose) std::printf("  backward (on the CPU forward's residuals)\n");
   const BackwardOut bc = backward(false, fc, &rc), bg = backward(true, fc, &rc);
@@ -486,6 +522,11 @@ int main(int argc, char** argv) {
     cpu_both = true;
     --argc, ++argv;
     std::printf("cpu-both: the CPU loops on both sides (a check of this harness, not of the CUDA code)\n");
+  }
+  if (argc > 1 && std::string(argv[1]).rfind("snapshot=", 0) == 0) {
+    snapshot_dtype = static_cast<SnapshotDtype>(std::atoi(argv[1] + 9));
+    --argc, ++argv;
+    std::printf("snapshot_dtype %d\n", static_cast<int>(snapshot_dtype));
   }
   // {V, NC, P, C, W, R, K, D, bf16 bank, bf16 grad, invalid, pad[, segs]}. D picks the column path (vec_of: D % 8 == 0
   // -> 8, D % 4 == 0 -> 4, else 1); small K against C * W gives long write groups (> 2 entries) and repeated reads.

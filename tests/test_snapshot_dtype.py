@@ -1,0 +1,285 @@
+"""`snapshot_dtype`: how the kernels' forward stores the rows it overwrites for the backward (docs/MATH.md
+"Snapshot storage"), on the default backend's kernels (the CPU ones here; tests/test_gpu_snapshot_dtype.py on a GPU).
+
+The stored codes are checked against NumPy's (ml_dtypes') rounding of the exact pre-write rows; every option against
+the float64 token loop; None (and the bank's own dtype) bitwise against today's default; each option for bitwise
+repeatability; bad values for a clear error."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jax_sdm import ffi_ops, sdm_write_read
+from jax_sdm.testing import random_problem
+
+from .helpers import FLOAT_ARGS, cotangents, outputs_and_grads, rel_err
+from .test_gpu_steps import kernel_inputs
+
+LOSSY = (jnp.bfloat16, "float8_e4m3fn", "int4")
+# Relative L2 error of the gradients the snapshot enters (k_val, g, q_val) against the float64 token loop that
+# each option must stay within: the issue's bar for float8 (3e-2); int4, experimental, measures 9e-2 to 1e-1 at
+# these widths (its rounding error grows with the ratio of a row's largest to its typical magnitude, so with D).
+BOUNDS = {"bfloat16": 1e-2, "float8_e4m3fn": 3e-2, "int4": 1.2e-1}
+# The gradients that never read the snapshot (dS0 = cpe dS1 + sum k_eff dG and the readings' side add no S0 term,
+# v and beta see only the forward's residuals): the same bits whatever the snapshot's dtype.
+SNAPSHOT_FREE = ("bank", "v", "beta")
+
+
+def name_of(snapshot_dtype):
+    return snapshot_dtype if isinstance(snapshot_dtype, str) else jnp.dtype(snapshot_dtype).name
+
+
+def run(args, dy, dbank, chunk_size=32, **kw):
+    return outputs_and_grads(functools.partial(sdm_write_read, impl="ffi"), args, dy, dbank, chunk_size=chunk_size,
+                             **kw)
+
+
+def token_loop64(args, dy, dbank, **kw):
+    with jax.enable_x64(True):
+        wide = {k: np.asarray(a, np.float64) if k in FLOAT_ARGS else a for k, a in args.items()}
+        y, final, g = outputs_and_grads(functools.partial(sdm_write_read, impl="reference"), wide, dy, dbank, **kw)
+        return np.asarray(y), np.asarray(final), {k: np.asarray(v) for k, v in g.items()}
+
+
+def assert_same_bits(a, b):
+    """The outputs and the gradients of `b` (all of FLOAT_ARGS, or those it has) equal `a`'s bitwise."""
+    (y_a, final_a, g_a), (y_b, final_b, g_b) = a, b
+    np.testing.assert_array_equal(np.asarray(y_a), np.asarray(y_b), err_msg="y")
+    np.testing.assert_array_equal(np.asarray(final_a), np.asarray(final_b), err_msg="final bank")
+    assert set(g_b) <= set(g_a)
+    for k in g_b:
+        np.testing.assert_array_equal(np.asarray(g_a[k]), np.asarray(g_b[k]), err_msg=k)
+
+
+# ---- The stored codes
+
+
+def stored(seed, code, device=None, chunk=16, **shape):
+    """The forward's snapshot with storage `code` and the exact one (the bank's float32), with a mask of the rows
+    the forward writes (rows past a unit's group count are never written or read); on `device` (None: the
+    default)."""
+    inputs = jax.device_put(kernel_inputs(seed, chunk, **shape), device)
+    fwd = jax.jit(functools.partial(ffi_ops.forward_ffi, save=True, snapshot_code=code))
+    exact = np.asarray(jax.jit(functools.partial(ffi_ops.forward_ffi, save=True))(*inputs).snapshot)
+    out = fwd(*inputs)
+    group = np.asarray(inputs[5].w_group)
+    used = group[..., 1:] > group[..., :-1]
+    return np.asarray(out.snapshot), np.asarray(out.snapshot_scale), exact.astype(np.float32), used
+
+
+def scaled_codes(exact, top):
+    """Each row's scale (largest magnitude / top) and the row divided by it (zero rows: zeros), in float32."""
+    scale = np.max(np.abs(exact), axis=-1) / np.float32(top)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return scale, np.where(scale[..., None] > 0, exact / scale[..., None], np.float32(0))
+
+
+def check_codes(name, device=None, seed=11, **shape):
+    """The stored snapshot of option `name` is the exact pre-write rows rounded as NumPy (ml_dtypes) rounds them:
+    bfloat16 and float8 e4m3fn to nearest even, int4 to the nearest of -7..7, two codes a byte (the even element in
+    the low nibble), with each row's scale (its largest magnitude / 448 or / 7) bitwise."""
+    snap, scale, exact, used = stored(seed, ffi_ops.SNAPSHOT_CODES[name], device, **(shape or SHAPE))
+    D = exact.shape[-1]
+    if name == "bfloat16":
+        assert snap.dtype == jnp.bfloat16 and snap.shape == exact.shape and scale.size == 0
+        want = exact.astype(ml_dtypes.bfloat16)
+        np.testing.assert_array_equal(snap[used].view(np.uint16), want[used].view(np.uint16))
+        return
+    want_scale, q = scaled_codes(exact, 448 if name == "float8_e4m3fn" else 7)
+    assert snap.dtype == np.uint8 and scale.shape == exact.shape[:-1]
+    np.testing.assert_array_equal(scale[used], want_scale[used])
+    if name == "float8_e4m3fn":
+        assert snap.shape == exact.shape
+        want = q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        assert np.count_nonzero(snap[used]) > snap[used].size // 2  # real rows, not zeros
+    else:
+        assert snap.shape == exact.shape[:-1] + ((D + 1) // 2,)
+        nibbles = (np.clip(np.rint(q), -7, 7).astype(np.int8) & 0xF).astype(np.uint8)
+        assert len(np.unique(nibbles[used])) > 8  # codes across the range
+        nibbles = np.concatenate([nibbles, np.zeros(nibbles.shape[:-1] + (D % 2,), np.uint8)], axis=-1)
+        want = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    np.testing.assert_array_equal(snap[used], want[used])
+
+
+SHAPE = dict(B=2, T=70, H=2, K=48, D=37, W=5, R=3, distinct=False, repeats=True)
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn", "int4"])
+def test_stored_codes(name):
+    check_codes(name)
+
+
+def test_zero_rows_store_zero_codes():
+    args = random_problem(14, T=40, K=16, D=8, W=3, R=2)
+    inputs = kernel_inputs(14, 16, T=40, K=16, D=8, W=3, R=2)
+    zeros = (jnp.zeros_like(inputs[0]),) + inputs[1:]
+    for name in ("float8_e4m3fn", "int4"):
+        out = ffi_ops.forward_ffi(*zeros, save=True, snapshot_code=ffi_ops.SNAPSHOT_CODES[name])
+        group = np.asarray(inputs[5].w_group)
+        used = group[..., 1:] > group[..., :-1]
+        first = np.asarray(out.snapshot)[0]  # the first chunk's rows are the zero initial bank's
+        assert np.all(np.asarray(out.snapshot_scale)[0][used[0]] == 0), name
+        assert np.all(first[used[0]] == 0), name
+    dy, dbank = cotangents(14, args)
+    y, final, g = run(dict(args, bank=np.zeros_like(args["bank"])), dy, dbank, snapshot_dtype="int4")
+    for a in (y, final, *g.values()):
+        assert np.all(np.isfinite(np.asarray(a, np.float32)))
+
+
+# ---- Against the token loop
+
+
+@functools.lru_cache(maxsize=None)
+def problem(dtype_name, T=512, K=128, D=48, W=4, segments=False):
+    """A problem whose rows are rewritten many times (T * W / K = 16 writes a row), its cotangents and the float64
+    token loop's results."""
+    args = random_problem(21, B=2, T=T, H=2, K=K, D=D, W=W, R=W, dtype=jnp.dtype(dtype_name))
+    if segments:  # packed sequences: segments of 40-200 tokens
+        rng = np.random.default_rng(21)
+        starts = np.cumsum(rng.integers(40, 200, size=(2, T)), axis=1)
+        args["segment_ids"] = np.sum(np.arange(T)[None, :, None] >= starts[:, None, :], axis=-1).astype(np.int32)
+    dy, dbank = cotangents(21, args)
+    kw = {"segment_ids": args.pop("segment_ids")} if segments else {}
+    return args, dy, dbank, kw, token_loop64(args, dy, dbank, **kw)
+
+
+@pytest.mark.parametrize("bank_dtype", ["float32", "bfloat16"])
+def test_none_and_the_banks_dtype_are_todays_bits(bank_dtype):
+    args, dy, dbank, _, _ = problem(bank_dtype)
+    today = run(args, dy, dbank)
+    assert_same_bits(run(args, dy, dbank, snapshot_dtype=None), today)
+    assert_same_bits(run(args, dy, dbank, snapshot_dtype=jnp.dtype(bank_dtype)), today)
+    assert_same_bits(run(args, dy, dbank, snapshot_dtype=bank_dtype), today)
+
+
+@pytest.mark.parametrize("segments", [False, True])
+@pytest.mark.parametrize("bank_dtype, snapshot_dtype", [("float32", s) for s in LOSSY] +
+                         [("bfloat16", s) for s in LOSSY[1:]])
+def test_against_the_token_loop(bank_dtype, snapshot_dtype, segments):
+    args, dy, dbank, kw, (y_ref, final_ref, g_ref) = problem(bank_dtype, segments=segments)
+    y0, final0, g0 = run(args, dy, dbank, **kw)
+    y, final, g = run(args, dy, dbank, snapshot_dtype=snapshot_dtype, **kw)
+    # The forward's results and the gradients that never read the snapshot are today's.
+    assert_same_bits((y, final, g), (y0, final0, {k: g0[k] for k in SNAPSHOT_FREE}))
+    # today's accuracy, plus the snapshot's rounding where it enters
+    base = 1e-5 if bank_dtype == "float32" else 1.5e-2
+    for k in FLOAT_ARGS:
+        assert g[k].dtype == np.asarray(args[k]).dtype, k
+        err, err0 = rel_err(g[k], g_ref[k]), rel_err(g0[k], g_ref[k])
+        assert err0 < base, (k, err0)
+        if k in SNAPSHOT_FREE:
+            continue
+        assert err < BOUNDS[name_of(snapshot_dtype)], (k, err)
+        assert err > err0 or name_of(snapshot_dtype) == "bfloat16", (k, err, err0)  # the snapshot is lossy
+
+
+@pytest.mark.parametrize("snapshot_dtype", LOSSY)
+def test_each_option_bitwise_repeatable(snapshot_dtype):
+    args, dy, dbank, _, _ = problem("float32")
+    first = run(args, dy, dbank, snapshot_dtype=snapshot_dtype)
+    jax.clear_caches()  # compiled anew
+    assert_same_bits(run(args, dy, dbank, snapshot_dtype=snapshot_dtype), first)
+
+
+def test_a_bfloat16_bank_with_a_float32_gradient_bank():
+    args, dy, dbank, _, (_, _, g_ref) = problem("bfloat16")
+    _, _, g = run(args, dy, dbank, snapshot_dtype="float8_e4m3fn", bank_grad_dtype=jnp.float32)
+    for k in ("k_val", "g", "q_val"):
+        assert rel_err(g[k], g_ref[k]) < BOUNDS["float8_e4m3fn"], k
+
+
+@pytest.mark.parametrize("impl", [pytest.param("xla", marks=pytest.mark.slow), "reference"])  # xla: slow to compile
+def test_the_pure_jax_paths_ignore_it(impl):
+    args = random_problem(3, T=40, K=32, D=8, W=3, R=3)
+    dy, dbank = cotangents(3, args)
+    op = functools.partial(sdm_write_read, impl=impl)
+    assert_same_bits(outputs_and_grads(op, args, dy, dbank, snapshot_dtype="int4"),
+                     outputs_and_grads(op, args, dy, dbank))
+
+
+@pytest.mark.parametrize("bank_dtype, bad", [(np.float32, jnp.float16), (np.float32, "float8_e5m2"),
+                                             (np.float32, "int8"), (jnp.bfloat16, jnp.float32),
+                                             (np.float32, "no such dtype"), (np.float32, 3)])
+def test_bad_snapshot_dtype(bank_dtype, bad):
+    args = random_problem(1, T=8, K=16, D=4, W=2, R=2, dtype=bank_dtype)
+    with pytest.raises(ValueError, match="snapshot_dtype"):
+        sdm_write_read(**args, impl="ffi", snapshot_dtype=bad)
+
+
+# ---- The Flax layer passes it on
+
+
+def layer_grads(snapshot_dtype, seed=5):
+    pytest.importorskip("flax")
+    from flax import nnx
+
+    from jax_sdm.nn import SparseDeltaMemory
+
+    model = SparseDeltaMemory(16, num_heads=2, slots_per_head=36, num_writes=3, num_reads=2, head_dim=8,
+                              chunk_size=8, impl="ffi", snapshot_dtype=snapshot_dtype, rngs=nnx.Rngs(seed))
+    x = jax.random.normal(jax.random.key(seed), (2, 64, 16), jnp.float32)
+    r = jax.random.normal(jax.random.key(seed + 1), (2, 64, 16), jnp.float32)
+    grads = nnx.grad(lambda m: jnp.sum(m(x)[0] * r))(model)
+    return jax.tree_util.tree_leaves(nnx.state(grads, nnx.Param))
+
+
+def test_the_layer_passes_it_on():
+    with jax.default_matmul_precision("highest"):
+        today, same, fp8 = (layer_grads(s) for s in (None, jnp.float32, "float8_e4m3fn"))
+    for a, b in zip(today, same):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    flat = lambda leaves: np.concatenate([np.ravel(np.asarray(a, np.float64)) for a in leaves])
+    assert 0 < rel_err(flat(fp8), flat(today)) < 3e-2
+
+
+def test_the_layer_refuses_a_bad_value():
+    with pytest.raises(ValueError, match="snapshot_dtype"):
+        layer_grads("int8")
+
+
+def test_the_training_step_holds_the_smaller_snapshot():
+    """XLA's buffer assignment of a jitted training step: each option's temporaries are smaller by the snapshot's
+    saving (T * W rows per stream of D elements: 4 bytes each for a float32 bank; bfloat16 2, float8 1 and int4
+    1/2, plus a float32 scale per row for the last two)."""
+    B, T, H, K, D, W = 1, 1024, 2, 256, 64, 8
+    args = random_problem(4, B=B, T=T, H=H, K=K, D=D, W=W, R=W)
+
+    def temp_bytes(snapshot_dtype):
+        def loss(bank, k_val, v, q_val):
+            y, final = sdm_write_read(bank, args["k_idx"], k_val, v, args["beta"], args["g"], args["q_idx"], q_val,
+                                      impl="ffi", chunk_size=64, snapshot_dtype=snapshot_dtype)
+            return jnp.sum(y) + jnp.sum(final)
+
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+        floats = [args[k] for k in ("bank", "k_val", "v", "q_val")]
+        return step.lower(*floats).compile().memory_analysis().temp_size_in_bytes
+
+    rows = B * H * T * W
+    today = temp_bytes(None)
+    for name, row_bytes in (("bfloat16", 2 * D), ("float8_e4m3fn", D + 4), ("int4", D // 2 + 4)):
+        saving = rows * (4 * D - row_bytes)
+        assert today - temp_bytes(name) >= 0.95 * saving, name
+
+
+def test_vmap_gives_each_problem_its_own_result():
+    """Under vmap (a leading dim of one kernel call: its snapshot and scales too) each problem's gradients are
+    those of its own call, bitwise."""
+    problems = [random_problem(s, T=40, K=32, D=8, W=3, R=3) for s in range(3)]
+    ids = ("k_idx", "q_idx")
+
+    def grads(floats, slots):
+        def loss(f):
+            y, final = sdm_write_read(**f, **slots, impl="ffi", chunk_size=16, snapshot_dtype="int4")
+            return jnp.sum(y * y) + jnp.sum(final)
+        return jax.grad(loss)(floats)
+
+    split = lambda p: ({k: jnp.asarray(p[k]) for k in FLOAT_ARGS}, {k: jnp.asarray(p[k]) for k in ids})
+    stacked = split({k: np.stack([p[k] for p in problems]) for k in problems[0]})
+    batched = jax.vmap(grads)(*stacked)
+    for i, p in enumerate(problems):
+        own = grads(*split(p))
+        for k in FLOAT_ARGS:
+            np.testing.assert_array_equal(np.asarray(batched[k][i]), np.asarray(own[k]), err_msg=k)
