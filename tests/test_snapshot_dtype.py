@@ -72,8 +72,8 @@ def stored(seed, code, device=None, chunk=16, **shape):
 
 def scaled_codes(exact, top):
     """Each row's scale (largest magnitude / top) and the row divided by it (zero rows: zeros), in float32."""
-    scale = np.max(np.abs(exact), axis=-1) / np.float32(top)
-    with np.errstate(invalid="ignore", divide="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore"):  # rows never written hold whatever the buffer held
+        scale = np.max(np.abs(exact), axis=-1) / np.float32(top)
         return scale, np.where(scale[..., None] > 0, exact / scale[..., None], np.float32(0))
 
 
