@@ -450,11 +450,10 @@ int product_key_topk_cuda(const ProductKeyDims& d, const T* x, const int32_t* ta
                           CUstream_st* stream) {
   using D = typename Device<T>::type;
   const D* xd = reinterpret_cast<const D*>(x);
-  if (d.rows > 0 && d.rows <= kSplitRows && d.F >= 2 && d.F <= kSplitMaxFactors) {
-    const int64_t bytes = 8 * (d.F * sort_slots(d) + int64_t{d.tops});
-    if (bytes > kSharedBytes) return static_cast<int>(cudaErrorInvalidValue);
-    product_key_topk_split_kernel<D><<<static_cast<unsigned>(d.rows), 32 * d.F, bytes, stream>>>(d, xd, table,
-                                                                                                  scores, ids);
+  const int64_t split_bytes = 8 * (d.F * sort_slots(d) + int64_t{d.tops});  // F sort buffers: may not fit
+  if (d.rows > 0 && d.rows <= kSplitRows && d.F >= 2 && d.F <= kSplitMaxFactors && split_bytes <= kSharedBytes) {
+    product_key_topk_split_kernel<D><<<static_cast<unsigned>(d.rows), 32 * d.F, split_bytes, stream>>>(d, xd, table,
+                                                                                                        scores, ids);
     return static_cast<int>(cudaGetLastError());
   }
   return launch(product_key_topk_kernel<D>, d, warp_bytes(d), stream, xd, table, scores, ids);

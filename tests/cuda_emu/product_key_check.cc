@@ -113,6 +113,7 @@ int main() {
       {3, {64, 64}, 16},     // a decode step at K = 2^12
       {3, {40, 70}, 20},     // prefiltered with lanes of no element (n = 40) and m in (16, 32]
       {515, {12, 20}, 8, 1}, // more rows than the block-per-row kernel takes: a warp per row
+      {2, {4, 4, 4, 4, 4, 4, 4, 4}, 600, 1},  // eight sort buffers of 1024 exceed shared memory: a warp per row
   };
   int failing = 0;
   unsigned seed = 1;
