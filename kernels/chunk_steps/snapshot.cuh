@@ -3,9 +3,10 @@
 // was before the chunk's write, at [unit, g]. In the bank's dtype, the forward's write kernels store it
 // (snapshot_store), VEC columns per lane at a time; Phase A reads it as S0 for its dots (a row of the bank's dtype at
 // snapshot_row) and puts it back into the bank (snapshot_restore). In another dtype (kernels/snapshot_codec.h) the
-// group's warp stores the row before the write (snapshot_store_row) and Phase A first restores the bank row from it
-// (snapshot_restore_row), then reads S0 there. These functions are the only code that knows how a snapshot row is
-// stored.
+// write kernel codes the row from the columns its lanes hold before the write (snapshot_coded_row,
+// snapshot_store_codes; where lanes cannot, and with packed sequences, the group's warp re-reads the row:
+// snapshot_store_row) and Phase A first restores the bank row from it (snapshot_restore_row), then reads S0 there.
+// These functions are the only code that knows how a snapshot row is stored.
 #ifndef JAX_SDM_KERNELS_CHUNK_STEPS_SNAPSHOT_CUH_
 #define JAX_SDM_KERNELS_CHUNK_STEPS_SNAPSHOT_CUH_
 
