@@ -227,9 +227,10 @@ __device__ __forceinline__ void snapshot_store_codes(const CodedRow& cr, int64_t
 
 // Phase A's restore of a row from a snapshot of another dtype than the bank's, by the whole warp: the decoded
 // values rounded to the bank's dtype, which Phase A then reads as S0 from the bank row (the row is complete for
-// every lane after the warp barrier). Each lane decodes VEC columns at a time from one load of their codes (a
-// batch of segments loaded before the first is decoded: the loads are latency-bound) and stores them as one row
-// access (store_cols); int4 with VEC odd decodes column by column. Returns false, doing nothing, for a snapshot of
+// every lane after the warp barrier). Each lane decodes VEC columns at a time from one load of their codes and
+// stores them as one row access (store_cols), a segment at a time (kSegs: batches of several segments in flight
+// raise the spills of the Phase A kernels, up to 152 bytes at VEC 8 by ptxas); int4 with VEC odd decodes column by
+// column. Returns false, doing nothing, for a snapshot of
 // the bank's dtype (snapshot_restore puts that back column by column).
 template <int VEC, typename T>
 __device__ __forceinline__ bool snapshot_restore_row(const BackwardIO& io, const StepDims& dm, int64_t u, int64_t g,
@@ -239,7 +240,7 @@ __device__ __forceinline__ bool snapshot_restore_row(const BackwardIO& io, const
   const uint8_t* in = static_cast<const uint8_t*>(io.snapshot) + snapshot_coded_at(t, dm, u, g);
   const float scale = snapshot_scaled(t) ? io.snapshot_scale[u * dm.C * dm.W + g] : 0.f;
   const int64_t D = dm.D;
-  constexpr int kSegs = 4;
+  constexpr int kSegs = 1;
   constexpr int64_t kStep = 32 * VEC;
   const auto walk = [&](auto bytes_of, auto decode) {
     constexpr int N = decltype(bytes_of)::value;
