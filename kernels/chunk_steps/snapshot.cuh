@@ -230,8 +230,8 @@ __device__ __forceinline__ void snapshot_store_codes(const CodedRow& cr, int64_t
 // every lane after the warp barrier). Each lane decodes VEC columns at a time from one load of their codes and
 // stores them as one row access (store_cols), a segment at a time (kSegs: batches of several segments in flight
 // raise the spills of the Phase A kernels, up to 152 bytes at VEC 8 by ptxas); int4 with VEC odd decodes column by
-// column. Returns false, doing nothing, for a snapshot of
-// the bank's dtype (snapshot_restore puts that back column by column).
+// column. Returns false, doing nothing, for a snapshot of the bank's dtype (snapshot_restore puts that back column
+// by column).
 template <int VEC, typename T>
 __device__ __forceinline__ bool snapshot_restore_row(const BackwardIO& io, const StepDims& dm, int64_t u, int64_t g,
                                                      T* row, int lane) {
