@@ -4,7 +4,8 @@
 // 1-3D grids and blocks (threads numbered x fastest, warps of 32 consecutive threads), dynamic shared memory (one
 // buffer of exactly the launch's size, refilled with a byte pattern before every block: 0xff, a float NaN, so that
 // a read of a cell no thread of the block wrote shows), vector types, __ldg, bfloat16 (round to nearest even, 16
-// bits) and the few runtime calls the launchers make. Only what the kernels' logic needs: nothing about speed.
+// bits; the float8 conversion in shim/cuda_fp8.h) and the few runtime calls the launchers make. Only what the
+// kernels' logic needs: nothing about speed.
 #pragma once
 #include <algorithm>
 #include <atomic>
