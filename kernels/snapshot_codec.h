@@ -83,9 +83,12 @@ SDM_HOST_DEVICE inline float float_of_int4(uint8_t nibble) {
   return static_cast<float>(nibble >= 8 ? static_cast<int>(nibble) - 16 : static_cast<int>(nibble));
 }
 
+// x over its row's scale, the value its code rounds (a division: a product with the reciprocal rounds differently).
+SDM_HOST_DEVICE inline float snapshot_scaled_value(float x, float scale) { return scale > 0.f ? x / scale : 0.f; }
+
 // The code of x in a row of scale `scale` (kFloat8: a byte; kInt4: a nibble), and the value a code stands for.
 SDM_HOST_DEVICE inline uint8_t snapshot_encode(SnapshotDtype t, float x, float scale) {
-  const float y = scale > 0.f ? x / scale : 0.f;
+  const float y = snapshot_scaled_value(x, scale);
   return t == SnapshotDtype::kFloat8 ? float8_e4m3_of(y) : int4_of(y);
 }
 

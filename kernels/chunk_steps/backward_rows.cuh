@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     const float cpe = p1.cpe[e0];
     const float* k_eff = p1.k_eff + u * C * W;
     T* row = bank + (s * K + slot) * D;
-    const bool restored = kCoded && snapshot_restore_row(io, dm, u, gr.g, row, lane);
+    const bool restored = kCoded && snapshot_restore_row<VEC>(io, dm, u, gr.g, row, lane);
     const T* s0 = restored ? row : snapshot_row<T>(io, dm, u, gr.g);
     if (hi - lo > kInlineEntries) {
       phase_a_dots<VEC>(dsrc, s0, delta, dG, order, lo, hi, W, D, lane, io, u * C * W, e0);

@@ -132,7 +132,7 @@ __global__ void fwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, ForwardIO i
 template <bool kCoded, int VEC, int S, typename T>
 __device__ __forceinline__ void write_batch(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, T* bank,
                                             const float* delta, const float* pre, const Group& gr, int64_t d0,
-                                            const Cols<VEC, T> (&x)[S]) {
+                                            const Cols<VEC, T> (&x)[S], const CodedRow& coded) {
   const int64_t C = dm.C, W = dm.W, D = dm.D, u = gr.u;
   constexpr int64_t kStep = 32 * VEC;
   T* row = bank + (gr.s * dm.K + gr.slot) * D;
@@ -144,6 +144,7 @@ __device__ __forceinline__ void write_batch(const StepDims& dm, const StepPhase1
     const int64_t d = d0 + k * kStep;
     if (d >= D) break;
     if (snap) snapshot_store<VEC>(snap, d, x[k]);
+    if (kCoded && coded.out) snapshot_store_codes<VEC>(coded, d, x[k]);
     float dl[VEC], acc[VEC];
     load_cols<VEC>(pre + d, dl);
 #pragma unroll
@@ -178,11 +179,23 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     stage_token(D, vecs, staged, pre);
     while (owned.next()) {
       const T* row = row_of(owned.gr);
-      if constexpr (kCoded) snapshot_store_row(io, dm, u, owned.gr.g, row, owned.gr.lane);
+      CodedRow coded{nullptr, 0.f, io.snapshot_dtype};
+      if constexpr (kCoded) {
+        // The scale needs the whole row's maximum before the first code: a pass of loads over the row for it.
+        float amax = 0.f;
+        if (snapshot_scaled(io.snapshot_dtype) && snapshot_lane_codes<VEC>(io.snapshot_dtype)) {
+          for (int64_t d = d0; d < D; d += S * 32 * VEC) {
+            Cols<VEC, T> x[S];
+            load_batch(row, d, D, x);
+            amax = batch_amax(x, d, D, amax);
+          }
+        }
+        coded = snapshot_coded_row<VEC>(io, dm, u, owned.gr.g, row, owned.gr.lane, amax);
+      }
       for (int64_t d = d0; d < D; d += S * 32 * VEC) {
         Cols<VEC, T> x[S];
         load_batch(row, d, D, x);
-        write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], owned.gr, d, x);
+        write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], owned.gr, d, x, coded);
       }
     }
     return;
@@ -199,8 +212,10 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     const bool more = owned.next();
     Cols<VEC, T> y[S];
     if (more) load_batch(row_of(owned.gr), d0, D, y);
-    if constexpr (kCoded) snapshot_store_row(io, dm, u, cur.g, row_of(cur), cur.lane);
-    write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], cur, d0, x);
+    CodedRow coded{nullptr, 0.f, io.snapshot_dtype};
+    if constexpr (kCoded)  // the scale from the row's columns the lanes hold (the whole row)
+      coded = snapshot_coded_row<VEC>(io, dm, u, cur.g, row_of(cur), cur.lane, batch_amax(x, d0, D, 0.f));
+    write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], cur, d0, x, coded);
     if (!more) break;
     cur = owned.gr;
 #pragma unroll

@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
   const int64_t at = (s * K + gr.slot) * D;
   GT* drow = dbank + at;
   GT* target = current ? drow : static_cast<GT*>(sg.dinitial) + at;
-  const bool restored = snapshot_restore_row(io, dm, u, g, bank + at, lane);
+  const bool restored = snapshot_restore_row<VEC>(io, dm, u, g, bank + at, lane);
   const T* snap = restored ? bank + at : snapshot_row<T>(io, dm, u, g);
   const T* s0 = current ? snap : sg.initial + at;
   const int32_t* order = p1.w_order + u * C * W;

@@ -3,11 +3,14 @@
 // was before the chunk's write, at [unit, g]. In the bank's dtype, the forward's write kernels store it
 // (snapshot_store), VEC columns per lane at a time; Phase A reads it as S0 for its dots (a row of the bank's dtype at
 // snapshot_row) and puts it back into the bank (snapshot_restore). In another dtype (kernels/snapshot_codec.h) the
-// group's warp stores the row before the write (snapshot_store_row) and Phase A first restores the bank row from it
-// (snapshot_restore_row), then reads S0 there. These functions are the only code that knows how a snapshot row is
-// stored.
+// write kernel codes the row from the columns its lanes hold before the write (snapshot_coded_row,
+// snapshot_store_codes; where lanes cannot, and with packed sequences, the group's warp re-reads the row:
+// snapshot_store_row) and Phase A first restores the bank row from it (snapshot_restore_row), then reads S0 there.
+// These functions are the only code that knows how a snapshot row is stored.
 #ifndef JAX_SDM_KERNELS_CHUNK_STEPS_SNAPSHOT_CUH_
 #define JAX_SDM_KERNELS_CHUNK_STEPS_SNAPSHOT_CUH_
+
+#include <cuda_fp8.h>
 
 #include <type_traits>
 
@@ -77,18 +80,200 @@ __device__ __forceinline__ void snapshot_store_row(const ForwardIO& io, const St
   __syncwarp();  // every lane has read the row before any lane writes it
 }
 
+// N bytes (1, 2, 4, 8 or 16; p aligned to N) in one access, as little-endian 32-bit words.
+template <int N>
+__device__ __forceinline__ void store_bytes(uint8_t* p, const uint32_t (&w)[(N + 3) / 4]) {
+  if constexpr (N == 16) {
+    uint4 v;
+    v.x = w[0], v.y = w[1], v.z = w[2], v.w = w[3];
+    *reinterpret_cast<uint4*>(p) = v;
+  } else if constexpr (N == 8) {
+    uint2 v;
+    v.x = w[0], v.y = w[1];
+    *reinterpret_cast<uint2*>(p) = v;
+  } else if constexpr (N == 4) {
+    *reinterpret_cast<uint32_t*>(p) = w[0];
+  } else if constexpr (N == 2) {
+    *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(w[0]);
+  } else {
+    static_assert(N == 1, "1, 2, 4, 8 or 16 bytes");
+    *p = static_cast<uint8_t>(w[0]);
+  }
+}
+
+// Through the read-only path: the backward never writes the snapshot, and the loads may then pass the row's stores.
+template <int N>
+__device__ __forceinline__ void load_bytes(const uint8_t* p, uint32_t (&w)[(N + 3) / 4]) {
+  if constexpr (N == 16) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  } else if constexpr (N == 8) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    w[0] = v.x, w[1] = v.y;
+  } else if constexpr (N == 4) {
+    w[0] = __ldg(reinterpret_cast<const unsigned int*>(p));
+  } else if constexpr (N == 2) {
+    w[0] = __ldg(reinterpret_cast<const unsigned short*>(p));
+  } else {
+    static_assert(N == 1, "1, 2, 4, 8 or 16 bytes");
+    w[0] = __ldg(reinterpret_cast<const unsigned char*>(p));
+  }
+}
+
+// Whether a lane with VEC consecutive columns holds whole bytes of the coded row (int4 packs two columns a byte):
+// then each lane codes and stores its own columns, else the warp stores the row byte by byte (snapshot_store_row).
+template <int VEC>
+__device__ __forceinline__ bool snapshot_lane_codes(SnapshotDtype t) {
+  return VEC % 2 == 0 || t != SnapshotDtype::kInt4;
+}
+
+// The bytes of VEC columns of a coded row (kBf16, kFloat8, kInt4 with VEC even) and where column d's start.
+template <int VEC>
+constexpr int kBf16Bytes = 2 * VEC;
+template <int VEC>
+constexpr int kFloat8Bytes = VEC;
+template <int VEC>
+constexpr int kInt4Bytes = VEC / 2 > 0 ? VEC / 2 : 1;
+
+// The float8 codes of two values already over the scale (a in the low byte), float8_e4m3_of's: from sm_89 on the
+// hardware's conversion, which rounds to nearest even and saturates finite values at 448 as float8_e4m3_of does, in
+// one instruction for both; NaN is set to float8_e4m3_of's 0x7f whatever its sign. Host passes (and the emulation of
+// tests/cuda_emu) take the same path.
+__device__ __forceinline__ uint32_t float8_e4m3_pair(float a, float b) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
+  float2 ab;
+  ab.x = a, ab.y = b;
+  uint32_t c = __nv_cvt_float2_to_fp8x2(ab, __NV_SATFINITE, __NV_E4M3);
+  if (a != a) c = (c & 0xff00u) | 0x7fu;
+  if (b != b) c = (c & 0x00ffu) | 0x7f00u;
+  return c;
+#else
+  return float8_e4m3_of(a) | static_cast<uint32_t>(float8_e4m3_of(b)) << 8;
+#endif
+}
+
+// A lane's largest magnitude over its columns of a batch (S segments of VEC columns from d0, those below D), from
+// `amax` on.
+template <int VEC, int S, typename T>
+__device__ __forceinline__ float batch_amax(const Cols<VEC, T> (&x)[S], int64_t d0, int64_t D, float amax) {
+#pragma unroll
+  for (int k = 0; k < S; ++k) {
+    if (d0 + k * 32 * VEC >= D) break;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) amax = fmaxf(amax, fabsf(x[k][i]));
+  }
+  return amax;
+}
+
+// A write group's row coded from the columns its lanes hold (snapshot_store_codes): where the row's codes start
+// (null: nothing to store there) and its scale.
+struct CodedRow {
+  uint8_t* out;
+  float scale;
+  SnapshotDtype t;
+};
+
+// Begins the coded snapshot of group g's row (another dtype than the bank's) by its warp, before the write:
+// `lane_amax` is the lane's largest magnitude over its columns of the row (any value where no scale is needed).
+// The row's maximum is the warp's (exact in any order, the same as snapshot_store_row's); lane 0 stores the scale.
+// Where lanes cannot code their own columns (int4 with VEC odd), the warp stores the row from memory here
+// (snapshot_store_row) and the result is null.
+template <int VEC, typename T>
+__device__ __forceinline__ CodedRow snapshot_coded_row(const ForwardIO& io, const StepDims& dm, int64_t u, int64_t g,
+                                                       const T* row, int lane, float lane_amax) {
+  const SnapshotDtype t = io.snapshot_dtype;
+  if (!io.snapshot || t == SnapshotDtype::kBank) return CodedRow{nullptr, 0.f, t};
+  if (!snapshot_lane_codes<VEC>(t)) {
+    snapshot_store_row(io, dm, u, g, row, lane);
+    return CodedRow{nullptr, 0.f, t};
+  }
+  float scale = 0.f;
+  if (snapshot_scaled(t)) {
+    float amax = lane_amax;
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    scale = snapshot_scale(t, amax);
+    if (lane == 0) io.snapshot_scale[u * dm.C * dm.W + g] = scale;
+  }
+  return CodedRow{static_cast<uint8_t*>(io.snapshot) + snapshot_coded_at(t, dm, u, g), scale, t};
+}
+
+// Stores the codes of columns [d, d + VEC) of a coded row (cr.out not null) from the lane's columns x, before the
+// write: one store of the lane's bytes (the same codes as snapshot_byte's: snapshot_encode, bf16_bits_of).
+template <int VEC, typename T>
+__device__ __forceinline__ void snapshot_store_codes(const CodedRow& cr, int64_t d, const Cols<VEC, T>& x) {
+  if (cr.t == SnapshotDtype::kBf16) {
+    uint32_t w[(kBf16Bytes<VEC> + 3) / 4] = {};
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) w[i / 2] |= static_cast<uint32_t>(bf16_bits_of(x[i])) << (16 * (i % 2));
+    store_bytes<kBf16Bytes<VEC>>(cr.out + 2 * d, w);
+  } else if (cr.t == SnapshotDtype::kFloat8) {
+    uint32_t w[(kFloat8Bytes<VEC> + 3) / 4] = {};
+#pragma unroll
+    for (int i = 0; i < VEC; i += 2) {
+      const float a = snapshot_scaled_value(x[i], cr.scale);
+      const float b = i + 1 < VEC ? snapshot_scaled_value(x[i + 1], cr.scale) : 0.f;
+      w[i / 4] |= float8_e4m3_pair(a, b) << (8 * (i % 4));
+    }
+    if constexpr (VEC == 1) w[0] &= 0xffu;  // the pair's second code is not the lane's
+    store_bytes<kFloat8Bytes<VEC>>(cr.out + d, w);
+  } else if constexpr (VEC % 2 == 0) {  // int4: column d + i in nibble i of the lane's bytes (d is even)
+    uint32_t w[(kInt4Bytes<VEC> + 3) / 4] = {};
+#pragma unroll
+    for (int i = 0; i < VEC; ++i)
+      w[i / 8] |= static_cast<uint32_t>(snapshot_encode(cr.t, x[i], cr.scale)) << (4 * (i % 8));
+    store_bytes<kInt4Bytes<VEC>>(cr.out + d / 2, w);
+  }
+}
+
 // Phase A's restore of a row from a snapshot of another dtype than the bank's, by the whole warp: the decoded
 // values rounded to the bank's dtype, which Phase A then reads as S0 from the bank row (the row is complete for
-// every lane after the warp barrier). Returns false, doing nothing, for a snapshot of the bank's dtype
-// (snapshot_restore puts that back column by column).
-template <typename T>
+// every lane after the warp barrier). Each lane decodes VEC columns at a time from one load of their codes and
+// stores them as one row access (store_cols), a segment at a time (kSegs: batches of several segments in flight
+// raise the spills of the Phase A kernels, up to 152 bytes at VEC 8 by ptxas); int4 with VEC odd decodes column by
+// column. Returns false, doing nothing, for a snapshot of the bank's dtype (snapshot_restore puts that back column
+// by column).
+template <int VEC, typename T>
 __device__ __forceinline__ bool snapshot_restore_row(const BackwardIO& io, const StepDims& dm, int64_t u, int64_t g,
                                                      T* row, int lane) {
   const SnapshotDtype t = io.snapshot_dtype;
   if (t == SnapshotDtype::kBank) return false;
   const uint8_t* in = static_cast<const uint8_t*>(io.snapshot) + snapshot_coded_at(t, dm, u, g);
   const float scale = snapshot_scaled(t) ? io.snapshot_scale[u * dm.C * dm.W + g] : 0.f;
-  for (int64_t d = lane; d < dm.D; d += 32) from_f(row + d, snapshot_element(t, in, d, scale));
+  const int64_t D = dm.D;
+  constexpr int kSegs = 1;
+  constexpr int64_t kStep = 32 * VEC;
+  const auto walk = [&](auto bytes_of, auto decode) {
+    constexpr int N = decltype(bytes_of)::value;
+    for (int64_t d0 = static_cast<int64_t>(lane) * VEC; d0 < D; d0 += kSegs * kStep) {
+      uint32_t w[kSegs][(N + 3) / 4];
+#pragma unroll
+      for (int k = 0; k < kSegs; ++k)
+        if (d0 + k * kStep < D) load_bytes<N>(in + (d0 + k * kStep) * N / VEC, w[k]);
+#pragma unroll
+      for (int k = 0; k < kSegs; ++k) {
+        if (d0 + k * kStep >= D) break;
+        float v[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) v[i] = decode(w[k], i);
+        store_cols<VEC>(row + d0 + k * kStep, v);
+      }
+    }
+  };
+  if (t == SnapshotDtype::kBf16) {
+    walk(std::integral_constant<int, kBf16Bytes<VEC>>{}, [](const auto& w, int i) {
+      return float_of_bf16_bits(static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2))));
+    });
+  } else if (t == SnapshotDtype::kFloat8) {
+    walk(std::integral_constant<int, kFloat8Bytes<VEC>>{}, [&](const auto& w, int i) {
+      return snapshot_decode(t, static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4))), scale);
+    });
+  } else if constexpr (VEC % 2 == 0) {
+    walk(std::integral_constant<int, kInt4Bytes<VEC>>{}, [&](const auto& w, int i) {
+      return snapshot_decode(t, static_cast<uint8_t>((w[i / 8] >> (4 * (i % 8))) & 0xfu), scale);
+    });
+  } else {
+    for (int64_t d = lane; d < D; d += 32) from_f(row + d, snapshot_element(t, in, d, scale));
+  }
   __syncwarp();
   return true;
 }

@@ -4,7 +4,8 @@
 // 1-3D grids and blocks (threads numbered x fastest, warps of 32 consecutive threads), dynamic shared memory (one
 // buffer of exactly the launch's size, refilled with a byte pattern before every block: 0xff, a float NaN, so that
 // a read of a cell no thread of the block wrote shows), vector types, __ldg, bfloat16 (round to nearest even, 16
-// bits) and the few runtime calls the launchers make. Only what the kernels' logic needs: nothing about speed.
+// bits; the float8 conversion in shim/cuda_fp8.h) and the few runtime calls the launchers make. Only what the
+// kernels' logic needs: nothing about speed.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -83,6 +84,7 @@ inline std::common_type_t<A, B> max(A a, B b) { return a > b ? a : b; }
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct alignas(8) uint2 { unsigned x, y; };
+struct alignas(8) float2 { float x, y; };
 struct alignas(16) int4 { int x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 inline int4 make_int4(int x, int y, int z, int w) { return int4{x, y, z, w}; }
