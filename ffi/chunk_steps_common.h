@@ -61,9 +61,11 @@
 
 namespace sdm_ffi {
 
-// Sizes from k_idx [V..., NC, P, C, W], q_idx [.., R], bank [V..., P, K, D].
+// Sizes from k_idx [V..., NC, P, C, W], q_idx [.., R], bank [V..., P, K, D]; with `shared_bank`, the forward's,
+// the bank may also be one [P_in, K, D] that the streams share (P_in dividing P; kernels/chunk_steps.h
+// StepDims::input_streams).
 inline ffi::Error StepDimsOf(const char* op, const ffi::AnyBuffer& bank, const S32& k_idx, const S32& q_idx,
-                             sdm::StepDims* dm) {
+                             sdm::StepDims* dm, bool shared_bank = false) {
   auto kd = k_idx.dimensions();
   auto bd = bank.dimensions();
   if (kd.size() < 4)
@@ -77,7 +79,15 @@ inline ffi::Error StepDimsOf(const char* op, const ffi::AnyBuffer& bank, const S
   const auto type = bank.element_type();
   if (type != ffi::DataType::F32 && type != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument(std::string(op) + ": the bank must be float32 or bfloat16");
-  SDM_RETURN_IF_ERROR(CheckShape(op, "bank", bank, dm->V, {dm->P, dm->K, dm->D}));
+  const int64_t shared = bd.size() == 3 ? bd[0] : 0;
+  if (shared_bank && shared > 0 && dm->P % shared == 0 && (shared != dm->P || dm->V != 1)) {
+    dm->input_streams = shared;
+  } else if (CheckShape(op, "bank", bank, dm->V, {dm->P, dm->K, dm->D}).failure()) {
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": bank must be [..., P, K, D] with the leading dims of k_idx (" + DimsToString(kd) + ")" +
+        (shared_bank ? ", or [P_in, K, D] shared by the streams with P_in dividing P" : "") + ", got " +
+        DimsToString(bd));
+  }
   SDM_RETURN_IF_ERROR(CheckShape(op, "q_idx", q_idx, dm->V, {dm->NC, dm->P, dm->C, dm->R}));
   return ffi::Error::Success();
 }
@@ -174,6 +184,7 @@ struct ForwardCall {
   sdm::ForwardIO io;
   ffi::DataType type;
   const void* bank_in;
+  size_t bank_in_bytes;  // bank_bytes, or a divisor of it for a bank the streams share (StepDims::input_streams)
   void* bank;
   size_t bank_bytes;
   float* workspace;
@@ -184,7 +195,7 @@ inline ffi::Error PrepareForward(SDM_FFI_PARAMS(SDM_FORWARD_BUFFERS), ForwardCal
   sdm::StepDims& dm = call->dm;
   bool save = false;
   sdm::SnapshotDtype type;
-  SDM_RETURN_IF_ERROR(StepDimsOf(op, bank, k_idx, q_idx, &dm));
+  SDM_RETURN_IF_ERROR(StepDimsOf(op, bank, k_idx, q_idx, &dm, /*shared_bank=*/true));
   SDM_RETURN_IF_ERROR(SnapshotDtypeOf(op, snapshot_dtype, &type));
   SDM_RETURN_IF_ERROR(CheckPhase1(op, dm, v, beta, k_eff, w, cpe, q_w, QK, w_order, w_group, minv));
   SDM_RETURN_IF_ERROR(
@@ -197,8 +208,9 @@ inline ffi::Error PrepareForward(SDM_FFI_PARAMS(SDM_FORWARD_BUFFERS), ForwardCal
                             save && sdm::snapshot_scaled(type) ? snapshot_scale->typed_data() : nullptr};
   call->type = bank.element_type();
   call->bank_in = bank.untyped_data();
+  call->bank_in_bytes = bank.size_bytes();
   call->bank = bank_out->untyped_data();
-  call->bank_bytes = bank.size_bytes();
+  call->bank_bytes = bank_out->size_bytes();
   call->workspace = workspace->typed_data();
   return ffi::Error::Success();
 }
@@ -301,6 +313,8 @@ inline ffi::Error PrepareForwardSegments(const ForwardCall& call, const ffi::Any
                                          SDM_FFI_PARAMS(SDM_FORWARD_SEGMENT_BUFFERS), sdm::StepSegments* segments) {
   const char* op = "sdm_forward_packed";
   const sdm::StepDims& dm = call.dm;
+  if (dm.input_streams)
+    return ffi::Error::InvalidArgument(std::string(op) + ": packed sequences need the bank per stream, [..., P, K, D]");
   SDM_RETURN_IF_ERROR(CheckSegmentInputs(op, dm, bank, initial, local, seg0));
   SDM_RETURN_IF_ERROR(CheckShape(op, "stamp (result)", *stamp, dm.V, {dm.P, dm.K}));
   const bool save = call.io.snapshot != nullptr;
@@ -329,6 +343,8 @@ inline ffi::Error PrepareBackwardSegments(const BackwardCall& call, const ffi::A
                                           SegmentCopies* copies) {
   const char* op = "sdm_backward_packed";
   const sdm::StepDims& dm = call.dm;
+  if (dm.input_streams)
+    return ffi::Error::InvalidArgument(std::string(op) + ": packed sequences need the bank per stream, [..., P, K, D]");
   SDM_RETURN_IF_ERROR(CheckSegmentInputs(op, dm, bank, initial, local, seg0));
   SDM_RETURN_IF_ERROR(CheckShape(op, "stamp", stamp, dm.V, {dm.P, dm.K}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "stamp_snapshot", stamp_snapshot, dm.V, {dm.NC, dm.P, dm.C * dm.W}));

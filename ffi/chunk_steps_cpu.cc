@@ -22,9 +22,16 @@ void AliasCopy(const void* in, void* out, size_t bytes) {
   else if (in != out) std::memcpy(out, in, bytes);
 }
 
+// The forward's input bank into its result, repeated for a bank the streams share (StepDims::input_streams: the
+// result's blocks of streams s with equal s % input_streams are the input's); nothing if XLA aliased them.
+void TileCopy(const void* in, size_t in_bytes, void* out, size_t bytes) {
+  if (in == out) return;
+  for (size_t at = 0; at < bytes; at += in_bytes) std::memcpy(static_cast<char*>(out) + at, in, in_bytes);
+}
+
 // Runs a checked call; `segments`: null, or the packed sequences' buffers.
 ffi::Error RunForward(const sdm_ffi::ForwardCall& call, const sdm::StepSegments* segments) {
-  AliasCopy(call.bank_in, call.bank, call.bank_bytes);
+  TileCopy(call.bank_in, call.bank_in_bytes, call.bank, call.bank_bytes);
   return sdm_ffi::RunCatching("sdm_forward", [&] {
     if (call.type == ffi::DataType::F32)
       sdm::forward_cpu(call.dm, call.p1, call.io, static_cast<float*>(call.bank), segments);

@@ -252,7 +252,7 @@ def _workspace(bank, k_idx, q_idx, backward):
     """The chunk steps' workspace result, float32 (`lowering.chunk_steps_workspace_floats`, kernels/chunk_steps.h):
     the CUDA kernels' per-chunk rows, group tables and fresh-result arrays; the CPU handlers ignore it."""
     floats = lowering.chunk_steps_workspace_floats(
-        math.prod(bank.shape[:-3]), k_idx.shape[-4], bank.shape[-3], k_idx.shape[-2], k_idx.shape[-1],
+        math.prod(k_idx.shape[:-4]), k_idx.shape[-4], k_idx.shape[-3], k_idx.shape[-2], k_idx.shape[-1],
         q_idx.shape[-1], bank.shape[-2], bank.shape[-1], backward)
     return jax.ShapeDtypeStruct((floats,), jnp.float32)
 
@@ -268,7 +268,9 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_p
       bank: `[..., P, K, D]` float32 or bfloat16, the initial bank. Without `segments` the final bank is a new
         buffer: the CUDA kernels read each row from `bank` until its first write, so no whole-bank copy is made
         whether or not `bank` is donated. With `segments` it is updated in place (aliased to the returned bank:
-        donate it to avoid a copy).
+        donate it to avoid a copy). Without `segments` and `in_place`, `bank` may also be one `[P_in, K, D]` that
+        the streams share (`P_in` dividing `P`; stream `p` starts from its row block `p % P_in`): the `B*H` streams
+        of a bank shared over the batch read it as it is, with no broadcast first.
       k_idx, q_idx, v, beta: `[..., NC, P, C, W|R|D]` / `[..., NC, P, C]` (kernel layout).
       p1: Phase 1's outputs (`Phase1`) in the same layout; minv: the solve's `[..., NC, P, C, C]`.
       save: keep the residuals for the backward (else they come back empty and nothing is saved).
@@ -294,7 +296,8 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_p
         return jax.ShapeDtypeStruct(shape if save else (0,), dtype)
 
     snapshot, scale = snapshot_arrays(snapshot_code, tokens[:-1], C, W, D, bank.dtype)
-    results = dict(bank_out=jax.ShapeDtypeStruct(bank.shape, bank.dtype), y=jax.ShapeDtypeStruct(tokens + (D,), f32),
+    bank_shape = k_idx.shape[:-4] + (k_idx.shape[-3],) + bank.shape[-2:]  # [..., P, K, D], shared bank or not
+    results = dict(bank_out=jax.ShapeDtypeStruct(bank_shape, bank.dtype), y=jax.ShapeDtypeStruct(tokens + (D,), f32),
                    delta=residual(tokens + (D,), f32), vg=residual(tokens + (D,), f32),
                    snapshot=residual(*snapshot), snapshot_scale=residual(*scale),
                    workspace=_workspace(bank, k_idx, q_idx, backward=False))

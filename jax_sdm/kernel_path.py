@@ -16,7 +16,8 @@ from jax.interpreters import ad
 
 from . import ffi_ops, layout, lowering, segments
 from .layout import Phase1
-from .sharding import BANK, TOKENS, UNITS, explicit_out_sharding, merge, per_stream, split, to_varying, varying_axes
+from .sharding import (BANK, HEADS, TOKENS, UNITS, explicit_out_sharding, merge, per_stream, split, stream_axes_of,
+                       to_varying, varying_axes)
 
 
 class Packed(NamedTuple):
@@ -29,9 +30,9 @@ class Packed(NamedTuple):
 
 
 class Inputs(NamedTuple):
-    """The kernels' inputs: the bank `[P, K, D]` and per-token arrays `[NC, P, C, ...]` in kernel layout (int32 ids,
-    float32 values, per-lane gates `x`; with explicit streams `P` is `B, H`), and `packed`: a `Packed`, or None
-    without packed sequences. The backward keeps them without `v` (it needs only the forward's `v - G`) and,
+    """The kernels' inputs: the bank `[P, K, D]` (or, without packed sequences, `[H, K, D]` shared by the batch)
+    and per-token arrays `[NC, P, C, ...]` in kernel layout (int32 ids, float32 values, per-lane gates `x`; with
+    explicit streams `P` is `B, H`), and `packed`: a `Packed`, or None without packed sequences. The backward keeps them without `v` (it needs only the forward's `v - G`) and,
     without packed sequences, without the bank (it restores it from the final bank): those are None there."""
     bank: jax.Array | None
     k_idx: jax.Array
@@ -82,11 +83,26 @@ _TOKEN_FIELDS = frozenset({"k_idx", "k_val", "x", "v", "beta", "q_idx", "q_val",
 
 def _flatten(tree):
     """`(arrays, axes, treedef)`: the arrays of a tree of named tuples, each one's B and H axes (by the name of its
-    field: `_BANK_FIELDS`, `_TOKEN_FIELDS`, else units) and the tree's structure."""
+    field: `_BANK_FIELDS`, `_TOKEN_FIELDS`, else units; a bank of rank 3 is one shared by the batch, `HEADS`) and
+    the tree's structure."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    axes = tuple(BANK if path[-1].name in _BANK_FIELDS else TOKENS if path[-1].name in _TOKEN_FIELDS else UNITS
-                 for path, _ in leaves)
+
+    def axes_of(name, a):
+        if name in _BANK_FIELDS:
+            return HEADS if a.ndim == 3 else BANK
+        return TOKENS if name in _TOKEN_FIELDS else UNITS
+
+    axes = tuple(axes_of(path[-1].name, a) for path, a in leaves)
     return tuple(a for _, a in leaves), axes, treedef
+
+
+def _per_stream_bank(bank, dims):
+    """A shard's bank `[P, K, D]` (`P = B*H`) from a shared `[H, K, D]` one, stream `b*H + h` starting from head
+    `h`; a bank per stream as it is."""
+    P = dims.B * dims.H
+    if bank.shape[0] == P:
+        return bank
+    return jnp.broadcast_to(bank[None], (dims.B,) + bank.shape).reshape((P,) + bank.shape[1:])
 
 
 def _phase1_slots(k_idx, q_idx, packed, num_slots):
@@ -129,6 +145,7 @@ def _sdm_kernels_primal(bank, tokens, dims, slab_tokens):
     ids = lambda i: i if i.dtype == jnp.int32 else layout.slot_ids(i, dims.K)  # the kernel ignores ids outside [0, K)
 
     def recurrence(bank, k_idx, k_val, x, v, beta, q_idx, q_val):
+        bank = _per_stream_bank(bank, dims)
         y, final, repeats = ffi_ops.token_recurrence_ffi(split(bank, 0, H), ids(k_idx), k_val, x, v, beta,
                                                          ids(q_idx), q_val)
         return y, merge(final, 0), merge(repeats, 0)
@@ -304,7 +321,8 @@ def _local(static, arrays):
     dims, _, treedef, axes, _ = static
     tree = jax.tree_util.tree_unflatten(treedef, arrays)
     B, _, H = _tokens_of(tree).k_idx.shape[:3]
-    merged = [a if at == TOKENS else merge(a, at[0]) for a, at in zip(arrays, axes)]
+    merged = [a if at in (TOKENS, HEADS) else merge(a, at[0])
+              for a, at in ((a, stream_axes_of(at, a.ndim)) for a, at in zip(arrays, axes))]
     return jax.tree_util.tree_unflatten(treedef, merged), dims._replace(B=B, H=H)
 
 
@@ -429,8 +447,10 @@ def _stream_kernels_bwd(dims, grad_dtype, slab_tokens, snapshot_code, residuals,
     grads = _kernels_per_stream(_local_backward, (dims, slab_tokens, treedef, axes, snapshot_code), arrays, axes,
                                 (BANK,) + (TOKENS,) * 5)
     grads = Grads(*(to_varying(g, varying_axes(final)) for g in grads))
-    return (Inputs(grads.bank.astype(final.dtype), None, grads.k_val, grads.x, grads.v, grads.beta, None, grads.q_val,
-                   None),)
+    dbank = grads.bank.astype(final.dtype)
+    if not packed and dims.shared_bank:  # a bank shared by the batch: the sum of its streams' gradients
+        dbank = layout.ordered_sum(dbank, 0)
+    return (Inputs(dbank, None, grads.k_val, grads.x, grads.v, grads.beta, None, grads.q_val, None),)
 
 
 stream_kernels.defvjp(_stream_kernels_fwd, _stream_kernels_bwd, symbolic_zeros=True)
@@ -463,7 +483,10 @@ def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, grad_dtype=None,
 
 def _sdm_ffi_streams(bank, k_idx, k_val, v, beta, g, q_idx, q_val, seg, dims, grad_dtype, slab_tokens, snapshot_code):
     packed = None if seg is None else Packed(*segments.chunk_segments(seg, dims, layout.to_stream_units))
-    inputs = Inputs(layout.batch_banks(bank, dims), k_idx, k_val, g, v, beta, q_idx, q_val, packed)
+    # Without packed sequences the kernels read a shared `[H, K, D]` bank as it is (no `[B, H, K, D]` broadcast
+    # first); the backward sums its gradient over the batch (`_stream_kernels_bwd`).
+    inputs = Inputs(bank if packed is None else layout.batch_banks(bank, dims), k_idx, k_val, g, v, beta, q_idx,
+                    q_val, packed)
     # Inside `shard_map`, every input varies along the manual axes along which any does (the results do too); for
     # an input that does not (e.g. a bank shared by the devices) the transpose of this cast sums its gradient.
     axes = varying_axes(*jax.tree_util.tree_leaves(inputs))

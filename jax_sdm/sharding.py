@@ -14,8 +14,9 @@ The kernels' `P = B*H` streams exist only inside the per-shard lowering, where t
 (merging them outside would hide an `H` sharding inside the merged dim). Only `B` and `H` may be sharded: the
 sharding rule (Shardy) gives them one factor each, shared by every operand and result, and marks every other dim
 as needing replication; the partition callback (XLA's SPMD partitioner) keeps each operand's `B` / `H` sharding and
-replicates the rest, so XLA reshards an input that is sharded along another axis. A shared `[H, K, D]` bank is
-broadcast over `B` before the partitioned calls: its gradient is the sum over the batch, the one collective.
+replicates the rest, so XLA reshards an input that is sharded along another axis. A shared `[H, K, D]` bank
+(`HEADS`) has no `B` factor: every shard of the batch gets it whole; its gradient is the sum over the batch, the
+one collective.
 
 A `custom_vmap` folds a vmapped axis into `B`: still one kernel call, never a loop (DESIGN.md "Leading batch dims").
 """
@@ -29,8 +30,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from . import layout
 
-# Where an array's B and H axes are: `[B, H, K, D]`, `[NC, B, H, C, ...]`, `[B, T, H, ...]`.
-BANK, UNITS, TOKENS = (0, 1), (1, 2), (0, 2)
+# Where an array's B and H axes are: `[B, H, K, D]`, `[NC, B, H, C, ...]`, `[B, T, H, ...]`; `HEADS`: a bank that
+# every batch element shares, `[H, K, D]` (no B axis; once `vmap` maps it, `[B, H, K, D]` like `BANK`).
+BANK, UNITS, TOKENS, HEADS = (0, 1), (1, 2), (0, 2), (None, 0)
+
+
+def stream_axes_of(at, rank):
+    """The B and H axes of an array of rank `rank` whose kind is `at` (a `HEADS` array of rank 4 is a `BANK` one)."""
+    return BANK if at == HEADS and rank == 4 else at
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -103,7 +110,9 @@ def _axes(entry):
 def _stream_spec(mesh, at, rank, b, h):
     """A sharding of a rank-`rank` array with B and H at `at`: B on `b`, H on `h`, every other dim replicated."""
     entries = [None] * rank
-    entries[at[0]], entries[at[1]] = b, h
+    if at[0] is not None:
+        entries[at[0]] = b
+    entries[at[1]] = h
     return NamedSharding(mesh, PartitionSpec(*entries))
 
 
@@ -112,7 +121,7 @@ def _stream_axes(in_axes, arg_shapes):
     def first(d):
         for shape, at in zip(arg_shapes, in_axes):
             spec = tuple(getattr(shape.sharding, "spec", None) or ())
-            if at[d] < len(spec) and spec[at[d]] is not None:
+            if at[d] is not None and at[d] < len(spec) and spec[at[d]] is not None:
                 return spec[at[d]]
         return None
 
@@ -126,8 +135,9 @@ def _stream_axes(in_axes, arg_shapes):
 def _partitioned(local_fn, in_axes, out_axes, in_ranks, out_ranks):
     """`local_fn(static, *arrays) -> tuple of arrays` as a custom-partitioned function of the same arguments.
 
-    `in_axes` / `out_axes`: each array's B and H axes (`BANK`, `UNITS` or `TOKENS`). `local_fn` sees the arrays of
-    one shard (all of them, when nothing is sharded) and must be agnostic to the sizes of B and H.
+    `in_axes` / `out_axes`: each array's B and H axes (`BANK`, `UNITS`, `TOKENS` or `HEADS`, as `stream_axes_of`
+    gives them). `local_fn` sees the arrays of one shard (all of them, when nothing is sharded) and must be agnostic
+    to the sizes of B and H.
     """
     fn = custom_partitioning(local_fn, static_argnums=(0,))
 
@@ -168,14 +178,24 @@ def per_stream(local_fn, static, arrays, in_axes, out_axes):
     @custom_vmap
     def call(*arrays):
         out_ranks = tuple(len(o.shape) for o in jax.eval_shape(functools.partial(local_fn, static), *arrays))
-        fn = _partitioned(local_fn, in_axes, out_axes, tuple(a.ndim for a in arrays), out_ranks)
+        axes = tuple(stream_axes_of(at, a.ndim) for a, at in zip(arrays, in_axes))
+        fn = _partitioned(local_fn, axes, out_axes, tuple(a.ndim for a in arrays), out_ranks)
         return tuple(fn(static, *arrays))
 
     @call.def_vmap
     def call_vmap(axis_size, in_batched, *arrays):
-        arrays = [a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
-                  for a, batched in zip(arrays, in_batched)]
-        outs = call(*(_fold(a, at) for a, at in zip(arrays, in_axes)))
+        # B, from an array that has it: a mapped shared bank `[V, H, K, D]` becomes one per stream, `[V*B, H, K, D]`;
+        # an unmapped one stays shared by all V*B batch elements.
+        B = next(a.shape[at[0] + batched] for a, at, batched in zip(arrays, in_axes, in_batched)
+                 if stream_axes_of(at, a.ndim - batched)[0] is not None)
+        folded = []
+        for a, at, batched in zip(arrays, in_axes, in_batched):
+            if stream_axes_of(at, a.ndim - batched) == HEADS:
+                folded.append(merge(jnp.broadcast_to(a[:, None], (axis_size, B) + a.shape[1:]), 0) if batched else a)
+            else:
+                folded.append(_fold(a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape),
+                                    stream_axes_of(at, a.ndim - batched)))
+        outs = call(*folded)
         return tuple(_unfold(o, at, axis_size) for o, at in zip(outs, out_axes)), (True,) * len(outs)
 
     return call(*arrays)

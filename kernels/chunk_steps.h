@@ -20,6 +20,10 @@ namespace sdm {
 
 struct StepDims {
   int64_t V, NC, P, C, W, R, K, D;
+  // The forward's input bank: 0 when it holds a [K, D] block per stream ([V, P, K, D]); else its count of blocks
+  // ([input_streams, K, D], input_streams dividing P), stream s reading block s % input_streams: one bank shared by
+  // a batch's streams (B*H streams of H heads), read as it is instead of broadcast to every stream first.
+  int64_t input_streams = 0;
   int64_t units() const { return V * NC * P; }
   int64_t streams() const { return V * P; }
   int64_t unit(int64_t stream, int64_t c) const { return ((stream / P) * NC + c) * P + stream % P; }

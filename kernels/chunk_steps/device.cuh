@@ -153,6 +153,11 @@ __device__ __forceinline__ int64_t unit_of(const StepDims& dm, int64_t s, int64_
   return ((s / dm.P) * dm.NC + c) * dm.P + s % dm.P;
 }
 
+// The block of the forward's input bank that stream s reads (StepDims::input_streams).
+__device__ __forceinline__ int64_t input_stream(const StepDims& dm, int64_t s) {
+  return dm.input_streams ? s % dm.input_streams : s;
+}
+
 // Programmatic dependent launch (sm_90 and later): the host launches each kernel of a call so that its blocks may
 // start while the previous kernel on the stream drains (hiding the launch gap between the ~200-470 launches of a
 // call). Every kernel calls chain_start() in every block, before any early return: it waits until the previous

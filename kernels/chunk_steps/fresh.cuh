@@ -70,7 +70,7 @@ __global__ void lane_tags_kernel(StepDims dm, const int32_t* __restrict__ idx, i
   }
 }
 
-// The rows no step writes, from the input into the result, or zeros for a null input. Each warp reads 32 rows'
+// The rows no step writes, from the input (its block input_stream) into the result, or zeros for a null input. Each warp reads 32 rows'
 // first steps in one load and copies the untouched rows among them (VEC columns per lane; D a multiple of VEC): at
 // model sizes nearly every row is written, so most warps skip all 32 of their rows after that one load.
 template <int VEC, typename T>
@@ -83,14 +83,15 @@ __global__ void copy_untouched_kernel(StepDims dm, const uint32_t* __restrict__ 
   for (int64_t r0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) - lane; r0 < rows; r0 += step) {
     const bool untouched = r0 + lane < rows && first[r0 + lane] == kUntouched;
     for (unsigned m = __ballot_sync(0xffffffffu, untouched); m != 0; m &= m - 1) {
-      const int64_t at = (r0 + __ffs(m) - 1) * dm.D;
+      const int64_t row = r0 + __ffs(m) - 1, at = row * dm.D;
+      const int64_t in_at = (input_stream(dm, row / dm.K) * dm.K + row % dm.K) * dm.D;
       for (int64_t col = lane * VEC; col < dm.D; col += 32 * VEC) {
         if (input == nullptr) {
           const float zeros[VEC] = {};
           store_cols<VEC>(result + at + col, zeros);
         } else {
           Cols<VEC, T> x;
-          x.load(input + at + col);
+          x.load(input + in_at + col);
           x.store(result + at + col);
         }
       }

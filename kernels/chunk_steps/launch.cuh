@@ -210,13 +210,18 @@ int prepare_fresh(bool pdl, const StepDims& dm, const TouchMap (&maps)[2], uint3
 }
 
 // The whole input into the result when they are two buffers (packed sequences update the result in place); zeros
-// for a null input.
+// for a null input. A shared input (StepDims::input_streams) is copied once per group of streams that reads it.
 template <typename T>
 int copy_whole(const StepDims& dm, const T* input, T* result, cudaStream_t stream) {
   const size_t bytes = dm.streams() * dm.K * dm.D * sizeof(T);
   if (input == result) return 0;
   if (input == nullptr) return static_cast<int>(cudaMemsetAsync(result, 0, bytes, stream));  // a zero cotangent
-  return static_cast<int>(cudaMemcpyAsync(result, input, bytes, cudaMemcpyDeviceToDevice, stream));
+  const size_t tile = dm.input_streams ? dm.input_streams * dm.K * dm.D * sizeof(T) : bytes;
+  int rc = 0;
+  for (size_t at = 0; at < bytes && !rc; at += tile)
+    rc = static_cast<int>(cudaMemcpyAsync(reinterpret_cast<char*>(result) + at, input, tile,
+                                          cudaMemcpyDeviceToDevice, stream));
+  return rc;
 }
 
 // Launch shape of the unpacked group kernels (for_owned_groups): one block of kOwnerWarps warps per (stream, token),

@@ -53,6 +53,7 @@ struct Case {
   double invalid;  // fraction of out-of-range ids
   int pad;         // trailing tokens of each unit with all ids -1
   double segs = 0;  // packed sequences: 0 none, else the mean segment starts per chunk past its first token
+  int64_t shared_in = 0;  // the CUDA forward's input bank: 0 per stream, else that many blocks the streams share
 };
 
 bool cpu_both = false;  // run the CPU loops on the "CUDA" side too (a check of the harness)
@@ -268,6 +269,12 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
   for (auto& f : dy) f = from_float<BankT>(nd(rng));
   std::vector<BankT> bank0(size_t(dm.streams() * K * D));
   for (auto& b : bank0) b = from_float<BankT>(nd(rng));
+  // A shared input (StepDims::input_streams): the streams' initial banks are its blocks, stream s block s % shared_in.
+  StepDims dm_in = dm;
+  dm_in.input_streams = c.shared_in;
+  for (int64_t s = c.shared_in; s < (c.shared_in ? dm.streams() : 0); ++s)
+    std::copy_n(bank0.begin() + (s % c.shared_in) * K * D, K * D, bank0.begin() + s * K * D);
+  const std::vector<BankT> shared_input(bank0.begin(), bank0.begin() + c.shared_in * K * D);
   std::vector<GradT> dbank0(bank0.size());  // the cotangent of the final bank
   for (auto& b : dbank0) b = from_float<GradT>(nd(rng));
 
@@ -354,7 +361,11 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
                        save ? snap.data() : nullptr,
                        snapshot_dtype,
                        save && nscale ? scale.data() : nullptr};
-    if (cuda && !cpu_both) {
+    if (cuda && !cpu_both && c.shared_in) {  // the shared blocks as the input, a fresh result
+      std::vector<float> ws(size_t(fwd_ws_floats), kNaN);
+      std::fill(bank.begin(), bank.end(), from_float<BankT>(kNaN));
+      *rc = forward_cuda<BankT>(dm_in, p1, io, shared_input.data(), bank.data(), ws.data(), nullptr, segments);
+    } else if (cuda && !cpu_both) {
       std::vector<float> ws(size_t(fwd_ws_floats), kNaN);
       if (save) std::fill(bank.begin(), bank.end(), from_float<BankT>(kNaN));
       *rc = forward_cuda<BankT>(dm, p1, io, save ? input.data() : bank.data(), bank.data(), ws.data(), nullptr,
@@ -566,6 +577,11 @@ int main(int argc, char** argv) {
       // batches {4}, {2, 3}, {0, 1}; NC 6 holds 2, three whole batches. V > 1 (the ring's streams of both problems).
       {2, 5, 2, 6, 3, 2, 8, 8, true, true, 0.1, 1},
       {2, 6, 2, 6, 3, 2, 8, 8, false, false, 0.1, 1, 1.5},  // packed sequences
+      // 30-33: the forward's input bank shared by the streams (shared_in blocks; B*H streams of H heads)
+      {2, 3, 4, 8, 3, 2, 6, 16, false, false, 0.1, 1, 0, 2},  // VEC 8, V > 1, two heads
+      {1, 3, 6, 5, 2, 3, 40, 12, true, true, 0.1, 0, 0, 3},   // bf16, VEC 4, mostly untouched rows
+      {1, 2, 4, 16, 4, 4, 5, 7, true, false, 0.2, 2, 0, 1},   // VEC 1, one block for every stream
+      {2, 2, 3, 6, 2, 2, 50, 16, false, false, 0.0, 0, 0, 3}, // V > 1: each problem's streams read the one input
   };
   if (argc > 1 && std::string(argv[1]) == "shape") {  // shape V NC P C W R K D BANK GRAD INVALID PAD [SEED [SEGS]]
     if (argc < 14) {
