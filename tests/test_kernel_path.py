@@ -147,6 +147,103 @@ def test_grad_makes_no_copy_of_the_bank_or_its_cotangent():
 
 
 
+def _shared_bank_problem(seed, dtype):
+    return random_problem(seed, B=3, T=40, H=2, K=64, D=16, W=4, R=3, dtype=dtype, shared_bank=True, distinct=False,
+                          repeats=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_shared_bank_goes_to_the_kernels_unbroadcast(dtype):
+    """A bank shared by the batch, `[H, K, D]`, reaches the forward kernel as it is: the compiled training step
+    materialises no `[B, H, K, D]` or `[B*H, K, D]` copy of it before the kernels (the kernels read stream
+    `b*H + h`'s rows from head `h`'s block), and the readings, final bank and every gradient are bitwise those of
+    the same bank broadcast over the batch first (its gradient the ordered sum of the streams' gradients)."""
+    from jax_sdm import layout
+
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    args = _shared_bank_problem(seed, dtype)
+    names = ("bank", "k_idx", "k_val", "v", "beta", "g", "q_idx", "q_val")
+    rng = np.random.default_rng(seed)
+    dy = jnp.asarray(rng.standard_normal(args["v"].shape), jnp.float32)
+    H, K, D = args["bank"].shape
+    B = args["k_idx"].shape[0]
+    dfinal = jnp.asarray(rng.standard_normal((B, H, K, D)), jnp.float32)
+
+    def loss(broadcast, bank, k_val, v, dy, dfinal):
+        a = dict(args, bank=layout.ordered_broadcast(bank, B, 0) if broadcast else bank, k_val=k_val, v=v)
+        y, final = ffi_op(*(a[n] for n in names), chunk_size=8)
+        bank_term = 0.0 if dfinal is None else jnp.sum(final.astype(jnp.float32) * dfinal)
+        return jnp.sum(y.astype(jnp.float32) * dy) + bank_term, y
+
+    grad = jax.jit(jax.grad(functools.partial(loss, False), argnums=(0, 1, 2), has_aux=True))
+    primals = (jnp.asarray(args["bank"]), jnp.asarray(args["k_val"]), jnp.asarray(args["v"]), dy, dfinal)
+    # A loss of the readings: no bank-sized cotangent either (its dtype conversion would be a fusion of that shape).
+    hlo = grad.lower(*primals[:4], None).compile().as_text()
+    bank_shaped = entry_ops_of_shape(hlo, (B * H, K, D)) + entry_ops_of_shape(hlo, (B, H, K, D))
+    # the forward kernel's final bank, the backward's two banks, views of them: no broadcast or copy (a broadcast
+    # bank shows a fusion of this shape here)
+    assert set(bank_shaped) <= {"custom-call", "get-tuple-element", "bitcast", "parameter"}, bank_shaped
+    forward = [line for line in hlo.splitlines() if 'custom_call_target="sdm_forward"' in line]
+    assert len(forward) == 1 and re.search(rf"\[{H},{K},{D}\]", forward[0].split("custom-call(")[1]), forward
+    (got, got_aux) = grad(*primals)
+    (want, want_aux) = jax.jit(jax.grad(functools.partial(loss, True), argnums=(0, 1, 2), has_aux=True))(*primals)
+    assert got[0].shape == (H, K, D)
+    for a, b in zip(jax.tree_util.tree_leaves((got, got_aux)), jax.tree_util.tree_leaves((want, want_aux))):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    if dtype == jnp.float32:  # and the token loop's gradients
+        def reference(bank, k_val, v):
+            a = dict(args, bank=bank, k_val=k_val, v=v)
+            y, final = sdm_write_read(*(a[n] for n in names), impl="reference")
+            return jnp.sum(y * dy) + jnp.sum(final * dfinal)
+
+        for g, w in zip(got, jax.grad(reference, argnums=(0, 1, 2))(*primals[:3])):
+            assert rel_err(g, w) < 1e-4, rel_err(g, w)
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_shared_bank_under_vmap(mapped):
+    """Under `vmap` a shared bank that is not mapped stays shared by every batch element of every mapped problem;
+    a mapped one (a bank per problem) serves that problem's batch: both equal the broadcast bank's results,
+    forward and backward."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    args = _shared_bank_problem(seed, jnp.float32)
+    B = args["k_idx"].shape[0]
+    stack = lambda a: jnp.stack([jnp.asarray(a), 0.5 * jnp.asarray(a)])
+    banks = stack(args["bank"]) if mapped else jnp.asarray(args["bank"])
+    v = stack(args["v"])
+
+    def loss(broadcast, bank, v):
+        b = jnp.broadcast_to(bank[None], (B,) + bank.shape) if broadcast else bank
+        y, final = ffi_op(**dict(args, bank=b, v=v), chunk_size=8)
+        return jnp.sum(y * y) + jnp.sum(jnp.sin(final)), (y, final)
+
+    in_axes = (0 if mapped else None, 0)
+    run = lambda broadcast: jax.jit(jax.vmap(jax.grad(functools.partial(loss, broadcast), argnums=(0, 1),
+                                                      has_aux=True), in_axes=in_axes))(banks, v)
+    got, want = run(False), run(True)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert a.shape == b.shape
+        assert rel_err(a, b) < 1e-6, rel_err(a, b)
+
+
+def test_forward_kernel_rejects_a_bank_that_does_not_divide_the_streams():
+    """The forward kernel's input bank is per stream, or `[P_in, K, D]` with `P_in` dividing the streams: another
+    shape is refused with a clear error."""
+    from jax_sdm import ffi_ops
+
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    args = random_problem(seed, B=2, T=16, H=2, K=32, D=8, W=3, R=2)
+    k_idx = jnp.asarray(args["k_idx"]).reshape(1, 8, 2, 4, 3)  # kernel layout [V 1, NC 8, P 2, C 4, W 3]
+    with pytest.raises(Exception, match="P_in dividing P"):
+        nc = ffi_ops.phase1_ffi(k_idx, jnp.ones(k_idx.shape), -jnp.ones(k_idx.shape), k_idx[..., :2],
+                                jnp.ones(k_idx.shape[:-1] + (2,)), 32)
+        minv = ffi_ops.solve_ffi(nc.A, jnp.ones(k_idx.shape[:-1]))
+        bank = jnp.zeros((3, 32, 8), jnp.float32)  # 3 blocks for 2 streams
+        out = ffi_ops.forward_ffi(bank, k_idx, k_idx[..., :2], jnp.ones(k_idx.shape[:-1] + (8,)),
+                                  jnp.ones(k_idx.shape[:-1]), nc, minv, False)
+        jax.block_until_ready(out.y)
+
+
 def _ffi_eqns(jaxpr, target):
     """The ffi_call equations of `target` anywhere in a closed jaxpr (nested jaxprs included)."""
     found = []
