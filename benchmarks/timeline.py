@@ -1,7 +1,7 @@
 """A device timeline of bench.py's calls (the stand-in for an nsys timeline: nsys is not on the GPU machine):
 where the wall time of one call goes between kernels, copies and idle gaps.
 
-    python3 benchmarks/timeline.py [shape] [chunk] [grad|nograd] [--calls N] [--trace-dir DIR]
+    python3 benchmarks/timeline.py [shape] [chunk] [grad|nograd] [--calls N] [--trace-dir DIR] [--snapshot-dtype D]
 
 Runs the function a few times to warm up, then `--calls` times under `jax.profiler` (a Perfetto trace with the
 device's activity), and prints for the median call: its span on the device (first activity to last), the time
@@ -86,12 +86,14 @@ def main():
     ap.add_argument("mode", nargs="?", default="grad", choices=["grad", "nograd"])
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--trace-dir")
+    ap.add_argument("--snapshot-dtype", choices=["bfloat16", "float8_e4m3fn", "int4"],
+                    help="sdm_write_read's snapshot_dtype (default: the bank's dtype)")
     a = ap.parse_args()
     shape = dict(SHAPES[a.shape])
     if a.chunk:
         shape["chunk"] = a.chunk
     args, dy, dbank = make_inputs(shape, 0)
-    forward, step = make_functions("ffi", shape["chunk"], dy, dbank)
+    forward, step = make_functions("ffi", shape["chunk"], dy, dbank, a.snapshot_dtype)
     fn = forward if a.mode == "nograd" else step
     warm_up(fn, args)
     walls = []
@@ -104,7 +106,7 @@ def main():
             time.sleep(0.002)  # a clear gap between calls on the device
 
     events, processes = device_events(record(traced, a.trace_dir, perfetto=True))
-    print(f"{a.shape} chunk {shape['chunk']} {a.mode} on {jax.devices()[0].device_kind}: wall per call (host) "
+    print(f"{a.shape} chunk {shape['chunk']} {a.mode} snapshot {a.snapshot_dtype or 'bank'} on {jax.devices()[0].device_kind}: wall per call (host) "
           f"median {statistics.median(walls):.1f} us over {a.calls} calls")
     if not events:
         print("no device activity in the trace; processes:", processes)
