@@ -83,14 +83,15 @@ _TOKEN_FIELDS = frozenset({"k_idx", "k_val", "x", "v", "beta", "q_idx", "q_val",
 
 def _flatten(tree):
     """`(arrays, axes, treedef)`: the arrays of a tree of named tuples, each one's B and H axes (by the name of its
-    field: `_BANK_FIELDS`, `_TOKEN_FIELDS`, else units; a bank of rank 3 is one shared by the batch, `HEADS`) and
-    the tree's structure."""
+    field: `_BANK_FIELDS`, `_TOKEN_FIELDS`, else units; an input bank `[H, K, D]` is one shared by the batch,
+    `HEADS`) and the tree's structure. (A shard's merged arrays, `[P, K, D]` and the like, are flattened only to be
+    split again by the axes of their kind.)"""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
 
     def axes_of(name, a):
-        if name in _BANK_FIELDS:
-            return HEADS if a.ndim == 3 else BANK
-        return TOKENS if name in _TOKEN_FIELDS else UNITS
+        if name == "bank" and a.ndim == 3:
+            return HEADS
+        return BANK if name in _BANK_FIELDS else TOKENS if name in _TOKEN_FIELDS else UNITS
 
     axes = tuple(axes_of(path[-1].name, a) for path, a in leaves)
     return tuple(a for _, a in leaves), axes, treedef
