@@ -79,6 +79,7 @@ inline ffi::Error StepDimsOf(const char* op, const ffi::AnyBuffer& bank, const S
   const auto type = bank.element_type();
   if (type != ffi::DataType::F32 && type != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument(std::string(op) + ": the bank must be float32 or bfloat16");
+  // A [P, K, D] bank of V = 1 is the per-stream one (the kernel layout's), not a shared bank of P blocks.
   const int64_t shared = bd.size() == 3 ? bd[0] : 0;
   if (shared_bank && shared > 0 && dm->P % shared == 0 && (shared != dm->P || dm->V != 1)) {
     dm->input_streams = shared;
@@ -343,8 +344,6 @@ inline ffi::Error PrepareBackwardSegments(const BackwardCall& call, const ffi::A
                                           SegmentCopies* copies) {
   const char* op = "sdm_backward_packed";
   const sdm::StepDims& dm = call.dm;
-  if (dm.input_streams)
-    return ffi::Error::InvalidArgument(std::string(op) + ": packed sequences need the bank per stream, [..., P, K, D]");
   SDM_RETURN_IF_ERROR(CheckSegmentInputs(op, dm, bank, initial, local, seg0));
   SDM_RETURN_IF_ERROR(CheckShape(op, "stamp", stamp, dm.V, {dm.P, dm.K}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "stamp_snapshot", stamp_snapshot, dm.V, {dm.NC, dm.P, dm.C * dm.W}));

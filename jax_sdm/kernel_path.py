@@ -32,8 +32,9 @@ class Packed(NamedTuple):
 class Inputs(NamedTuple):
     """The kernels' inputs: the bank `[P, K, D]` (or, without packed sequences, `[H, K, D]` shared by the batch)
     and per-token arrays `[NC, P, C, ...]` in kernel layout (int32 ids, float32 values, per-lane gates `x`; with
-    explicit streams `P` is `B, H`), and `packed`: a `Packed`, or None without packed sequences. The backward keeps them without `v` (it needs only the forward's `v - G`) and,
-    without packed sequences, without the bank (it restores it from the final bank): those are None there."""
+    explicit streams `P` is `B, H`), and `packed`: a `Packed`, or None without packed sequences. The backward keeps
+    them without `v` (it needs only the forward's `v - G`) and, without packed sequences, without the bank (it
+    restores it from the final bank): those are None there."""
     bank: jax.Array | None
     k_idx: jax.Array
     k_val: jax.Array
@@ -100,10 +101,9 @@ def _flatten(tree):
 def _per_stream_bank(bank, dims):
     """A shard's bank `[P, K, D]` (`P = B*H`) from a shared `[H, K, D]` one, stream `b*H + h` starting from head
     `h`; a bank per stream as it is."""
-    P = dims.B * dims.H
-    if bank.shape[0] == P:
+    if bank.shape[0] == dims.B * dims.H:
         return bank
-    return jnp.broadcast_to(bank[None], (dims.B,) + bank.shape).reshape((P,) + bank.shape[1:])
+    return merge(layout.batch_banks(bank, dims), 0)
 
 
 def _phase1_slots(k_idx, q_idx, packed, num_slots):

@@ -70,9 +70,10 @@ __global__ void lane_tags_kernel(StepDims dm, const int32_t* __restrict__ idx, i
   }
 }
 
-// The rows no step writes, from the input (its block input_stream) into the result, or zeros for a null input. Each warp reads 32 rows'
-// first steps in one load and copies the untouched rows among them (VEC columns per lane; D a multiple of VEC): at
-// model sizes nearly every row is written, so most warps skip all 32 of their rows after that one load.
+// The rows no step writes, from the input (its block input_stream) into the result, or zeros for a null input.
+// Each warp reads 32 rows' first steps in one load and copies the untouched rows among them (VEC columns per lane;
+// D a multiple of VEC): at model sizes nearly every row is written, so most warps skip all 32 of their rows after
+// that one load.
 template <int VEC, typename T>
 __global__ void copy_untouched_kernel(StepDims dm, const uint32_t* __restrict__ first, const T* __restrict__ input,
                                       T* __restrict__ result) {
