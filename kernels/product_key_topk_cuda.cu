@@ -10,8 +10,10 @@
 //     keeps the keys > T and, in element order, the first keys == T that complete m (ballots give every kept
 //     element its place); a bitonic sort of the m kept composites (padded to a power of two), in registers up to
 //     64, else in the warp's shared memory.
-// Keys of up to 1024 elements stay in registers (32 per lane); longer lists are recomputed on every pass. The
-// composites order the elements totally, so the result is the CPU kernel's, bit for bit, whatever the route.
+// Keys of up to 1024 elements stay in registers (32 per lane; the warp-per-row kernel's instance for the row's
+// longest list keeps 256, 512 or 1024); longer lists are recomputed on every pass. The composites order the
+// elements totally, so the result is the CPU kernel's, bit for bit, whatever the route; a bfloat16 factor's are
+// 32 bits wide (Composite).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -89,22 +91,46 @@ struct Keys {
   }
 };
 
-// A 64-bit warp shuffle as two 32-bit ones.
-__device__ __forceinline__ uint64_t shfl_xor_u64(uint64_t v, int mask) {
+// Warp shuffles of a composite: one for 32 bits, two for 64.
+__device__ __forceinline__ uint32_t shfl_xor_c(uint32_t v, int mask) {
+  return static_cast<uint32_t>(__shfl_xor_sync(kFull, static_cast<int>(v), mask));
+}
+__device__ __forceinline__ uint32_t shfl_c(uint32_t v, int src) {
+  return static_cast<uint32_t>(__shfl_sync(kFull, static_cast<int>(v), src));
+}
+__device__ __forceinline__ uint64_t shfl_xor_c(uint64_t v, int mask) {
   const int lo = __shfl_xor_sync(kFull, static_cast<int>(static_cast<uint32_t>(v)), mask);
   const int hi = __shfl_xor_sync(kFull, static_cast<int>(static_cast<uint32_t>(v >> 32)), mask);
   return (static_cast<uint64_t>(static_cast<uint32_t>(hi)) << 32) | static_cast<uint32_t>(lo);
 }
-__device__ __forceinline__ uint64_t shfl_u64(uint64_t v, int src) {
+__device__ __forceinline__ uint64_t shfl_c(uint64_t v, int src) {
   const int lo = __shfl_sync(kFull, static_cast<int>(static_cast<uint32_t>(v)), src);
   const int hi = __shfl_sync(kFull, static_cast<int>(static_cast<uint32_t>(v >> 32)), src);
   return (static_cast<uint64_t>(static_cast<uint32_t>(hi)) << 32) | static_cast<uint32_t>(lo);
 }
 
+// Composites of two widths, both descending in (key, then smaller position), 0 below every element. Wide: the
+// header's composite, any key and position. Narrow: a 16-bit score's key (its low 16 bits are all equal across the
+// keys of one sign, so the key's high half orders the scores) and a position below 0xffff, in 32 bits: half the
+// shuffles and compares of the sorts.
+template <typename C>
+struct Composite;
+template <>
+struct Composite<uint64_t> {
+  __device__ static uint64_t make(uint32_t key, uint32_t pos) { return composite(key, pos); }
+  __device__ static uint32_t position(uint64_t c) { return composite_pos(c); }
+};
+template <>
+struct Composite<uint32_t> {
+  __device__ static uint32_t make(uint32_t key, uint32_t pos) { return (key & 0xffff0000u) | (0xffffu - pos); }
+  __device__ static uint32_t position(uint32_t c) { return 0xffffu - (c & 0xffffu); }
+};
+constexpr int32_t kNarrowMaxN = 0xffff;  // positions 0 .. 0xfffe keep a narrow composite's low half above 0
+
 // Sorts the warp's 32 E values descending, element 32 j + lane in v[j] (bitonic: pairs across lanes by shuffles,
 // pairs of one lane in registers).
-template <int E>
-__device__ __forceinline__ void warp_sort_regs(uint64_t (&v)[E], int lane) {
+template <int E, typename C>
+__device__ __forceinline__ void warp_sort_regs(C (&v)[E], int lane) {
 #pragma unroll
   for (int size = 2; size <= 32 * E; size <<= 1) {
 #pragma unroll
@@ -115,7 +141,7 @@ __device__ __forceinline__ void warp_sort_regs(uint64_t (&v)[E], int lane) {
         for (int j = 0; j < E; ++j) {
           if (j & js) continue;
           const bool desc = ((32 * j + lane) & size) == 0;
-          const uint64_t a = v[j], b = v[j | js];
+          const C a = v[j], b = v[j | js];
           if ((a < b) == desc) {
             v[j] = b;
             v[j | js] = a;
@@ -125,7 +151,7 @@ __device__ __forceinline__ void warp_sort_regs(uint64_t (&v)[E], int lane) {
         const bool lower = (lane & stride) == 0;
 #pragma unroll
         for (int j = 0; j < E; ++j) {
-          const uint64_t other = shfl_xor_u64(v[j], stride);
+          const C other = shfl_xor_c(v[j], stride);
           const bool keep_max = lower == (((32 * j + lane) & size) == 0);
           v[j] = keep_max == (v[j] > other) ? v[j] : other;
         }
@@ -135,12 +161,13 @@ __device__ __forceinline__ void warp_sort_regs(uint64_t (&v)[E], int lane) {
 }
 
 // The n (<= 64) composites of buf sorted descending in registers, the best `keep` (<= n) written back to buf[0, keep).
-__device__ void warp_sort_prefix(uint64_t* buf, int n, int keep, int lane) {
+template <typename C>
+__device__ void warp_sort_prefix(C* buf, int n, int keep, int lane) {
   __syncwarp();
-  uint64_t v[2] = {lane < n ? buf[lane] : 0u, 32 + lane < n ? buf[32 + lane] : 0u};
+  C v[2] = {lane < n ? buf[lane] : C{0}, 32 + lane < n ? buf[32 + lane] : C{0}};
   __syncwarp();
   if (n <= 32) {
-    uint64_t one[1] = {v[0]};
+    C one[1] = {v[0]};
     warp_sort_regs<1>(one, lane);
     v[0] = one[0];
   } else {
@@ -152,7 +179,8 @@ __device__ void warp_sort_prefix(uint64_t* buf, int n, int keep, int lane) {
 }
 
 // Sorts buf[0, P) descending (P a power of two; the warp's lanes together), in registers up to P = 64.
-__device__ void warp_sort_desc(uint64_t* buf, int P, int lane) {
+template <typename C>
+__device__ void warp_sort_desc(C* buf, int P, int lane) {
   if (P <= 64) {
     warp_sort_prefix(buf, P, P, lane);
     return;
@@ -162,7 +190,7 @@ __device__ void warp_sort_desc(uint64_t* buf, int P, int lane) {
       for (int t = lane; t < P / 2; t += 32) {
         const int i = 2 * t - (t & (stride - 1));
         const int j = i + stride;
-        const uint64_t a = buf[i], b = buf[j];
+        const C a = buf[i], b = buf[j];
         if ((a < b) == ((i & size) == 0)) {
           buf[i] = b;
           buf[j] = a;
@@ -178,8 +206,8 @@ constexpr int kPrefilterCap = 64;  // keys the prefiltered route sorts at most
 // The prefiltered route (see the file's head) for 1 <= m <= 32, m < N: the m best of the N elements into
 // buf[0, m), best first (buf holds at least kPrefilterCap composites). False, with buf's contents undefined, when
 // more than kPrefilterCap keys reach the bound (many ties): the caller takes the threshold search.
-template <typename K>
-__device__ bool warp_top_prefiltered(const K& keys, int N, int m, uint64_t* buf, int lane) {
+template <typename K, typename C>
+__device__ bool warp_top_prefiltered(const K& keys, int N, int m, C* buf, int lane) {
   // The lane's two best keys (0 where it has fewer elements: then the bound is 0 and every element passes).
   uint32_t best0 = 0, best1 = 0;
   keys.each([&](int s, uint32_t key) {
@@ -192,16 +220,17 @@ __device__ bool warp_top_prefiltered(const K& keys, int N, int m, uint64_t* buf,
     }
   });
   // L: the m-th largest of the lanes' best keys. m of them are keys of distinct elements >= L (or L = 0 <= every
-  // key), so the m best elements all have keys >= L.
+  // key), so the m best elements all have keys >= L. (Sorted as 64-bit values: as 32-bit ones, ptxas spills the
+  // 1024-element kernel's registers.)
   uint32_t bound;
   if (m <= 16) {
     uint64_t v[1] = {uint64_t{best0}};
     warp_sort_regs<1>(v, lane);
-    bound = static_cast<uint32_t>(shfl_u64(v[0], m - 1));
+    bound = static_cast<uint32_t>(shfl_c(v[0], m - 1));
   } else {
     uint64_t v[2] = {uint64_t{best0}, uint64_t{best1}};
     warp_sort_regs<2>(v, lane);
-    bound = static_cast<uint32_t>(shfl_u64(v[0], m - 1));  // m <= 32: among the first 32
+    bound = static_cast<uint32_t>(shfl_c(v[0], m - 1));  // m <= 32: among the first 32
   }
   const unsigned below = (1u << lane) - 1u;
   unsigned count = 0;  // keys >= L before this chunk, in element order
@@ -210,7 +239,7 @@ __device__ bool warp_top_prefiltered(const K& keys, int N, int m, uint64_t* buf,
     const bool pass = e < N && key >= bound;
     const unsigned mask = __ballot_sync(kFull, pass);
     const unsigned at = count + __popc(mask & below);
-    if (pass && at < static_cast<unsigned>(kPrefilterCap)) buf[at] = composite(key, static_cast<uint32_t>(e));
+    if (pass && at < static_cast<unsigned>(kPrefilterCap)) buf[at] = Composite<C>::make(key, static_cast<uint32_t>(e));
     count += __popc(mask);
   });
   if (count > static_cast<unsigned>(kPrefilterCap)) return false;
@@ -220,13 +249,13 @@ __device__ bool warp_top_prefiltered(const K& keys, int N, int m, uint64_t* buf,
 
 // The m best of the N elements (1 <= m <= N) into buf[0, m), best first (buf holds max(P, kPrefilterCap)
 // composites, P >= m a power of two). Composites (key, element), so ties go to the smaller element.
-template <typename K>
-__device__ void warp_top(const K& keys, int N, int m, int P, uint64_t* buf, int lane) {
+template <typename K, typename C>
+__device__ void warp_top(const K& keys, int N, int m, int P, C* buf, int lane) {
   const unsigned below = (1u << lane) - 1u;
   if (m == N) {
     keys.each([&](int s, uint32_t key) {
       const int e = 32 * s + lane;
-      if (e < N) buf[e] = composite(key, static_cast<uint32_t>(e));
+      if (e < N) buf[e] = Composite<C>::make(key, static_cast<uint32_t>(e));
     });
   } else {
     if (m <= 32 && warp_top_prefiltered(keys, N, m, buf, lane)) return;
@@ -265,7 +294,7 @@ __device__ void warp_top(const K& keys, int N, int m, int P, uint64_t* buf, int 
       const unsigned eq_mask = __ballot_sync(kFull, eq);
       const bool keep = key > T || (eq && equal + __popc(eq_mask & below) < need);
       const unsigned keep_mask = __ballot_sync(kFull, keep);
-      if (keep) buf[kept + __popc(keep_mask & below)] = composite(key, static_cast<uint32_t>(32 * s + lane));
+      if (keep) buf[kept + __popc(keep_mask & below)] = Composite<C>::make(key, static_cast<uint32_t>(32 * s + lane));
       kept += __popc(keep_mask);
       equal += __popc(eq_mask);
     });
@@ -275,20 +304,18 @@ __device__ void warp_top(const K& keys, int N, int m, int P, uint64_t* buf, int 
   warp_sort_desc(buf, P, lane);
 }
 
-// warp_top with the keys in registers when they fit, recomputed on every pass otherwise.
-template <bool kTogether, typename KeyOf>
-__device__ void warp_top_of(KeyOf key_of, int N, int m, int P, uint64_t* buf, int lane) {
+// warp_top with the keys in registers when they fit (at most kMaxE a lane), recomputed on every pass otherwise.
+template <bool kTogether, int kMaxE, typename KeyOf, typename C>
+__device__ void warp_top_of(KeyOf key_of, int N, int m, int P, C* buf, int lane) {
   if constexpr (kTogether) {  // reading every key at once reads all E chunks: short lists get fewer
     if (N <= 32 * 2) return warp_top(Keys<2, KeyOf, true>(key_of, N, lane), N, m, P, buf, lane);
     if (N <= 32 * 4) return warp_top(Keys<4, KeyOf, true>(key_of, N, lane), N, m, P, buf, lane);
   }
-  if (N <= 32 * 8) {
-    warp_top(Keys<8, KeyOf, kTogether>(key_of, N, lane), N, m, P, buf, lane);
-  } else if (N <= 32 * 32) {
-    warp_top(Keys<32, KeyOf, kTogether>(key_of, N, lane), N, m, P, buf, lane);
-  } else {
-    warp_top(Keys<0, KeyOf, kTogether>(key_of, N, lane), N, m, P, buf, lane);
+  if (N <= 32 * 8) return warp_top(Keys<8, KeyOf, kTogether>(key_of, N, lane), N, m, P, buf, lane);
+  if constexpr (kMaxE > 8) {
+    if (N <= 32 * kMaxE) return warp_top(Keys<kMaxE, KeyOf, kTogether>(key_of, N, lane), N, m, P, buf, lane);
   }
+  warp_top(Keys<0, KeyOf, kTogether>(key_of, N, lane), N, m, P, buf, lane);
 }
 
 // A warp's row (one per warp, kWarps per block) and its part of the block's dynamic shared memory.
@@ -312,21 +339,35 @@ __host__ __device__ inline int64_t sort_slots(const ProductKeyDims& d) {
 int64_t warp_bytes(const ProductKeyDims& d) { return 8 * sort_slots(d) + 8 * int64_t{d.tops}; }
 
 // Factor f of row xr: its top m_f (score, index) into the row's top lists, by one warp (buf: its sort buffer).
-template <bool kTogether, typename T>
-__device__ void select_factor(const ProductKeyDims& d, const T* xr, int f, uint64_t* buf, Top* tops, int lane) {
+// 16-bit scores of a factor below kNarrowMaxN entries sort as narrow composites; their keys' low halves, equal
+// across the keys of one sign, are masked off, so that the threshold search skips those bits.
+template <bool kTogether, int kMaxE, typename C, typename T>
+__device__ void select_factor_as(const ProductKeyDims& d, const T* xr, int f, C* buf, Top* tops, int lane) {
+  constexpr uint32_t kKeyBits = sizeof(T) == 2 ? 0xffff0000u : 0xffffffffu;
   const T* xf = xr + d.x_offset[f];
-  warp_top_of<kTogether>([xf](int e) { return order_key(to_f(xf[e])); }, d.n[f], d.m[f], d.p[f], buf, lane);
+  warp_top_of<kTogether, kMaxE>([xf](int e) { return order_key(to_f(xf[e])) & kKeyBits; }, d.n[f], d.m[f], d.p[f], buf,
+                         lane);
   Top* tf = tops + d.top_offset[f];
   for (int r = lane; r < d.m[f]; r += 32) {
-    const uint32_t e = composite_pos(buf[r]);
+    const uint32_t e = Composite<C>::position(buf[r]);
     tf[r] = Top{to_f(xf[e]), static_cast<int32_t>(e)};
   }
   __syncwarp();
 }
+template <bool kTogether, int kMaxE, typename T>
+__device__ void select_factor(const ProductKeyDims& d, const T* xr, int f, uint64_t* buf, Top* tops, int lane) {
+  if constexpr (sizeof(T) == 2) {
+    if (d.n[f] < kNarrowMaxN) {
+      select_factor_as<kTogether, kMaxE>(d, xr, f, reinterpret_cast<uint32_t*>(buf), tops, lane);
+      return;
+    }
+  }
+  select_factor_as<kTogether, kMaxE>(d, xr, f, buf, tops, lane);
+}
 
 // The row's top k from its top lists (all F written and visible to the warp), by one warp: for F = 1 the list
 // itself, else the best k candidates.
-template <bool kTogether>
+template <bool kTogether, int kMaxE>
 __device__ void select_slots(const ProductKeyDims& d, const Top* tops, const int32_t* __restrict__ table,
                              uint64_t* buf, float* sr, int32_t* ir, int lane) {
   if (d.F == 1) {
@@ -348,18 +389,20 @@ __device__ void select_slots(const ProductKeyDims& d, const Top* tops, const int
     }
     return slot;
   };
-  warp_top_of<kTogether>([&candidate](int c) { return order_key(candidate(c).score); }, d.C, d.k, d.p_k, buf, lane);
+  warp_top_of<kTogether, kMaxE>([&candidate](int c) { return order_key(candidate(c).score); }, d.C, d.k, d.p_k, buf, lane);
   for (int r = lane; r < d.k; r += 32) {
-    const Top slot = candidate(static_cast<int>(composite_pos(buf[r])));
+    const Top slot = candidate(static_cast<int>(Composite<uint64_t>::position(buf[r])));
     sr[r] = canonical_score(slot.score);
     ir[r] = slot.index;
   }
 }
 
-// One warp per row. At least 5 blocks an SM: 96 registers a thread, no spills (the 1024-element register keys are
-// the most).
-template <typename T>
-__global__ void __launch_bounds__(kThreads, 5)
+// One warp per row, in three instances by the longest list whose keys stay in registers (kMaxE a lane: 256, 512 or
+// 1024 elements; longer lists recompute theirs): the keys' registers bound the kernel's, so the instances for
+// shorter lists keep more warps on an SM. Blocks an SM, with no spill: warp_blocks_per_sm.
+__host__ __device__ constexpr int warp_blocks_per_sm(int max_e) { return max_e <= 8 ? 10 : max_e <= 16 ? 6 : 5; }
+template <typename T, int kMaxE>
+__global__ void __launch_bounds__(kThreads, warp_blocks_per_sm(kMaxE))
     product_key_topk_kernel(ProductKeyDims d, const T* __restrict__ x, const int32_t* __restrict__ table,
                             float* __restrict__ scores, int32_t* __restrict__ ids, int64_t bytes_per_warp) {
   const WarpRow w = warp_row(bytes_per_warp);
@@ -367,8 +410,8 @@ __global__ void __launch_bounds__(kThreads, 5)
   uint64_t* buf = reinterpret_cast<uint64_t*>(w.shared);
   Top* tops = reinterpret_cast<Top*>(buf + sort_slots(d));
   const T* xr = x + w.row * d.width;
-  for (int f = 0; f < d.F; ++f) select_factor<false>(d, xr, f, buf, tops, w.lane);
-  select_slots<false>(d, tops, table, buf, scores + w.row * d.k, ids + w.row * d.k, w.lane);
+  for (int f = 0; f < d.F; ++f) select_factor<false, kMaxE>(d, xr, f, buf, tops, w.lane);
+  select_slots<false, kMaxE>(d, tops, table, buf, scores + w.row * d.k, ids + w.row * d.k, w.lane);
 }
 
 // A block per row, warp f selecting factor f, then warp 0 the slots: for few rows (a decode step's), where one warp
@@ -384,9 +427,9 @@ __global__ void __launch_bounds__(32 * kSplitMaxFactors, 1)
   const int lane = static_cast<int>(threadIdx.x & 31);
   uint64_t* bufs = reinterpret_cast<uint64_t*>(shared);
   Top* tops = reinterpret_cast<Top*>(bufs + d.F * sort_slots(d));
-  select_factor<true>(d, x + row * d.width, warp, bufs + warp * sort_slots(d), tops, lane);
+  select_factor<true, 32>(d, x + row * d.width, warp, bufs + warp * sort_slots(d), tops, lane);
   __syncthreads();
-  if (warp == 0) select_slots<true>(d, tops, table, bufs, scores + row * d.k, ids + row * d.k, lane);
+  if (warp == 0) select_slots<true, 32>(d, tops, table, bufs, scores + row * d.k, ids + row * d.k, lane);
 }
 
 // The backward, one warp per row: the row's dscores and ids in shared memory, then per tile of kBwdTile columns
@@ -456,7 +499,12 @@ int product_key_topk_cuda(const ProductKeyDims& d, const T* x, const int32_t* ta
                                                                                                         scores, ids);
     return static_cast<int>(cudaGetLastError());
   }
-  return launch(product_key_topk_kernel<D>, d, warp_bytes(d), stream, xd, table, scores, ids);
+  // The longest list a row selects from: the factors, then (F > 1) the candidates.
+  int32_t longest = d.F > 1 ? d.C : 0;
+  for (int f = 0; f < d.F; ++f) longest = d.n[f] > longest ? d.n[f] : longest;
+  if (longest <= 32 * 8) return launch(product_key_topk_kernel<D, 8>, d, warp_bytes(d), stream, xd, table, scores, ids);
+  if (longest <= 32 * 16) return launch(product_key_topk_kernel<D, 16>, d, warp_bytes(d), stream, xd, table, scores, ids);
+  return launch(product_key_topk_kernel<D, 32>, d, warp_bytes(d), stream, xd, table, scores, ids);
 }
 
 template <typename T>

@@ -2,7 +2,7 @@
 # The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
 #
 #   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,memory,profile,
-#                                          timeline,sanitize,rowbw,layer,topk,decode_profile
+#                                          timeline,sanitize,rowbw,layer,topk,decode_profile,snapshot
 #                                          (default: build,tests,determinism,bench)
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
@@ -221,6 +221,23 @@ if has timeline; then
       name=timeline_${shape}_${PROFILE_CHUNKS:-64}_$mode${TIMELINE_TAG:-}
       timeout 200 python3 "$REPO/benchmarks/timeline.py" "$shape" ${PROFILE_CHUNKS:-64} "$mode" > "$OUT/$name.txt" 2>&1
       summary "timeline $shape $mode${TIMELINE_TAG:-} rc=$?: $(grep -E "^span" "$OUT/$name.txt" | head -1)"
+    done
+  done
+fi
+pack
+if has snapshot; then
+  # Each snapshot_dtype at the flagship (chunk SNAPSHOT_CHUNK, default 128): the grad's device timeline, then the
+  # benchmark with the y + bank loss and with the y loss (the training peak that issue's memory targets count).
+  for dt in ${SNAPSHOT_DTYPES:-default float8_e4m3fn int4}; do
+    arg=(); [ "$dt" = default ] || arg=(--snapshot-dtype "$dt")
+    chunk=${SNAPSHOT_CHUNK:-128}
+    timeout 200 python3 "$REPO/benchmarks/timeline.py" flagship "$chunk" grad "${arg[@]}" \
+      > "$OUT/timeline_flagship_${chunk}_grad_$dt.txt" 2>&1
+    summary "timeline $dt rc=$?: $(grep -E "^span" "$OUT/timeline_flagship_${chunk}_grad_$dt.txt" | head -1)"
+    for loss in y+bank y; do
+      timeout 200 python3 "$REPO/benchmarks/bench.py" --impls ffi --shape flagship --chunk "$chunk" --detail \
+        --repeats ${BENCH_REPEATS:-20} --loss "$loss" "${arg[@]}" >> "$OUT/bench_snapshot.log" 2>&1
+      summary "bench snapshot $dt loss $loss rc=$?: $(grep "^| ffi" "$OUT/bench_snapshot.log" | tail -1)"
     done
   done
 fi

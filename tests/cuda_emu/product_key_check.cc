@@ -3,7 +3,9 @@
 // bfloat16 scores, continuous and tied values (small integers, all equal, NaN, infinities of one sign, signed
 // zeros), lists that take each of the CUDA kernel's key paths (registers up to 256 and up to 1024 elements,
 // recomputed beyond) and both selection routes (prefiltered; the threshold search where m > 32 or too many keys
-// tie), both launch forms (a block per row for a few rows of 2 to 8 factors, else a warp per row), row counts that
+// tie), both composite widths for bfloat16 scores (narrow below 65535 entries a factor, wide from there), both
+// launch forms (a block per row for a few rows of 2 to 8 factors, else a warp per row, in each of its three
+// instances by the longest list kept in registers: 256, 512, 1024), row counts that
 // leave a block's last warps idle, and backward rows of several tiles.
 #include "product_key_emu.inc"
 
@@ -114,6 +116,10 @@ int main() {
       {3, {40, 70}, 20},     // prefiltered with lanes of no element (n = 40) and m in (16, 32]
       {515, {12, 20}, 8, 1}, // more rows than the block-per-row kernel takes: a warp per row
       {2, {4, 4, 4, 4, 4, 4, 4, 4}, 600, 1},  // eight sort buffers of 1024 exceed shared memory: a warp per row
+      {520, {128, 128}, 32, 2},  // the layer's many rows (config b): the warp-per-row kernel of 256-element keys
+      {520, {256, 256}, 64, 1},  // config a: C = 280, the warp-per-row kernel of 512-element keys
+      {2, {65534}, 16, 2},   // the largest factor of narrow composites (16-bit scores)
+      {2, {65535}, 16, 2},   // the smallest of wide ones
   };
   int failing = 0;
   unsigned seed = 1;
