@@ -64,6 +64,7 @@ __device__ __forceinline__ void snapshot_store_row(const ForwardIO& io, const St
     scale = snapshot_scale(t, amax);
     if (lane == 0) io.snapshot_scale[u * dm.C * dm.W + g] = scale;
   }
+  const float inverse = snapshot_inverse(scale);
   uint8_t* out = static_cast<uint8_t*>(io.snapshot) + snapshot_coded_at(t, dm, u, g);
   const auto elem = [&](int64_t d) { return to_f(row[d]); };
   const int64_t bytes = snapshot_row_bytes(t, D, 0);
@@ -71,11 +72,12 @@ __device__ __forceinline__ void snapshot_store_row(const ForwardIO& io, const St
     for (int64_t w = lane; w < bytes / 4; w += 32) {
       uint32_t word = 0;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) word |= static_cast<uint32_t>(snapshot_byte(t, 4 * w + i, D, scale, elem)) << (8 * i);
+      for (int i = 0; i < 4; ++i)
+        word |= static_cast<uint32_t>(snapshot_byte(t, 4 * w + i, D, inverse, elem)) << (8 * i);
       reinterpret_cast<uint32_t*>(out)[w] = word;
     }
   } else {
-    for (int64_t b = lane; b < bytes; b += 32) out[b] = snapshot_byte(t, b, D, scale, elem);
+    for (int64_t b = lane; b < bytes; b += 32) out[b] = snapshot_byte(t, b, D, inverse, elem);
   }
   __syncwarp();  // every lane has read the row before any lane writes it
 }
@@ -166,10 +168,10 @@ __device__ __forceinline__ float batch_amax(const Cols<VEC, T> (&x)[S], int64_t 
 }
 
 // A write group's row coded from the columns its lanes hold (snapshot_store_codes): where the row's codes start
-// (null: nothing to store there) and its scale.
+// (null: nothing to store there) and the reciprocal of its scale (snapshot_inverse).
 struct CodedRow {
   uint8_t* out;
-  float scale;
+  float inverse;
   SnapshotDtype t;
 };
 
@@ -194,7 +196,7 @@ __device__ __forceinline__ CodedRow snapshot_coded_row(const ForwardIO& io, cons
     scale = snapshot_scale(t, amax);
     if (lane == 0) io.snapshot_scale[u * dm.C * dm.W + g] = scale;
   }
-  return CodedRow{static_cast<uint8_t*>(io.snapshot) + snapshot_coded_at(t, dm, u, g), scale, t};
+  return CodedRow{static_cast<uint8_t*>(io.snapshot) + snapshot_coded_at(t, dm, u, g), snapshot_inverse(scale), t};
 }
 
 // Stores the codes of columns [d, d + VEC) of a coded row (cr.out not null) from the lane's columns x, before the
@@ -210,8 +212,8 @@ __device__ __forceinline__ void snapshot_store_codes(const CodedRow& cr, int64_t
     uint32_t w[(kFloat8Bytes<VEC> + 3) / 4] = {};
 #pragma unroll
     for (int i = 0; i < VEC; i += 2) {
-      const float a = snapshot_scaled_value(x[i], cr.scale);
-      const float b = i + 1 < VEC ? snapshot_scaled_value(x[i + 1], cr.scale) : 0.f;
+      const float a = snapshot_scaled_value(x[i], cr.inverse);
+      const float b = i + 1 < VEC ? snapshot_scaled_value(x[i + 1], cr.inverse) : 0.f;
       w[i / 4] |= float8_e4m3_pair(a, b) << (8 * (i % 4));
     }
     if constexpr (VEC == 1) w[0] &= 0xffu;  // the pair's second code is not the lane's
@@ -220,7 +222,7 @@ __device__ __forceinline__ void snapshot_store_codes(const CodedRow& cr, int64_t
     uint32_t w[(kInt4Bytes<VEC> + 3) / 4] = {};
 #pragma unroll
     for (int i = 0; i < VEC; ++i)
-      w[i / 8] |= static_cast<uint32_t>(snapshot_encode(cr.t, x[i], cr.scale)) << (4 * (i % 8));
+      w[i / 8] |= static_cast<uint32_t>(snapshot_encode(cr.t, x[i], cr.inverse)) << (4 * (i % 8));
     store_bytes<kInt4Bytes<VEC>>(cr.out + d / 2, w);
   }
 }
