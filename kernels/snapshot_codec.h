@@ -1,8 +1,9 @@
 // How the forward stores the snapshot, the pre-write row of each write group (docs/MATH.md "Snapshot storage"):
 // the one definition of its codes for the CPU and CUDA kernels. kBank keeps the bank's dtype (exact); kBf16 rounds
-// each element to bfloat16; kFloat8 and kInt4 store each element as a code of x / scale, with one float32 scale per
-// row, the row's largest magnitude over the code's largest value (a maximum is exact, so the scale is the same
-// whatever order a kernel takes the elements in). The backward restores the row from the decoded values.
+// each element to bfloat16; kFloat8 and kInt4 store each element as a code of x * (1 / scale), with one float32
+// scale per row, the row's largest magnitude over the code's largest value (a maximum is exact, so the scale is the
+// same whatever order a kernel takes the elements in), and its reciprocal rounded once per row (a product per
+// element instead of a division). The backward restores the row from the decoded values, code * scale.
 #ifndef JAX_SDM_KERNELS_SNAPSHOT_CODEC_H_
 #define JAX_SDM_KERNELS_SNAPSHOT_CODEC_H_
 
@@ -83,12 +84,14 @@ SDM_HOST_DEVICE inline float float_of_int4(uint8_t nibble) {
   return static_cast<float>(nibble >= 8 ? static_cast<int>(nibble) - 16 : static_cast<int>(nibble));
 }
 
-// x over its row's scale, the value its code rounds (a division: a product with the reciprocal rounds differently).
-SDM_HOST_DEVICE inline float snapshot_scaled_value(float x, float scale) { return scale > 0.f ? x / scale : 0.f; }
+// The reciprocal of a row's scale, float32 (0 for a zero row), and x times it: the value x's code rounds.
+SDM_HOST_DEVICE inline float snapshot_inverse(float scale) { return scale > 0.f ? 1.f / scale : 0.f; }
+SDM_HOST_DEVICE inline float snapshot_scaled_value(float x, float inverse) { return inverse > 0.f ? x * inverse : 0.f; }
 
-// The code of x in a row of scale `scale` (kFloat8: a byte; kInt4: a nibble), and the value a code stands for.
-SDM_HOST_DEVICE inline uint8_t snapshot_encode(SnapshotDtype t, float x, float scale) {
-  const float y = snapshot_scaled_value(x, scale);
+// The code of x in a row whose scale has the reciprocal `inverse` (kFloat8: a byte; kInt4: a nibble), and the
+// value a code stands for in a row of scale `scale`.
+SDM_HOST_DEVICE inline uint8_t snapshot_encode(SnapshotDtype t, float x, float inverse) {
+  const float y = snapshot_scaled_value(x, inverse);
   return t == SnapshotDtype::kFloat8 ? float8_e4m3_of(y) : int4_of(y);
 }
 
@@ -109,12 +112,13 @@ SDM_HOST_DEVICE inline float snapshot_element(SnapshotDtype t, const uint8_t* ro
 
 // Byte b of a stored row (kBf16, kFloat8, kInt4) from the row's elements, elem(d) as float32 (D of them): every
 // byte has one writer, so a warp can store a row byte by byte, a lane a byte.
+// `inverse`: snapshot_inverse of the row's scale.
 template <typename Elem>
-SDM_HOST_DEVICE inline uint8_t snapshot_byte(SnapshotDtype t, int64_t b, int64_t D, float scale, Elem elem) {
+SDM_HOST_DEVICE inline uint8_t snapshot_byte(SnapshotDtype t, int64_t b, int64_t D, float inverse, Elem elem) {
   if (t == SnapshotDtype::kBf16) return static_cast<uint8_t>(bf16_bits_of(elem(b / 2)) >> (8 * (b & 1)));
-  if (t == SnapshotDtype::kFloat8) return snapshot_encode(t, elem(b), scale);
-  const uint8_t lo = snapshot_encode(t, elem(2 * b), scale);
-  const uint8_t hi = 2 * b + 1 < D ? snapshot_encode(t, elem(2 * b + 1), scale) : 0;
+  if (t == SnapshotDtype::kFloat8) return snapshot_encode(t, elem(b), inverse);
+  const uint8_t lo = snapshot_encode(t, elem(2 * b), inverse);
+  const uint8_t hi = 2 * b + 1 < D ? snapshot_encode(t, elem(2 * b + 1), inverse) : 0;
   return static_cast<uint8_t>(lo | (hi << 4));
 }
 

@@ -57,11 +57,14 @@ def assert_same_bits(a, b):
 # ---- The stored codes
 
 
-def stored(seed, code, device=None, chunk=16, **shape):
+def stored(seed, code, device=None, chunk=16, bank=None, **shape):
     """The forward's snapshot with storage `code` and the exact one (the bank's float32), with a mask of the rows
     the forward writes (rows past a unit's group count are never written or read); on `device` (None: the
-    default)."""
-    inputs = jax.device_put(kernel_inputs(seed, chunk, **shape), device)
+    default); `bank`: an initial bank in the kernels' layout `[P, K, D]` instead of the random one."""
+    inputs = kernel_inputs(seed, chunk, **shape)
+    if bank is not None:
+        inputs = (jnp.asarray(bank, inputs[0].dtype),) + inputs[1:]
+    inputs = jax.device_put(inputs, device)
     fwd = jax.jit(functools.partial(ffi_ops.forward_ffi, save=True, snapshot_code=code))
     exact = np.asarray(jax.jit(functools.partial(ffi_ops.forward_ffi, save=True))(*inputs).snapshot)
     out = fwd(*inputs)
@@ -71,17 +74,20 @@ def stored(seed, code, device=None, chunk=16, **shape):
 
 
 def scaled_codes(exact, top):
-    """Each row's scale (largest magnitude / top) and the row divided by it (zero rows: zeros), in float32."""
-    with np.errstate(invalid="ignore", divide="ignore"):  # rows never written hold whatever the buffer held
+    """Each row's scale (largest magnitude / top) and the row times the scale's reciprocal, each rounded to float32
+    (zero rows: zeros)."""
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # rows never written hold any bits
         scale = np.max(np.abs(exact), axis=-1) / np.float32(top)
-        return scale, np.where(scale[..., None] > 0, exact / scale[..., None], np.float32(0))
+        inverse = np.where(scale > 0, np.float32(1) / scale, np.float32(0)).astype(np.float32)
+        return scale, np.where(inverse[..., None] > 0, exact * inverse[..., None], np.float32(0))
 
 
-def check_codes(name, device=None, seed=11, **shape):
+def check_codes(name, device=None, seed=11, bank=None, **shape):
     """The stored snapshot of option `name` is the exact pre-write rows rounded as NumPy (ml_dtypes) rounds them:
     bfloat16 and float8 e4m3fn to nearest even, int4 to the nearest of -7..7, two codes a byte (the even element in
-    the low nibble), with each row's scale (its largest magnitude / 448 or / 7) bitwise."""
-    snap, scale, exact, used = stored(seed, ffi_ops.SNAPSHOT_CODES[name], device, **(shape or SHAPE))
+    the low nibble), each element times the reciprocal of its row's scale (its largest magnitude / 448 or / 7; the
+    scale bitwise too)."""
+    snap, scale, exact, used = stored(seed, ffi_ops.SNAPSHOT_CODES[name], device, bank=bank, **(shape or SHAPE))
     D = exact.shape[-1]
     if name == "bfloat16":
         assert snap.dtype == jnp.bfloat16 and snap.shape == exact.shape and scale.size == 0
@@ -97,11 +103,64 @@ def check_codes(name, device=None, seed=11, **shape):
         assert np.count_nonzero(snap[used]) > snap[used].size // 2  # real rows, not zeros
     else:
         assert snap.shape == exact.shape[:-1] + ((D + 1) // 2,)
-        nibbles = (np.clip(np.rint(q), -7, 7).astype(np.int8) & 0xF).astype(np.uint8)
+        with np.errstate(invalid="ignore"):  # rows never written hold any bits (not compared)
+            nibbles = (np.clip(np.rint(q), -7, 7).astype(np.int8) & 0xF).astype(np.uint8)
         assert len(np.unique(nibbles[used])) > 8  # codes across the range
         nibbles = np.concatenate([nibbles, np.zeros(nibbles.shape[:-1] + (D % 2,), np.uint8)], axis=-1)
         want = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
     np.testing.assert_array_equal(snap[used], want[used])
+    return exact, used
+
+
+def code_of(name, q):
+    """The codes of values already scaled, as NumPy rounds them."""
+    if name == "float8_e4m3fn":
+        return q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    with np.errstate(invalid="ignore"):
+        return np.clip(np.rint(q), -7, 7).astype(np.int8)
+
+
+def reciprocal_telling_bank(seed, name, shape):
+    """An initial bank `[P, K, D]` (float32) whose every row has the largest magnitude `a` in its first column and,
+    in the others, values `x` whose code differs between `x * (1 / scale)` and `x / scale`: next to a rounding
+    boundary of the code, where the two roundings of float32 fall on either side."""
+    rng = np.random.default_rng(seed)
+    top = 448 if name == "float8_e4m3fn" else 7
+    a = np.float32(rng.uniform(0.5, 2.0))
+    scale = a / np.float32(top)
+    inverse = np.float32(1) / scale
+    if name == "float8_e4m3fn":  # midpoints between neighbouring float8 values
+        values = np.arange(0, 127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    else:
+        values = np.arange(0, 8, dtype=np.float32)
+    mids = ((values[1:] + values[:-1]) / 2 * scale).astype(np.float32)
+    near = [mids]
+    for _ in range(8):  # float32 neighbours on either side
+        near += [np.nextafter(near[-2 if len(near) > 1 else -1], np.float32(np.inf)),
+                 np.nextafter(near[-1], np.float32(0))]
+    candidates = np.unique(np.concatenate(near))
+    candidates = candidates[(candidates > 0) & (candidates < a)]
+    telling = candidates[code_of(name, candidates * inverse) != code_of(name, candidates / scale)]
+    assert telling.size > 0
+    P = shape["B"] * shape["H"]
+    bank = rng.choice(telling, size=(P, shape["K"], shape["D"])) * rng.choice([-1, 1], size=(P, shape["K"], shape["D"]))
+    bank[..., 0] = a
+    return bank.astype(np.float32)
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "int4"])
+def test_codes_multiply_by_the_scales_reciprocal(name):
+    """The codes are of `x * (1 / scale)`, the reciprocal rounded once per row (a product per element, not a
+    division): on rows made of values whose code the two definitions disagree on, the stored codes are the
+    product's (and so differ from the division's)."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    shape = dict(B=1, T=32, H=2, K=24, D=16, W=3, R=2, distinct=False)
+    bank = reciprocal_telling_bank(seed, name, shape)
+    exact, used = check_codes(name, seed=seed, bank=bank, **shape)
+    first = exact[0][used[0]]  # the first chunk's rows are the initial bank's
+    scale = np.max(np.abs(first), axis=-1, keepdims=True) / np.float32(448 if name == "float8_e4m3fn" else 7)
+    assert np.all(first[:, 0] == bank[0, 0, 0])
+    assert np.count_nonzero(code_of(name, first * (np.float32(1) / scale)) != code_of(name, first / scale)) > 0
 
 
 SHAPE = dict(B=2, T=70, H=2, K=48, D=37, W=5, R=3, distinct=False, repeats=True)

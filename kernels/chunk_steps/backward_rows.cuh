@@ -97,9 +97,9 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     const float cpe = p1.cpe[e0];
     const float* k_eff = p1.k_eff + u * C * W;
     T* row = bank + (s * K + slot) * D;
-    const bool restored = kCoded && snapshot_restore_row<VEC>(io, dm, u, gr.g, row, lane);
-    const T* s0 = restored ? row : snapshot_row<T>(io, dm, u, gr.g);
-    if (hi - lo > kInlineEntries) {
+    if (hi - lo > kInlineEntries) {  // long groups (rare): a coded row is restored first, then read in the bank
+      const bool restored = kCoded && snapshot_restore_row<VEC>(io, dm, u, gr.g, row, lane);
+      const T* s0 = restored ? row : snapshot_row<T>(io, dm, u, gr.g);
       phase_a_dots<VEC>(dsrc, s0, delta, dG, order, lo, hi, W, D, lane, io, u * C * W, e0);
       for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
         float acc[VEC];
@@ -115,10 +115,13 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     // One pass over the row, in batches of segments per lane loaded before the first is used: the dots (as per-lane
     // partial sums over the lane's columns in increasing order, reduced in the fixed xor tree afterwards:
     // warp_dot's order), the gradient row and the restore. The first entry's delta and dG are the block's token's.
+    // S0 comes from the snapshot: a row in the bank's dtype, or the codes of another dtype decoded where they are
+    // used (the values the restore puts back), or, for int4 with VEC odd, the bank row restored first.
     const int32_t n = hi - lo;
     float p_cpe = 0.f, p_w[kInlineEntries] = {}, p_k[kInlineEntries] = {};
-    walk_two_rows<VEC>(dsrc, s0, pre, D, lane, [&](int64_t d, const Cols<VEC, GT>& ds, const Cols<VEC, T>& sv,
-                                                 const float (&first)[2][VEC]) {
+    const auto one_pass = [&](const auto& s0, bool restore) {
+    walk_two_sources<VEC>(RowSource<VEC, GT>{dsrc}, s0, pre, D, lane, [&](int64_t d, const Cols<VEC, GT>& ds,
+                                                                        const auto& sv, const float (&first)[2][VEC]) {
       float acc[VEC];
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
@@ -145,8 +148,28 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
         }
       }
       store_cols<VEC>(drow + d, acc);
-      if (!restored) snapshot_restore<VEC>(row, d, sv);
+      if (restore) snapshot_restore<VEC>(row, d, sv);
     });
+    };
+    if constexpr (kCoded) {
+      switch (io.snapshot_dtype) {
+        case SnapshotDtype::kBf16:
+          one_pass(CodedRowSource<VEC, T, SnapshotDtype::kBf16>(io, dm, u, gr.g), true);
+          break;
+        case SnapshotDtype::kFloat8:
+          one_pass(CodedRowSource<VEC, T, SnapshotDtype::kFloat8>(io, dm, u, gr.g), true);
+          break;
+        default:
+          if constexpr (VEC % 2 == 0) {
+            one_pass(CodedRowSource<VEC, T, SnapshotDtype::kInt4>(io, dm, u, gr.g), true);
+          } else {  // a byte shared by two lanes: the warp restores the row, then reads it
+            snapshot_restore_row<VEC>(io, dm, u, gr.g, row, lane);
+            one_pass(RowSource<VEC, T>{row}, false);
+          }
+      }
+    } else {
+      one_pass(RowSource<VEC, T>{snapshot_row<T>(io, dm, u, gr.g)}, true);
+    }
     const float dcpe = warp_sum(p_cpe);
     if (lane == 0) io.dcpe[e0] = dcpe;
 #pragma unroll

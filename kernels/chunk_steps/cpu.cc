@@ -151,9 +151,9 @@ struct UnitSnapshot {
       for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(to_float(row[d])));
       scale[g] = snapshot_scale(type, amax);
     }
-    const float sc = scale ? scale[g] : 0.f;
+    const float inverse = scale ? snapshot_inverse(scale[g]) : 0.f;
     const auto elem = [&](int64_t d) { return to_float(row[d]); };
-    for (int64_t b = 0; b < row_bytes; ++b) out[b] = snapshot_byte(type, b, D, sc, elem);
+    for (int64_t b = 0; b < row_bytes; ++b) out[b] = snapshot_byte(type, b, D, inverse, elem);
   }
 
   // The row as stored, decoded to float32 and rounded to the bank's dtype, into s0.

@@ -122,21 +122,35 @@ __device__ __forceinline__ void load_batch(const T* row, int64_t d0, int64_t D, 
   }
 }
 
-// A lane of a one-warp-per-row kernel walks two rows `a` and `b` (D columns each, dtypes A and B) in batches of S
-// segments of VEC columns (32 * VEC apart), all of a batch loaded before the first is used, and calls
+// A row in memory as walk_two_sources reads it: VEC columns at a time, as Cols of the row's dtype. (Another source,
+// snapshot.cuh's CodedRowSource, reads a coded snapshot row and decodes its columns where they are used.)
+template <int VEC, typename T>
+struct RowSource {
+  using ColsT = Cols<VEC, T>;
+  static constexpr int kBytes = VEC * static_cast<int>(sizeof(T));  // loaded per segment
+  const T* row;
+  __device__ __forceinline__ void load(int64_t d, ColsT& c) const { c.load(row + d); }
+};
+
+// A lane of a one-warp-per-row kernel walks two row sources `a` and `b` (D columns each) in batches of S segments of
+// VEC columns (32 * VEC apart), all of a batch loaded before the first is used, and calls
 // body(d, a_cols, b_cols, pre_cols) per segment in increasing column order d (the order of the lane's partial sums),
 // with the same columns of NPRE rows `pre` (the token's vectors, float32 in shared memory when staged) read then:
 // they hold no registers while the rows are in flight.
-template <int VEC, int NPRE, typename A, typename B, typename P, typename Body>
-__device__ __forceinline__ void walk_two_rows(const A* a, const B* b, const P* const (&pre)[NPRE], int64_t D,
-                                              int lane, Body body) {
-  constexpr int S = segs_for(kTwoRowLaneBytes, VEC * static_cast<int>(sizeof(A) + sizeof(B)));
+template <int VEC, int NPRE, typename SA, typename SB, typename P, typename Body>
+__device__ __forceinline__ void walk_two_sources(const SA& a, const SB& b, const P* const (&pre)[NPRE], int64_t D,
+                                                 int lane, Body body) {
+  constexpr int S = segs_for(kTwoRowLaneBytes, SA::kBytes + SB::kBytes);
   constexpr int64_t kStep = 32 * VEC;
   for (int64_t d0 = static_cast<int64_t>(lane) * VEC; d0 < D; d0 += S * kStep) {
-    Cols<VEC, A> x[S];
-    Cols<VEC, B> y[S];
-    load_batch(a, d0, D, x);
-    load_batch(b, d0, D, y);
+    typename SA::ColsT x[S];
+    typename SB::ColsT y[S];
+#pragma unroll
+    for (int k = 0; k < S; ++k)
+      if (d0 + k * kStep < D) a.load(d0 + k * kStep, x[k]);
+#pragma unroll
+    for (int k = 0; k < S; ++k)
+      if (d0 + k * kStep < D) b.load(d0 + k * kStep, y[k]);
 #pragma unroll
     for (int k = 0; k < S; ++k) {
       const int64_t d = d0 + k * kStep;
@@ -147,6 +161,13 @@ __device__ __forceinline__ void walk_two_rows(const A* a, const B* b, const P* c
       body(d, x[k], y[k], p);
     }
   }
+}
+
+// walk_two_sources over two rows in memory, `a` and `b` (dtypes A and B).
+template <int VEC, int NPRE, typename A, typename B, typename P, typename Body>
+__device__ __forceinline__ void walk_two_rows(const A* a, const B* b, const P* const (&pre)[NPRE], int64_t D,
+                                              int lane, Body body) {
+  walk_two_sources<VEC>(RowSource<VEC, A>{a}, RowSource<VEC, B>{b}, pre, D, lane, body);
 }
 
 __device__ __forceinline__ int64_t unit_of(const StepDims& dm, int64_t s, int64_t c) {

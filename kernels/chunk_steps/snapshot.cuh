@@ -64,6 +64,7 @@ __device__ __forceinline__ void snapshot_store_row(const ForwardIO& io, const St
     scale = snapshot_scale(t, amax);
     if (lane == 0) io.snapshot_scale[u * dm.C * dm.W + g] = scale;
   }
+  const float inverse = snapshot_inverse(scale);
   uint8_t* out = static_cast<uint8_t*>(io.snapshot) + snapshot_coded_at(t, dm, u, g);
   const auto elem = [&](int64_t d) { return to_f(row[d]); };
   const int64_t bytes = snapshot_row_bytes(t, D, 0);
@@ -71,11 +72,12 @@ __device__ __forceinline__ void snapshot_store_row(const ForwardIO& io, const St
     for (int64_t w = lane; w < bytes / 4; w += 32) {
       uint32_t word = 0;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) word |= static_cast<uint32_t>(snapshot_byte(t, 4 * w + i, D, scale, elem)) << (8 * i);
+      for (int i = 0; i < 4; ++i)
+        word |= static_cast<uint32_t>(snapshot_byte(t, 4 * w + i, D, inverse, elem)) << (8 * i);
       reinterpret_cast<uint32_t*>(out)[w] = word;
     }
   } else {
-    for (int64_t b = lane; b < bytes; b += 32) out[b] = snapshot_byte(t, b, D, scale, elem);
+    for (int64_t b = lane; b < bytes; b += 32) out[b] = snapshot_byte(t, b, D, inverse, elem);
   }
   __syncwarp();  // every lane has read the row before any lane writes it
 }
@@ -166,10 +168,10 @@ __device__ __forceinline__ float batch_amax(const Cols<VEC, T> (&x)[S], int64_t 
 }
 
 // A write group's row coded from the columns its lanes hold (snapshot_store_codes): where the row's codes start
-// (null: nothing to store there) and its scale.
+// (null: nothing to store there) and the reciprocal of its scale (snapshot_inverse).
 struct CodedRow {
   uint8_t* out;
-  float scale;
+  float inverse;
   SnapshotDtype t;
 };
 
@@ -194,7 +196,7 @@ __device__ __forceinline__ CodedRow snapshot_coded_row(const ForwardIO& io, cons
     scale = snapshot_scale(t, amax);
     if (lane == 0) io.snapshot_scale[u * dm.C * dm.W + g] = scale;
   }
-  return CodedRow{static_cast<uint8_t*>(io.snapshot) + snapshot_coded_at(t, dm, u, g), scale, t};
+  return CodedRow{static_cast<uint8_t*>(io.snapshot) + snapshot_coded_at(t, dm, u, g), snapshot_inverse(scale), t};
 }
 
 // Stores the codes of columns [d, d + VEC) of a coded row (cr.out not null) from the lane's columns x, before the
@@ -210,8 +212,8 @@ __device__ __forceinline__ void snapshot_store_codes(const CodedRow& cr, int64_t
     uint32_t w[(kFloat8Bytes<VEC> + 3) / 4] = {};
 #pragma unroll
     for (int i = 0; i < VEC; i += 2) {
-      const float a = snapshot_scaled_value(x[i], cr.scale);
-      const float b = i + 1 < VEC ? snapshot_scaled_value(x[i + 1], cr.scale) : 0.f;
+      const float a = snapshot_scaled_value(x[i], cr.inverse);
+      const float b = i + 1 < VEC ? snapshot_scaled_value(x[i + 1], cr.inverse) : 0.f;
       w[i / 4] |= float8_e4m3_pair(a, b) << (8 * (i % 4));
     }
     if constexpr (VEC == 1) w[0] &= 0xffu;  // the pair's second code is not the lane's
@@ -220,10 +222,72 @@ __device__ __forceinline__ void snapshot_store_codes(const CodedRow& cr, int64_t
     uint32_t w[(kInt4Bytes<VEC> + 3) / 4] = {};
 #pragma unroll
     for (int i = 0; i < VEC; ++i)
-      w[i / 8] |= static_cast<uint32_t>(snapshot_encode(cr.t, x[i], cr.scale)) << (4 * (i % 8));
+      w[i / 8] |= static_cast<uint32_t>(snapshot_encode(cr.t, x[i], cr.inverse)) << (4 * (i % 8));
     store_bytes<kInt4Bytes<VEC>>(cr.out + d / 2, w);
   }
 }
+
+// The bytes of VEC columns of a row coded as kT (kBf16, kFloat8, or kInt4 with VEC even).
+template <SnapshotDtype kT, int VEC>
+constexpr int kCodedBytes = kT == SnapshotDtype::kBf16     ? kBf16Bytes<VEC>
+                            : kT == SnapshotDtype::kFloat8 ? kFloat8Bytes<VEC>
+                                                           : kInt4Bytes<VEC>;
+
+// The value column i of a lane's VEC columns stands for, from their codes `w` as load_bytes gives them (a row coded
+// as kT, of scale `scale`).
+template <SnapshotDtype kT, int VEC, size_t NW>
+__device__ __forceinline__ float coded_value(const uint32_t (&w)[NW], int i, float scale) {
+  if constexpr (kT == SnapshotDtype::kBf16)
+    return float_of_bf16_bits(static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2))));
+  else if constexpr (kT == SnapshotDtype::kFloat8)
+    return snapshot_decode(kT, static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4))), scale);
+  else
+    return snapshot_decode(kT, static_cast<uint8_t>((w[i / 8] >> (4 * (i % 8))) & 0xfu), scale);
+}
+
+// x rounded to the bank's dtype T, as a float.
+__device__ __forceinline__ float rounded_to(float x, const float*) { return x; }
+__device__ __forceinline__ float rounded_to(float x, const __nv_bfloat16*) {
+  return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+// VEC columns of a row coded as kT, as a lane of Phase A loads them (one load of their codes) and reads them: the
+// values the restore puts back into the bank, decoded and rounded to the bank's dtype T (snapshot_restore_row's).
+template <int VEC, typename T, SnapshotDtype kT>
+struct CodedCols {
+  uint32_t w[(kCodedBytes<kT, VEC> + 3) / 4];
+  float scale;
+  __device__ __forceinline__ float operator[](int i) const {
+    return rounded_to(coded_value<kT, VEC>(w, i, scale), static_cast<const T*>(nullptr));
+  }
+  __device__ __forceinline__ void store(T* p) const {
+    float v[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[i] = coded_value<kT, VEC>(w, i, scale);
+    store_cols<VEC>(p, v);
+  }
+};
+
+// Group g's row of unit u in a snapshot coded as kT, as a source of walk_two_sources (device.cuh RowSource's
+// interface): Phase A reads S0 from the codes themselves, with no round trip through the bank row.
+template <int VEC, typename T, SnapshotDtype kT>
+struct CodedRowSource {
+  using ColsT = CodedCols<VEC, T, kT>;
+  static constexpr int kCode = kCodedBytes<kT, VEC>;  // the codes' bytes per segment
+  // Per segment in walk_two_sources' budget: twice the decoded columns' bytes, for the registers the decoding
+  // takes (at VEC 8 of a bfloat16 bank two segments a batch, spilling 40 bytes by ptxas; the codes' own 8 bytes
+  // would allow four and spill 136).
+  static constexpr int kBytes = 2 * VEC * static_cast<int>(sizeof(T));
+  const uint8_t* codes;
+  float scale;
+  __device__ __forceinline__ CodedRowSource(const BackwardIO& io, const StepDims& dm, int64_t u, int64_t g)
+      : codes(static_cast<const uint8_t*>(io.snapshot) + snapshot_coded_at(kT, dm, u, g)),
+        scale(snapshot_scaled(kT) ? io.snapshot_scale[u * dm.C * dm.W + g] : 0.f) {}
+  __device__ __forceinline__ void load(int64_t d, ColsT& c) const {
+    load_bytes<kCode>(codes + d * kCode / VEC, c.w);
+    c.scale = scale;
+  }
+};
 
 // Phase A's restore of a row from a snapshot of another dtype than the bank's, by the whole warp: the decoded
 // values rounded to the bank's dtype, which Phase A then reads as S0 from the bank row (the row is complete for
@@ -260,17 +324,14 @@ __device__ __forceinline__ bool snapshot_restore_row(const BackwardIO& io, const
     }
   };
   if (t == SnapshotDtype::kBf16) {
-    walk(std::integral_constant<int, kBf16Bytes<VEC>>{}, [](const auto& w, int i) {
-      return float_of_bf16_bits(static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2))));
-    });
+    walk(std::integral_constant<int, kBf16Bytes<VEC>>{},
+         [](const auto& w, int i) { return coded_value<SnapshotDtype::kBf16, VEC>(w, i, 0.f); });
   } else if (t == SnapshotDtype::kFloat8) {
-    walk(std::integral_constant<int, kFloat8Bytes<VEC>>{}, [&](const auto& w, int i) {
-      return snapshot_decode(t, static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4))), scale);
-    });
+    walk(std::integral_constant<int, kFloat8Bytes<VEC>>{},
+         [&](const auto& w, int i) { return coded_value<SnapshotDtype::kFloat8, VEC>(w, i, scale); });
   } else if constexpr (VEC % 2 == 0) {
-    walk(std::integral_constant<int, kInt4Bytes<VEC>>{}, [&](const auto& w, int i) {
-      return snapshot_decode(t, static_cast<uint8_t>((w[i / 8] >> (4 * (i % 8))) & 0xfu), scale);
-    });
+    walk(std::integral_constant<int, kInt4Bytes<VEC>>{},
+         [&](const auto& w, int i) { return coded_value<SnapshotDtype::kInt4, VEC>(w, i, scale); });
   } else {
     for (int64_t d = lane; d < D; d += 32) from_f(row + d, snapshot_element(t, in, d, scale));
   }
