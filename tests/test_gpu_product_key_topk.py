@@ -21,6 +21,7 @@ CASES = [  # (factors, k, leading shape)
     ((1500,), 200, (7,)),  # one factor past 1024 entries
     ((256, 256), 256, (33,)),  # 1466 candidates
     ((1500, 1500), 64, (5,)),  # backward rows of two tiles
+    ((65535,), 16, (3,)),  # bfloat16: the smallest factor of 64-bit composites
 ]
 
 
