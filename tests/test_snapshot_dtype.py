@@ -126,22 +126,25 @@ def reciprocal_telling_bank(seed, name, shape):
     boundary of the code, where the two roundings of float32 fall on either side."""
     rng = np.random.default_rng(seed)
     top = 448 if name == "float8_e4m3fn" else 7
-    a = np.float32(rng.uniform(0.5, 2.0))
-    scale = a / np.float32(top)
-    inverse = np.float32(1) / scale
     if name == "float8_e4m3fn":  # midpoints between neighbouring float8 values
         values = np.arange(0, 127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     else:
         values = np.arange(0, 8, dtype=np.float32)
-    mids = ((values[1:] + values[:-1]) / 2 * scale).astype(np.float32)
-    near = [mids]
-    for _ in range(8):  # float32 neighbours on either side
-        near += [np.nextafter(near[-2 if len(near) > 1 else -1], np.float32(np.inf)),
-                 np.nextafter(near[-1], np.float32(0))]
-    candidates = np.unique(np.concatenate(near))
-    candidates = candidates[(candidates > 0) & (candidates < a)]
-    telling = candidates[code_of(name, candidates * inverse) != code_of(name, candidates / scale)]
-    assert telling.size > 0
+    for _ in range(200):  # a row maximum `a` for which such values exist (int4 has few boundaries: some `a` have none)
+        a = np.float32(rng.uniform(0.5, 2.0))
+        scale = a / np.float32(top)
+        inverse = np.float32(1) / scale
+        mids = ((values[1:] + values[:-1]) / 2 * scale).astype(np.float32)
+        near = [mids]
+        for _ in range(8):  # float32 neighbours on either side
+            near += [np.nextafter(near[-2 if len(near) > 1 else -1], np.float32(np.inf)),
+                     np.nextafter(near[-1], np.float32(0))]
+        candidates = np.unique(np.concatenate(near))
+        candidates = candidates[(candidates > 0) & (candidates < a)]
+        telling = candidates[code_of(name, candidates * inverse) != code_of(name, candidates / scale)]
+        if telling.size > 0:
+            break
+    assert telling.size > 0, f"seed {seed}: no row maximum in 200 draws has values the two codes disagree on"
     P = shape["B"] * shape["H"]
     bank = rng.choice(telling, size=(P, shape["K"], shape["D"])) * rng.choice([-1, 1], size=(P, shape["K"], shape["D"]))
     bank[..., 0] = a
