@@ -432,6 +432,189 @@ __global__ void __launch_bounds__(32 * kSplitMaxFactors, 1)
   if (warp == 0) select_slots<true, 32>(d, tops, table, bufs, scores + row * d.k, ids + row * d.k, lane);
 }
 
+// A thread per row, for many rows of two bfloat16 factors of at most kThreadMaxN entries and k <= 32 (the layer's
+// addressing at short factors): a warp's network sorts cost a warp instruction per row where a thread's cost one per
+// 32 rows. Per factor, the 32-entry blocks of narrow composites are sorted in registers and merged into the running
+// top 32 (a bitonic merge: the larger of L[j] and B[31 - j], then five half-cleaners); the top lists go to shared
+// memory as (bfloat16 bits, index). The k slots then come from a merge of the lists i = 0 .. m_0 - 1 of candidates
+// (i, j), j ascending, cut at the table's bound j < min(m_1, k / (i + 1)): each step emits the largest head (the
+// smaller i on a tie) and advances its list. Each list is in the slots' order (score, then rank tuple) and the
+// heads are compared in that order, so the k emitted are the candidates' top k in order, as the CPU kernel ranks
+// them, provided a list's sums never increase along it. They do not only where an infinity meets one of the other
+// sign (+inf + -inf is NaN, below every number): a row whose top lists hold both ranks all C candidates of the table
+// instead, by insertion into a list of 64-bit composites.
+constexpr int kThreadMaxN = 256;  // entries of a factor
+constexpr int kThreadRows = 128;  // rows (threads) per block
+constexpr int kThreadTop = 32;    // the largest m_f and k
+
+// Shared memory of a block: a thread's two top lists, entry r of thread t at [r][t] (no bank conflict), each a
+// (bfloat16 bits << 16 | index) word.
+constexpr int64_t kThreadSharedBytes = int64_t{4} * 2 * kThreadTop * kThreadRows;
+
+__device__ __forceinline__ void ce_desc(uint32_t& a, uint32_t& b) {  // a the larger after
+  const uint32_t hi = a > b ? a : b;
+  b = a > b ? b : a;
+  a = hi;
+}
+
+// v[0, 32) sorted descending (a bitonic network, every index a constant).
+__device__ __forceinline__ void thread_sort32(uint32_t (&v)[32]) {
+#pragma unroll
+  for (int size = 2; size <= 32; size <<= 1) {
+#pragma unroll
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const int j = i ^ stride;
+        if (j <= i) continue;
+        if ((i & size) == 0) {
+          ce_desc(v[i], v[j]);
+        } else {
+          ce_desc(v[j], v[i]);
+        }
+      }
+    }
+  }
+}
+
+// The top 32 of two descending lists into top, descending.
+__device__ __forceinline__ void thread_merge32(uint32_t (&top)[32], const uint32_t (&b)[32]) {
+#pragma unroll
+  for (int j = 0; j < 32; ++j) top[j] = top[j] > b[31 - j] ? top[j] : b[31 - j];  // bitonic
+#pragma unroll
+  for (int stride = 16; stride > 0; stride >>= 1) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+      if ((i & stride) == 0) ce_desc(top[i], top[i + stride]);
+  }
+}
+
+// A merge key: the sum's order key with NaN (0) moved to 1, so that 0 marks an exhausted list.
+__device__ __forceinline__ uint32_t merge_key(float s) {
+  const uint32_t key = order_key(s);
+  return key == 0u ? 1u : key;
+}
+__device__ __forceinline__ float entry_score(uint32_t entry) {
+  return float_of_bf16_bits(static_cast<uint16_t>(entry >> 16));
+}
+__device__ __forceinline__ int32_t entry_index(uint32_t entry) { return static_cast<int32_t>(entry & 0xffffu); }
+
+// Factor f's top m_f of the thread's row (raw bfloat16 bits xf[0, n)) into its list in shared memory; returns the
+// list's infinities: bit 0 a +inf, bit 1 a -inf.
+__device__ unsigned thread_factor(const uint16_t* __restrict__ xf, int n, int m, uint32_t* list) {
+  uint32_t top[32];
+  const bool vec = (reinterpret_cast<uintptr_t>(xf) & 15u) == 0 && (n & 7) == 0;
+  for (int e0 = 0; e0 < n; e0 += 32) {
+    uint32_t b[32];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // 8 entries a load where aligned
+      uint16_t h[8];
+      if (vec && e0 + 8 * q < n) {
+        const uint4 u = *reinterpret_cast<const uint4*>(xf + e0 + 8 * q);
+        const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int t = 0; t < 8; ++t) h[t] = static_cast<uint16_t>(w[t / 2] >> (16 * (t % 2)));
+      } else {
+#pragma unroll
+        for (int t = 0; t < 8; ++t) h[t] = e0 + 8 * q + t < n ? xf[e0 + 8 * q + t] : uint16_t{0};
+      }
+#pragma unroll
+      for (int t = 0; t < 8; ++t) {
+        const int e = e0 + 8 * q + t;
+        b[8 * q + t] = e < n ? Composite<uint32_t>::make(order_key(float_of_bf16_bits(h[t])), static_cast<uint32_t>(e))
+                             : 0u;
+      }
+    }
+    thread_sort32(b);
+    if (e0 == 0) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) top[j] = b[j];
+    } else {
+      thread_merge32(top, b);
+    }
+  }
+  unsigned inf = 0;
+#pragma unroll
+  for (int r = 0; r < 32; ++r) {
+    if (r >= m) break;
+    const uint32_t e = Composite<uint32_t>::position(top[r]);
+    const uint16_t bits = xf[e];
+    inf |= bits == 0x7f80u ? 1u : bits == 0xff80u ? 2u : 0u;
+    list[r * kThreadRows] = static_cast<uint32_t>(bits) << 16 | e;
+  }
+  return inf;
+}
+
+__global__ void __launch_bounds__(kThreadRows)
+    product_key_topk_thread_kernel(ProductKeyDims d, const uint16_t* __restrict__ x,
+                                   const int32_t* __restrict__ table, float* __restrict__ scores,
+                                   int32_t* __restrict__ ids) {
+  extern __shared__ __align__(16) unsigned char shared[];
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kThreadRows + threadIdx.x;
+  if (row >= d.rows) return;
+  uint32_t* a = reinterpret_cast<uint32_t*>(shared) + threadIdx.x;  // a[r * kThreadRows]: factor 0's rank r
+  uint32_t* b = a + kThreadTop * kThreadRows;                        // factor 1's
+  const uint16_t* xr = x + row * d.width;
+  const unsigned inf_a = thread_factor(xr + d.x_offset[0], d.n[0], d.m[0], a);
+  const unsigned inf_b = thread_factor(xr + d.x_offset[1], d.n[1], d.m[1], b);
+  float* sr = scores + row * d.k;
+  int32_t* ir = ids + row * d.k;
+  const int m0 = d.m[0], m1 = d.m[1], k = d.k, n1 = d.n[1];
+  auto emit = [&](int out, uint32_t ea, uint32_t eb) {
+    sr[out] = canonical_score(entry_score(ea) + entry_score(eb));
+    ir[out] = entry_index(ea) * n1 + entry_index(eb);
+  };
+  if (((inf_a & 1u) && (inf_b & 2u)) || ((inf_a & 2u) && (inf_b & 1u))) {
+    // Sums that do not fall along a list: every candidate of the table, by insertion of (key, position).
+    uint64_t best[kThreadTop];
+    int count = 0;
+    for (int c = 0; c < d.C; ++c) {
+      const uint32_t ea = a[__ldg(table + c) * kThreadRows], eb = b[__ldg(table + d.C + c) * kThreadRows];
+      const uint64_t comp = composite(order_key(entry_score(ea) + entry_score(eb)), static_cast<uint32_t>(c));
+      int p = count < k ? count : k;  // the kept list best[0, count) grows to k, then drops its last
+      count += count < k ? 1 : 0;
+      for (; p > 0 && best[p - 1] < comp; --p)
+        if (p < k) best[p] = best[p - 1];
+      if (p < k) best[p] = comp;
+    }
+    for (int out = 0; out < k; ++out) {
+      const int c = static_cast<int>(composite_pos(best[out]));
+      emit(out, a[__ldg(table + c) * kThreadRows], b[__ldg(table + d.C + c) * kThreadRows]);
+    }
+    return;
+  }
+  // The merge: head[i], the merge key of list i's next candidate (0: exhausted), next[i] its j.
+  const uint32_t b0 = b[0];
+  uint32_t head[kThreadTop], next[kThreadTop];
+#pragma unroll
+  for (int i = 0; i < kThreadTop; ++i) {
+    head[i] = i < m0 ? merge_key(entry_score(a[i * kThreadRows]) + entry_score(b0)) : 0u;
+    next[i] = 0;
+  }
+  for (int out = 0; out < k; ++out) {
+    uint32_t best = head[0], j = next[0];
+    int bi = 0;
+#pragma unroll
+    for (int i = 1; i < kThreadTop; ++i) {
+      const bool more = head[i] > best;
+      best = more ? head[i] : best;
+      j = more ? next[i] : j;
+      bi = more ? i : bi;
+    }
+    const uint32_t ea = a[bi * kThreadRows];
+    emit(out, ea, b[j * kThreadRows]);
+    const int bound = k / (bi + 1) < m1 ? k / (bi + 1) : m1;  // the list's candidates: j < bound
+    const uint32_t j1 = j + 1;
+    const uint32_t h1 = static_cast<int>(j1) < bound ? merge_key(entry_score(ea) + entry_score(b[j1 * kThreadRows]))
+                                                     : 0u;
+#pragma unroll
+    for (int i = 0; i < kThreadTop; ++i) {
+      head[i] = i == bi ? h1 : head[i];
+      next[i] = i == bi ? j1 : next[i];
+    }
+  }
+}
+
 // The backward, one warp per row: the row's dscores and ids in shared memory, then per tile of kBwdTile columns
 // lane f adds the cotangents of factor f into the tile in selection order (one writer per column), and the warp
 // writes the tile out.
@@ -498,6 +681,15 @@ int product_key_topk_cuda(const ProductKeyDims& d, const T* x, const int32_t* ta
     product_key_topk_split_kernel<D><<<static_cast<unsigned>(d.rows), 32 * d.F, split_bytes, stream>>>(d, xd, table,
                                                                                                         scores, ids);
     return static_cast<int>(cudaGetLastError());
+  }
+  if constexpr (sizeof(T) == 2) {
+    if (d.rows > kSplitRows && d.F == 2 && d.k <= kThreadTop && d.n[0] <= kThreadMaxN && d.n[1] <= kThreadMaxN) {
+      const int64_t blocks = (d.rows + kThreadRows - 1) / kThreadRows;
+      if (blocks > 0x7fffffff) return static_cast<int>(cudaErrorInvalidValue);
+      product_key_topk_thread_kernel<<<static_cast<unsigned>(blocks), kThreadRows, kThreadSharedBytes, stream>>>(
+          d, reinterpret_cast<const uint16_t*>(x), table, scores, ids);
+      return static_cast<int>(cudaGetLastError());
+    }
   }
   // The longest list a row selects from: the factors, then (F > 1) the candidates.
   int32_t longest = d.F > 1 ? d.C : 0;

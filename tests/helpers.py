@@ -240,7 +240,8 @@ def product_key_slot_scores(x, factors, ids):
 
 def product_key_scores(seed, lead, factors, kind="normal", dtype=None):
     """Factor scores `[*lead, sum(factors)]` (default float32): standard normal, or with ties: "ints" (small integers:
-    exact ties within a factor and between slots), "equal", "special" (NaN, -inf, signed zeros, repeated values)."""
+    exact ties within a factor and between slots), "equal", "special" (NaN, -inf, signed zeros, repeated values),
+    "infinities" (both infinities, NaN, signed zeros: some slots' sums are +inf + -inf)."""
     import jax.numpy as jnp
 
     dtype = jnp.float32 if dtype is None else dtype
@@ -254,6 +255,10 @@ def product_key_scores(seed, lead, factors, kind="normal", dtype=None):
         x = np.full(shape, 0.75)
     elif kind == "special":
         x = rng.choice(np.array([np.nan, -np.inf, -0.0, 0.0, 1.0, -1.0, 2.5]), shape)
+    elif kind == "infinities":
+        x = rng.choice(np.array([np.inf, -np.inf, np.nan, -0.0, 0.0, 1.0, -1.0, 0.5]), shape)
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
     return jnp.asarray(x, dtype)
 
 

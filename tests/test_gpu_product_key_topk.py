@@ -63,6 +63,19 @@ def test_gpu_matches_cpu_kernel_and_brute_force(case, dtype, kind):
     np.testing.assert_array_equal(bits(gpu[0].reshape(-1, k)[:64]), bits(slot_scores(rows, factors, expected)))
 
 
+@pytest.mark.parametrize("factors,k", [((128, 128), 32), ((40, 72), 20), ((3, 5), 15)])
+def test_gpu_matches_cpu_kernel_with_infinities_of_both_signs(factors, k):
+    """Many rows of two short bfloat16 factors (a thread a row) with +inf and -inf in both factors: rows whose sums
+    meet +inf + -inf rank the table's candidates one by one, the others merge the lists; both as the CPU kernel."""
+    seed = fresh_seed()
+    x = random_scores(seed, (4096,), factors, "infinities", jnp.bfloat16)
+    ct = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((4096, k)), jnp.float32)
+    gpu = run(jax.devices()[0], x, factors, k, ct)
+    cpu = run(jax.devices("cpu")[0], x, factors, k, ct)
+    for name, a, b in zip(("scores", "ids", "dx"), gpu, cpu):
+        np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"{name}, seed {seed}")
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_is_bitwise_deterministic(dtype):
     factors, k, lead = (256, 256), 64, (16384,)

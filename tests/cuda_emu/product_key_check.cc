@@ -4,7 +4,8 @@
 // zeros), lists that take each of the CUDA kernel's key paths (registers up to 256 and up to 1024 elements,
 // recomputed beyond) and both selection routes (prefiltered; the threshold search where m > 32 or too many keys
 // tie), both composite widths for bfloat16 scores (narrow below 65535 entries a factor, wide from there), both
-// launch forms (a block per row for a few rows of 2 to 8 factors, else a warp per row, in each of its three
+// launch forms (a block per row for a few rows of 2 to 8 factors; a thread per row for many rows of two short
+// bfloat16 factors, k <= 32, with its rows of infinities of both signs; else a warp per row, in each of its three
 // instances by the longest list kept in registers: 256, 512, 1024), row counts that
 // leave a block's last warps idle, and backward rows of several tiles.
 #include "product_key_emu.inc"
@@ -46,14 +47,15 @@ std::vector<int32_t> candidate_table(const std::vector<int64_t>& factors, int64_
   return table;
 }
 
-enum Kind { kNormal, kInts, kEqual, kSpecial };
-const char* kKindNames[] = {"normal", "ints", "equal", "special"};
+enum Kind { kNormal, kInts, kEqual, kSpecial, kInfinities };
+const char* kKindNames[] = {"normal", "ints", "equal", "special", "infinities"};
 
 template <typename T>
 bool run(int64_t rows, const std::vector<int64_t>& factors, int64_t k, Kind kind, unsigned seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;
   const float special[] = {NAN, -INFINITY, -0.0f, 0.0f, 1.0f, -1.0f, 2.5f};
+  const float infinities[] = {INFINITY, -INFINITY, NAN, -0.0f, 0.0f, 1.0f, -1.0f, 0.5f};
   int64_t C = 0;
   const std::vector<int32_t> table = factors.size() > 1 ? candidate_table(factors, k, &C) : [&] {
     std::vector<int32_t> r(k);
@@ -66,8 +68,9 @@ bool run(int64_t rows, const std::vector<int64_t>& factors, int64_t k, Kind kind
   for (auto& v : x) {
     const float f = kind == kNormal ? normal(rng)
                     : kind == kInts ? static_cast<float>(static_cast<int>(rng() % 5) - 2)
-                    : kind == kEqual ? 0.75f
-                                     : special[rng() % 7];
+                    : kind == kEqual   ? 0.75f
+                    : kind == kSpecial ? special[rng() % 7]
+                                       : infinities[rng() % 8];
     v = value<T>(f);
   }
   std::vector<float> s_cpu(rows * k), s_cuda(rows * k, -7.0f), ds(rows * k);
@@ -93,7 +96,8 @@ struct Case {
   int64_t rows;
   std::vector<int64_t> factors;
   int64_t k;
-  int kinds = 4;  // the first `kinds` of the value kinds (a case of many rows takes long to emulate)
+  int kinds = 4;  // the first `kinds` of the value kinds (a case of many rows takes long to emulate; the fifth,
+                  // infinities of both signs, only where the thread-per-row kernel runs)
 };
 
 }  // namespace
@@ -116,7 +120,11 @@ int main() {
       {3, {40, 70}, 20},     // prefiltered with lanes of no element (n = 40) and m in (16, 32]
       {515, {12, 20}, 8, 1}, // more rows than the block-per-row kernel takes: a warp per row
       {2, {4, 4, 4, 4, 4, 4, 4, 4}, 600, 1},  // eight sort buffers of 1024 exceed shared memory: a warp per row
-      {520, {128, 128}, 32, 2},  // the layer's many rows (config b): the warp-per-row kernel of 256-element keys
+      {520, {128, 128}, 32, 5},  // the layer's many rows (config b): float32 by the warp-per-row kernel of
+                                 // 256-element keys, bfloat16 by the thread-per-row kernel (both merge routes)
+      {520, {40, 72}, 20, 5},    // a thread a row: unaligned factor rows (scalar loads), m in (16, 32]
+      {530, {3, 5}, 15, 5},      // a thread a row: k = prod(factors), every list taken whole
+      {515, {256, 16}, 1, 2},    // a thread a row: k = 1, the largest factor it takes
       {520, {256, 256}, 64, 1},  // config a: C = 280, the warp-per-row kernel of 512-element keys
       {2, {65534}, 16, 2},   // the largest factor of narrow composites (16-bit scores)
       {2, {65535}, 16, 2},   // the smallest of wide ones
