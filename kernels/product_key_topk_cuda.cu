@@ -615,9 +615,17 @@ __global__ void __launch_bounds__(kThreadRows)
   }
 }
 
+// Shared memory of a backward warp: dscores and ids [k], the tile, then (indexed) the factor indices [F, k].
+__host__ __device__ inline int64_t bwd_warp_bytes(const ProductKeyDims& d, bool indexed) {
+  const int64_t tile = d.width < kBwdTile ? d.width : kBwdTile;
+  return 8 * int64_t{d.k} + 4 * tile + (indexed ? 4 * int64_t{d.F} * d.k : 0);
+}
+
 // The backward, one warp per row: the row's dscores and ids in shared memory, then per tile of kBwdTile columns
 // lane f adds the cotangents of factor f into the tile in selection order (one writer per column), and the warp
-// writes the tile out.
+// writes the tile out. Where shared memory holds them (bwd_warp_bytes), the slots' factor indices [F, k] are
+// computed first, by all lanes at once (lane j's divisions for its slots), so that lane f's serial walk over the
+// slots only loads, compares and adds.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
     product_key_topk_bwd_kernel(ProductKeyDims d, const float* __restrict__ dscores, const int32_t* __restrict__ ids,
@@ -626,13 +634,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t row = w.row;
   const int lane = w.lane;
   if (row >= d.rows) return;
+  const int tile = d.width < kBwdTile ? d.width : kBwdTile;
   float* ds = reinterpret_cast<float*>(w.shared);
   int32_t* id = reinterpret_cast<int32_t*>(ds + d.k);
   float* acc = reinterpret_cast<float*>(id + d.k);
-  const int tile = d.width < kBwdTile ? d.width : kBwdTile;
+  int32_t* factor_index = reinterpret_cast<int32_t*>(acc + tile);  // [F, k]: -1 for an id outside [0, slots)
+  const bool indexed = bytes_per_warp >= bwd_warp_bytes(d, true);
   for (int j = lane; j < d.k; j += 32) {
     ds[j] = dscores[row * d.k + j];
-    id[j] = ids[row * d.k + j];
+    const int32_t slot = ids[row * d.k + j];
+    id[j] = slot;
+    if (indexed) {
+      const bool valid = slot >= 0 && slot < d.slots;
+      for (int f = 0; f < d.F; ++f)
+        factor_index[f * d.k + j] =
+            valid ? static_cast<int32_t>(static_cast<uint32_t>(slot) / d.weight[f] % static_cast<uint32_t>(d.n[f])) : -1;
+    }
   }
   T* out = dx + row * d.width;
   for (int c0 = 0; c0 < d.width; c0 += tile) {
@@ -642,22 +659,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int f = lane; f < d.F; f += 32) {
       const int lo = d.x_offset[f] - c0;  // the factor's columns in the tile: [lo, lo + n_f) within [0, len)
       if (lo >= len || lo + d.n[f] <= 0) continue;
-      for (int j = 0; j < d.k; ++j) {
-        if (id[j] < 0 || id[j] >= d.slots) continue;
-        const uint32_t i = static_cast<uint32_t>(id[j]) / d.weight[f] % static_cast<uint32_t>(d.n[f]);
-        const int col = lo + static_cast<int>(i);
-        if (col >= 0 && col < len) acc[col] += ds[j];
+      if (indexed) {
+        const int32_t* fi = factor_index + f * d.k;
+        for (int j = 0; j < d.k; ++j) {
+          const int col = lo + fi[j];
+          if (fi[j] >= 0 && col >= 0 && col < len) acc[col] += ds[j];
+        }
+      } else {
+        for (int j = 0; j < d.k; ++j) {
+          if (id[j] < 0 || id[j] >= d.slots) continue;
+          const uint32_t i = static_cast<uint32_t>(id[j]) / d.weight[f] % static_cast<uint32_t>(d.n[f]);
+          const int col = lo + static_cast<int>(i);
+          if (col >= 0 && col < len) acc[col] += ds[j];
+        }
       }
     }
     __syncwarp();
     for (int i = lane; i < len; i += 32) out[c0 + i] = from_f(acc[i], out);
     __syncwarp();
   }
-}
-
-int64_t bwd_warp_bytes(const ProductKeyDims& d) {
-  const int64_t tile = d.width < kBwdTile ? d.width : kBwdTile;
-  return 8 * int64_t{d.k} + 4 * tile;
 }
 
 template <typename Kernel, typename... Args>
@@ -703,7 +723,9 @@ template <typename T>
 int product_key_topk_bwd_cuda(const ProductKeyDims& d, const float* dscores, const int32_t* ids, T* dx,
                               CUstream_st* stream) {
   using D = typename Device<T>::type;
-  return launch(product_key_topk_bwd_kernel<D>, d, bwd_warp_bytes(d), stream, dscores, ids, reinterpret_cast<D*>(dx));
+  const int64_t indexed = bwd_warp_bytes(d, true);
+  return launch(product_key_topk_bwd_kernel<D>, d, kWarps * indexed <= kSharedBytes ? indexed : bwd_warp_bytes(d, false),
+                stream, dscores, ids, reinterpret_cast<D*>(dx));
 }
 
 template int product_key_topk_cuda<float>(const ProductKeyDims&, const float*, const int32_t*, float*, int32_t*,
