@@ -345,8 +345,8 @@ template <bool kTogether, int kMaxE, typename C, typename T>
 __device__ void select_factor_as(const ProductKeyDims& d, const T* xr, int f, C* buf, Top* tops, int lane) {
   constexpr uint32_t kKeyBits = sizeof(T) == 2 ? 0xffff0000u : 0xffffffffu;
   const T* xf = xr + d.x_offset[f];
-  warp_top_of<kTogether, kMaxE>([xf](int e) { return order_key(to_f(xf[e])) & kKeyBits; }, d.n[f], d.m[f], d.p[f], buf,
-                         lane);
+  warp_top_of<kTogether, kMaxE>([xf](int e) { return order_key(to_f(xf[e])) & kKeyBits; }, d.n[f], d.m[f], d.p[f],
+                                buf, lane);
   Top* tf = tops + d.top_offset[f];
   for (int r = lane; r < d.m[f]; r += 32) {
     const uint32_t e = Composite<C>::position(buf[r]);
@@ -389,7 +389,8 @@ __device__ void select_slots(const ProductKeyDims& d, const Top* tops, const int
     }
     return slot;
   };
-  warp_top_of<kTogether, kMaxE>([&candidate](int c) { return order_key(candidate(c).score); }, d.C, d.k, d.p_k, buf, lane);
+  warp_top_of<kTogether, kMaxE>([&candidate](int c) { return order_key(candidate(c).score); }, d.C, d.k, d.p_k, buf,
+                                lane);
   for (int r = lane; r < d.k; r += 32) {
     const Top slot = candidate(static_cast<int>(Composite<uint64_t>::position(buf[r])));
     sr[r] = canonical_score(slot.score);
@@ -621,6 +622,12 @@ __host__ __device__ inline int64_t bwd_warp_bytes(const ProductKeyDims& d, bool 
   return 8 * int64_t{d.k} + 4 * tile + (indexed ? 4 * int64_t{d.F} * d.k : 0);
 }
 
+// Slot `slot`'s index in factor f, or -1 for an id outside [0, slots) (it contributes nothing).
+__device__ __forceinline__ int32_t factor_index_of(const ProductKeyDims& d, int32_t slot, int f) {
+  if (slot < 0 || slot >= d.slots) return -1;
+  return static_cast<int32_t>(static_cast<uint32_t>(slot) / d.weight[f] % static_cast<uint32_t>(d.n[f]));
+}
+
 // The backward, one warp per row: the row's dscores and ids in shared memory, then per tile of kBwdTile columns
 // lane f adds the cotangents of factor f into the tile in selection order (one writer per column), and the warp
 // writes the tile out. Where shared memory holds them (bwd_warp_bytes), the slots' factor indices [F, k] are
@@ -644,12 +651,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     ds[j] = dscores[row * d.k + j];
     const int32_t slot = ids[row * d.k + j];
     id[j] = slot;
-    if (indexed) {
-      const bool valid = slot >= 0 && slot < d.slots;
-      for (int f = 0; f < d.F; ++f)
-        factor_index[f * d.k + j] =
-            valid ? static_cast<int32_t>(static_cast<uint32_t>(slot) / d.weight[f] % static_cast<uint32_t>(d.n[f])) : -1;
-    }
+    if (indexed)
+      for (int f = 0; f < d.F; ++f) factor_index[f * d.k + j] = factor_index_of(d, slot, f);
   }
   T* out = dx + row * d.width;
   for (int c0 = 0; c0 < d.width; c0 += tile) {
@@ -659,19 +662,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int f = lane; f < d.F; f += 32) {
       const int lo = d.x_offset[f] - c0;  // the factor's columns in the tile: [lo, lo + n_f) within [0, len)
       if (lo >= len || lo + d.n[f] <= 0) continue;
-      if (indexed) {
-        const int32_t* fi = factor_index + f * d.k;
-        for (int j = 0; j < d.k; ++j) {
-          const int col = lo + fi[j];
-          if (fi[j] >= 0 && col >= 0 && col < len) acc[col] += ds[j];
-        }
-      } else {
-        for (int j = 0; j < d.k; ++j) {
-          if (id[j] < 0 || id[j] >= d.slots) continue;
-          const uint32_t i = static_cast<uint32_t>(id[j]) / d.weight[f] % static_cast<uint32_t>(d.n[f]);
-          const int col = lo + static_cast<int>(i);
-          if (col >= 0 && col < len) acc[col] += ds[j];
-        }
+      for (int j = 0; j < d.k; ++j) {
+        const int32_t i = indexed ? factor_index[f * d.k + j] : factor_index_of(d, id[j], f);
+        const int col = lo + i;
+        if (i >= 0 && col >= 0 && col < len) acc[col] += ds[j];
       }
     }
     __syncwarp();
@@ -714,18 +708,19 @@ int product_key_topk_cuda(const ProductKeyDims& d, const T* x, const int32_t* ta
   // The longest list a row selects from: the factors, then (F > 1) the candidates.
   int32_t longest = d.F > 1 ? d.C : 0;
   for (int f = 0; f < d.F; ++f) longest = d.n[f] > longest ? d.n[f] : longest;
-  if (longest <= 32 * 8) return launch(product_key_topk_kernel<D, 8>, d, warp_bytes(d), stream, xd, table, scores, ids);
-  if (longest <= 32 * 16) return launch(product_key_topk_kernel<D, 16>, d, warp_bytes(d), stream, xd, table, scores, ids);
-  return launch(product_key_topk_kernel<D, 32>, d, warp_bytes(d), stream, xd, table, scores, ids);
+  const auto kernel = longest <= 32 * 8    ? product_key_topk_kernel<D, 8>
+                      : longest <= 32 * 16 ? product_key_topk_kernel<D, 16>
+                                           : product_key_topk_kernel<D, 32>;
+  return launch(kernel, d, warp_bytes(d), stream, xd, table, scores, ids);
 }
 
 template <typename T>
 int product_key_topk_bwd_cuda(const ProductKeyDims& d, const float* dscores, const int32_t* ids, T* dx,
                               CUstream_st* stream) {
   using D = typename Device<T>::type;
-  const int64_t indexed = bwd_warp_bytes(d, true);
-  return launch(product_key_topk_bwd_kernel<D>, d, kWarps * indexed <= kSharedBytes ? indexed : bwd_warp_bytes(d, false),
-                stream, dscores, ids, reinterpret_cast<D*>(dx));
+  const int64_t indexed_bytes = bwd_warp_bytes(d, true);  // the factor indices where they fit
+  const int64_t bytes = kWarps * indexed_bytes <= kSharedBytes ? indexed_bytes : bwd_warp_bytes(d, false);
+  return launch(product_key_topk_bwd_kernel<D>, d, bytes, stream, dscores, ids, reinterpret_cast<D*>(dx));
 }
 
 template int product_key_topk_cuda<float>(const ProductKeyDims&, const float*, const int32_t*, float*, int32_t*,

@@ -120,36 +120,36 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     const int32_t n = hi - lo;
     float p_cpe = 0.f, p_w[kInlineEntries] = {}, p_k[kInlineEntries] = {};
     const auto one_pass = [&](const auto& s0, bool restore) {
-    walk_two_sources<VEC>(RowSource<VEC, GT>{dsrc}, s0, pre, D, lane, [&](int64_t d, const Cols<VEC, GT>& ds,
-                                                                        const auto& sv, const float (&first)[2][VEC]) {
-      float acc[VEC];
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        p_cpe += ds[i] * sv[i];
-        acc[i] = cpe * ds[i];
-      }
-#pragma unroll
-      for (int j = 0; j < kInlineEntries; ++j) {
-        if (j >= n) break;
-        const int32_t e = j == 0 ? gr.first : order[lo + j];
-        float dl[VEC], dg[VEC];
-        if (j == 0) {
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) dl[i] = first[0][i], dg[i] = first[1][i];
-        } else {
-          load_cols_ro<VEC>(delta + (e / W) * D + d, dl);
-          load_cols_ro<VEC>(dG + (e / W) * D + d, dg);
-        }
+      walk_two_sources<VEC>(RowSource<VEC, GT>{dsrc}, s0, pre, D, lane,
+                            [&](int64_t d, const Cols<VEC, GT>& ds, const auto& sv, const float (&first)[2][VEC]) {
+        float acc[VEC];
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          p_w[j] += dl[i] * ds[i];
-          p_k[j] += dg[i] * sv[i];
-          acc[i] += k_eff[e] * dg[i];
+          p_cpe += ds[i] * sv[i];
+          acc[i] = cpe * ds[i];
         }
-      }
-      store_cols<VEC>(drow + d, acc);
-      if (restore) snapshot_restore<VEC>(row, d, sv);
-    });
+#pragma unroll
+        for (int j = 0; j < kInlineEntries; ++j) {
+          if (j >= n) break;
+          const int32_t e = j == 0 ? gr.first : order[lo + j];
+          float dl[VEC], dg[VEC];
+          if (j == 0) {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) dl[i] = first[0][i], dg[i] = first[1][i];
+          } else {
+            load_cols_ro<VEC>(delta + (e / W) * D + d, dl);
+            load_cols_ro<VEC>(dG + (e / W) * D + d, dg);
+          }
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            p_w[j] += dl[i] * ds[i];
+            p_k[j] += dg[i] * sv[i];
+            acc[i] += k_eff[e] * dg[i];
+          }
+        }
+        store_cols<VEC>(drow + d, acc);
+        if (restore) snapshot_restore<VEC>(row, d, sv);
+      });
     };
     if constexpr (kCoded) {
       switch (io.snapshot_dtype) {

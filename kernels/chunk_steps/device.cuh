@@ -145,6 +145,8 @@ __device__ __forceinline__ void walk_two_sources(const SA& a, const SB& b, const
   for (int64_t d0 = static_cast<int64_t>(lane) * VEC; d0 < D; d0 += S * kStep) {
     typename SA::ColsT x[S];
     typename SB::ColsT y[S];
+    // load_batch's loop with each load under its own bound test instead of a break: load_batch's break spills
+    // Phase A's coded instances at VEC 4 (ptxas), and this form in load_batch moves the forward write kernel's.
 #pragma unroll
     for (int k = 0; k < S; ++k)
       if (d0 + k * kStep < D) a.load(d0 + k * kStep, x[k]);
