@@ -126,9 +126,10 @@ void product_key_topk_cpu(const ProductKeyDims& dims, const T* x, const int32_t*
 template <typename T>
 void product_key_topk_bwd_cpu(const ProductKeyDims& dims, const float* dscores, const int32_t* ids, T* dx);
 
-// The same on `stream`, one launch each: a warp per row; no allocation, no synchronisation, the launch
-// configuration from the shapes only. T is float or __nv_bfloat16 (passed as sdm::bf16, same layout). The table
-// must hold ranks r < m_f (the forward reads shared memory at them). Return the cudaError_t of the launch.
+// The same on `stream`, one launch each (a warp, a block or a thread per row, by the shapes); no allocation, no
+// synchronisation, the launch configuration from the shapes only. T is float or __nv_bfloat16 (passed as sdm::bf16,
+// same layout). The table must hold ranks r < m_f (the forward reads shared memory at them). Return the
+// cudaError_t of the launch.
 template <typename T>
 int product_key_topk_cuda(const ProductKeyDims& dims, const T* x, const int32_t* table, float* scores, int32_t* ids,
                           CUstream_st* stream);

@@ -1,5 +1,6 @@
 // The product-key top-k on the GPU (kernels/product_key_topk.h): one warp per row, kWarps rows per block, no
-// barrier but the warp's own; for few rows, a block per row whose warps select the factors side by side. Each
+// barrier but the warp's own; for few rows, a block per row whose warps select the factors side by side; for many
+// rows of two short bfloat16 factors, a thread per row (product_key_topk_thread_kernel). A warp's or block's
 // selection (a factor's top m_f of n_f, then the top k of the C candidates) takes one of two routes, both exact:
 //   - prefiltered (m <= 32, m < N): a lower bound L of the m-th largest key, the m-th largest of the lanes' own
 //     best keys (their best one for m <= 16, their best two for m <= 32); the keys >= L, in element order, into
@@ -433,24 +434,32 @@ __global__ void __launch_bounds__(32 * kSplitMaxFactors, 1)
   if (warp == 0) select_slots<true, 32>(d, tops, table, bufs, scores + row * d.k, ids + row * d.k, lane);
 }
 
-// A thread per row, for many rows of two bfloat16 factors of at most kThreadMaxN entries and k <= 32 (the layer's
+// A thread per row, for many rows of two bfloat16 factors of at most kThreadMaxN entries and k <= 64 (the layer's
 // addressing at short factors): a warp's network sorts cost a warp instruction per row where a thread's cost one per
-// 32 rows. Per factor, the 32-entry blocks of narrow composites are sorted in registers and merged into the running
-// top 32 (a bitonic merge: the larger of L[j] and B[31 - j], then five half-cleaners); the top lists go to shared
-// memory as (bfloat16 bits, index). The k slots then come from a merge of the lists i = 0 .. m_0 - 1 of candidates
-// (i, j), j ascending, cut at the table's bound j < min(m_1, k / (i + 1)): each step emits the largest head (the
-// smaller i on a tie) and advances its list. Each list is in the slots' order (score, then rank tuple) and the
-// heads are compared in that order, so the k emitted are the candidates' top k in order, as the CPU kernel ranks
-// them, provided a list's sums never increase along it. They do not only where an infinity meets one of the other
-// sign (+inf + -inf is NaN, below every number): a row whose top lists hold both ranks all C candidates of the table
-// instead, by insertion into a list of 64-bit composites.
-constexpr int kThreadMaxN = 256;  // entries of a factor
-constexpr int kThreadRows = 128;  // rows (threads) per block
-constexpr int kThreadTop = 32;    // the largest m_f and k
+// 32 rows. Two instances by the longest top list, kTop = 32 or 64 (k <= kTop). Per factor, the 32-entry blocks of
+// narrow composites are sorted in registers and merged into the running top kTop (a bitonic merge: the larger of
+// L[kTop - 32 + j] and B[31 - j], then log2(kTop) half-cleaners); the top lists go to shared memory as (bfloat16
+// bits, index). The k slots then come from a merge of 2s lists of candidates, s = floor(sqrt(k)): row i < s holds
+// (i, j), j ascending, and column j < s holds (i, j), i ascending from s, each cut at the table's bound
+// (i + 1)(j + 1) <= k (every candidate has min(i, j) < s, since (s + 1)^2 > k). Each step emits the largest head by
+// (order key, then rank tuple) and advances its list. Each list is in the slots' order (score, then rank tuple), so
+// the k emitted are the candidates' top k in order, as the CPU kernel ranks them, provided a list's sums never
+// increase along it. They do not only where an infinity meets one of the other sign (+inf + -inf is NaN, below every
+// number): a row whose top lists hold both ranks the table's candidates instead, one pass over them per slot.
+constexpr int kThreadMaxN = 256;         // entries of a factor
+constexpr int kThreadBlockWords = 8192;  // a block's shared memory (32 KiB): its rows' two top lists of kTop words
 
-// Shared memory of a block: a thread's two top lists, entry r of thread t at [r][t] (no bank conflict), each a
-// (bfloat16 bits << 16 | index) word.
-constexpr int64_t kThreadSharedBytes = int64_t{4} * 2 * kThreadTop * kThreadRows;
+template <int kTop>
+__host__ __device__ constexpr int thread_rows() {  // rows (threads) per block: 128 for kTop 32, 64 for kTop 64
+  return kThreadBlockWords / (2 * kTop);
+}
+// 2 floor(sqrt(kTop)): the merge's lists at k = kTop, the most an instance keeps.
+template <int kTop>
+__host__ __device__ constexpr int thread_lists() {
+  int s = 1;
+  while ((s + 1) * (s + 1) <= kTop) ++s;
+  return 2 * s;
+}
 
 __device__ __forceinline__ void ce_desc(uint32_t& a, uint32_t& b) {  // a the larger after
   const uint32_t hi = a > b ? a : b;
@@ -478,14 +487,16 @@ __device__ __forceinline__ void thread_sort32(uint32_t (&v)[32]) {
   }
 }
 
-// The top 32 of two descending lists into top, descending.
-__device__ __forceinline__ void thread_merge32(uint32_t (&top)[32], const uint32_t (&b)[32]) {
+// The top kTop of the descending lists top [kTop] and b [32] into top, descending: the pairs top[kTop - 32 + j],
+// b[31 - j] keep their larger (the top kTop of the two, a bitonic sequence), then the half-cleaners sort it.
+template <int kTop>
+__device__ __forceinline__ void thread_merge(uint32_t (&top)[kTop], const uint32_t (&b)[32]) {
 #pragma unroll
-  for (int j = 0; j < 32; ++j) top[j] = top[j] > b[31 - j] ? top[j] : b[31 - j];  // bitonic
+  for (int j = 0; j < 32; ++j) top[kTop - 32 + j] = top[kTop - 32 + j] > b[31 - j] ? top[kTop - 32 + j] : b[31 - j];
 #pragma unroll
-  for (int stride = 16; stride > 0; stride >>= 1) {
+  for (int stride = kTop / 2; stride > 0; stride >>= 1) {
 #pragma unroll
-    for (int i = 0; i < 32; ++i)
+    for (int i = 0; i < kTop; ++i)
       if ((i & stride) == 0) ce_desc(top[i], top[i + stride]);
   }
 }
@@ -500,10 +511,11 @@ __device__ __forceinline__ float entry_score(uint32_t entry) {
 }
 __device__ __forceinline__ int32_t entry_index(uint32_t entry) { return static_cast<int32_t>(entry & 0xffffu); }
 
-// Factor f's top m_f of the thread's row (raw bfloat16 bits xf[0, n)) into its list in shared memory; returns the
-// list's infinities: bit 0 a +inf, bit 1 a -inf.
+// Factor f's top m_f of the thread's row (raw bfloat16 bits xf[0, n)) into its list in shared memory (entry r at
+// list[r * rows]); returns the list's infinities: bit 0 a +inf, bit 1 a -inf.
+template <int kTop>
 __device__ unsigned thread_factor(const uint16_t* __restrict__ xf, int n, int m, uint32_t* list) {
-  uint32_t top[32];
+  uint32_t top[kTop];
   const bool vec = (reinterpret_cast<uintptr_t>(xf) & 15u) == 0 && (n & 7) == 0;
   for (int e0 = 0; e0 < n; e0 += 32) {
     uint32_t b[32];
@@ -529,90 +541,100 @@ __device__ unsigned thread_factor(const uint16_t* __restrict__ xf, int n, int m,
     thread_sort32(b);
     if (e0 == 0) {
 #pragma unroll
-      for (int j = 0; j < 32; ++j) top[j] = b[j];
+      for (int j = 0; j < kTop; ++j) top[j] = j < 32 ? b[j] : 0u;  // 0: below every element
     } else {
-      thread_merge32(top, b);
+      thread_merge<kTop>(top, b);
     }
   }
+  constexpr int rows = thread_rows<kTop>();
   unsigned inf = 0;
 #pragma unroll
-  for (int r = 0; r < 32; ++r) {
+  for (int r = 0; r < kTop; ++r) {
     if (r >= m) break;
     const uint32_t e = Composite<uint32_t>::position(top[r]);
     const uint16_t bits = xf[e];
     inf |= bits == 0x7f80u ? 1u : bits == 0xff80u ? 2u : 0u;
-    list[r * kThreadRows] = static_cast<uint32_t>(bits) << 16 | e;
+    list[r * rows] = static_cast<uint32_t>(bits) << 16 | e;
   }
   return inf;
 }
 
-__global__ void __launch_bounds__(kThreadRows)
+template <int kTop>
+__global__ void __launch_bounds__(thread_rows<kTop>())
     product_key_topk_thread_kernel(ProductKeyDims d, const uint16_t* __restrict__ x,
                                    const int32_t* __restrict__ table, float* __restrict__ scores,
                                    int32_t* __restrict__ ids) {
+  constexpr int rows = thread_rows<kTop>();
   extern __shared__ __align__(16) unsigned char shared[];
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kThreadRows + threadIdx.x;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * rows + threadIdx.x;
   if (row >= d.rows) return;
-  uint32_t* a = reinterpret_cast<uint32_t*>(shared) + threadIdx.x;  // a[r * kThreadRows]: factor 0's rank r
-  uint32_t* b = a + kThreadTop * kThreadRows;                        // factor 1's
+  uint32_t* a = reinterpret_cast<uint32_t*>(shared) + threadIdx.x;  // a[r * rows]: factor 0's rank r
+  uint32_t* b = a + kTop * rows;                                     // factor 1's
   const uint16_t* xr = x + row * d.width;
-  const unsigned inf_a = thread_factor(xr + d.x_offset[0], d.n[0], d.m[0], a);
-  const unsigned inf_b = thread_factor(xr + d.x_offset[1], d.n[1], d.m[1], b);
+  const unsigned inf_a = thread_factor<kTop>(xr + d.x_offset[0], d.n[0], d.m[0], a);
+  const unsigned inf_b = thread_factor<kTop>(xr + d.x_offset[1], d.n[1], d.m[1], b);
   float* sr = scores + row * d.k;
   int32_t* ir = ids + row * d.k;
   const int m0 = d.m[0], m1 = d.m[1], k = d.k, n1 = d.n[1];
-  auto emit = [&](int out, uint32_t ea, uint32_t eb) {
+  auto emit = [&](int out, int i, int j) {
+    const uint32_t ea = a[i * rows], eb = b[j * rows];
     sr[out] = canonical_score(entry_score(ea) + entry_score(eb));
     ir[out] = entry_index(ea) * n1 + entry_index(eb);
   };
+  // A candidate (i, j) as one integer whose descending order is the slots' (composite: the merge key, then the
+  // smaller rank tuple; i, j < 256); 0 for none.
+  auto head_of = [&](int i, int j) {
+    return composite(merge_key(entry_score(a[i * rows]) + entry_score(b[j * rows])),
+                     static_cast<uint32_t>(i << 8 | j));
+  };
   if (((inf_a & 1u) && (inf_b & 2u)) || ((inf_a & 2u) && (inf_b & 1u))) {
-    // Sums that do not fall along a list: every candidate of the table, by insertion of (key, position).
-    uint64_t best[kThreadTop];
-    int count = 0;
-    for (int c = 0; c < d.C; ++c) {
-      const uint32_t ea = a[__ldg(table + c) * kThreadRows], eb = b[__ldg(table + d.C + c) * kThreadRows];
-      const uint64_t comp = composite(order_key(entry_score(ea) + entry_score(eb)), static_cast<uint32_t>(c));
-      int p = count < k ? count : k;  // the kept list best[0, count) grows to k, then drops its last
-      count += count < k ? 1 : 0;
-      for (; p > 0 && best[p - 1] < comp; --p)
-        if (p < k) best[p] = best[p - 1];
-      if (p < k) best[p] = comp;
-    }
+    // Sums that do not fall along a list: per slot, the best candidate of the table below the one emitted last
+    // (composites (key, table position): distinct, the CPU kernel's order).
+    uint64_t last = ~uint64_t{0};
     for (int out = 0; out < k; ++out) {
-      const int c = static_cast<int>(composite_pos(best[out]));
-      emit(out, a[__ldg(table + c) * kThreadRows], b[__ldg(table + d.C + c) * kThreadRows]);
+      uint64_t best = 0;
+      int best_c = 0;
+      for (int c = 0; c < d.C; ++c) {
+        const uint32_t ea = a[__ldg(table + c) * rows], eb = b[__ldg(table + d.C + c) * rows];
+        const uint64_t comp = composite(order_key(entry_score(ea) + entry_score(eb)), static_cast<uint32_t>(c));
+        if (comp < last && comp > best) {
+          best = comp;
+          best_c = c;
+        }
+      }
+      emit(out, __ldg(table + best_c), __ldg(table + d.C + best_c));
+      last = best;
     }
     return;
   }
-  // The merge: head[i], the merge key of list i's next candidate (0: exhausted), next[i] its j.
-  const uint32_t b0 = b[0];
-  uint32_t head[kThreadTop], next[kThreadTop];
+  // The merge: head[l], list l's next candidate (0: exhausted); lists 0 .. s - 1 the rows, s .. 2s - 1 the columns.
+  constexpr int kLists = thread_lists<kTop>();
+  int s = 1;
+  while ((s + 1) * (s + 1) <= k) ++s;
+  uint64_t head[kLists];
 #pragma unroll
-  for (int i = 0; i < kThreadTop; ++i) {
-    head[i] = i < m0 ? merge_key(entry_score(a[i * kThreadRows]) + entry_score(b0)) : 0u;
-    next[i] = 0;
+  for (int l = 0; l < kLists; ++l) {
+    const int i = l < s ? l : s, j = l < s ? 0 : l - s;  // the list's first candidate
+    const bool open = l < 2 * s && i < m0 && j < m1 && (i + 1) * (j + 1) <= k;
+    head[l] = open ? head_of(i, j) : 0u;
   }
   for (int out = 0; out < k; ++out) {
-    uint32_t best = head[0], j = next[0];
-    int bi = 0;
+    uint64_t best = head[0];
+    int bl = 0;
 #pragma unroll
-    for (int i = 1; i < kThreadTop; ++i) {
-      const bool more = head[i] > best;
-      best = more ? head[i] : best;
-      j = more ? next[i] : j;
-      bi = more ? i : bi;
+    for (int l = 1; l < kLists; ++l) {
+      const bool more = head[l] > best;
+      best = more ? head[l] : best;
+      bl = more ? l : bl;
     }
-    const uint32_t ea = a[bi * kThreadRows];
-    emit(out, ea, b[j * kThreadRows]);
-    const int bound = k / (bi + 1) < m1 ? k / (bi + 1) : m1;  // the list's candidates: j < bound
-    const uint32_t j1 = j + 1;
-    const uint32_t h1 = static_cast<int>(j1) < bound ? merge_key(entry_score(ea) + entry_score(b[j1 * kThreadRows]))
-                                                     : 0u;
+    const int pos = static_cast<int>(composite_pos(best));
+    const int i = pos >> 8, j = pos & 0xff;
+    emit(out, i, j);
+    // The list's next candidate: a row advances j, a column i.
+    const int i1 = bl < s ? i : i + 1, j1 = bl < s ? j + 1 : j;
+    const uint64_t h1 = i1 < m0 && j1 < m1 && (i1 + 1) * (j1 + 1) <= k ? head_of(i1, j1) : 0u;
 #pragma unroll
-    for (int i = 0; i < kThreadTop; ++i) {
-      head[i] = i == bi ? h1 : head[i];
-      next[i] = i == bi ? j1 : next[i];
-    }
+    for (int l = 0; l < kLists; ++l) head[l] = l == bl ? h1 : head[l];
   }
 }
 
@@ -697,10 +719,13 @@ int product_key_topk_cuda(const ProductKeyDims& d, const T* x, const int32_t* ta
     return static_cast<int>(cudaGetLastError());
   }
   if constexpr (sizeof(T) == 2) {
-    if (d.rows > kSplitRows && d.F == 2 && d.k <= kThreadTop && d.n[0] <= kThreadMaxN && d.n[1] <= kThreadMaxN) {
-      const int64_t blocks = (d.rows + kThreadRows - 1) / kThreadRows;
+    if (d.rows > kSplitRows && d.F == 2 && d.k <= 64 && d.n[0] <= kThreadMaxN && d.n[1] <= kThreadMaxN) {
+      const bool wide = d.k > 32;
+      const auto kernel = wide ? product_key_topk_thread_kernel<64> : product_key_topk_thread_kernel<32>;
+      const int rows = wide ? thread_rows<64>() : thread_rows<32>();
+      const int64_t blocks = (d.rows + rows - 1) / rows;
       if (blocks > 0x7fffffff) return static_cast<int>(cudaErrorInvalidValue);
-      product_key_topk_thread_kernel<<<static_cast<unsigned>(blocks), kThreadRows, kThreadSharedBytes, stream>>>(
+      kernel<<<static_cast<unsigned>(blocks), rows, 4 * kThreadBlockWords, stream>>>(
           d, reinterpret_cast<const uint16_t*>(x), table, scores, ids);
       return static_cast<int>(cudaGetLastError());
     }

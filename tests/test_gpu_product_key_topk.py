@@ -63,7 +63,8 @@ def test_gpu_matches_cpu_kernel_and_brute_force(case, dtype, kind):
     np.testing.assert_array_equal(bits(gpu[0].reshape(-1, k)[:64]), bits(slot_scores(rows, factors, expected)))
 
 
-@pytest.mark.parametrize("factors,k", [((128, 128), 32), ((40, 72), 20), ((3, 5), 15)])
+@pytest.mark.parametrize("factors,k", [((128, 128), 32), ((40, 72), 20), ((3, 5), 15),  # top lists of 32
+                                       ((256, 256), 64), ((100, 37), 50), ((256, 5), 64)])  # of 64
 def test_gpu_matches_cpu_kernel_with_infinities_of_both_signs(factors, k):
     """Many rows of two short bfloat16 factors (a thread a row) with +inf and -inf in both factors: rows whose sums
     meet +inf + -inf rank the table's candidates one by one, the others merge the lists; both as the CPU kernel."""

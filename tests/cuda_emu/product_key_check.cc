@@ -5,9 +5,9 @@
 // recomputed beyond) and both selection routes (prefiltered; the threshold search where m > 32 or too many keys
 // tie), both composite widths for bfloat16 scores (narrow below 65535 entries a factor, wide from there), both
 // launch forms (a block per row for a few rows of 2 to 8 factors; a thread per row for many rows of two short
-// bfloat16 factors, k <= 32, with its rows of infinities of both signs; else a warp per row, in each of its three
-// instances by the longest list kept in registers: 256, 512, 1024), row counts that
-// leave a block's last warps idle, and backward rows of several tiles.
+// bfloat16 factors, k <= 64, in both instances (top lists of 32 and of 64), with its rows of infinities of both
+// signs; else a warp per row, in each of its three instances by the longest list kept in registers: 256, 512,
+// 1024), row counts that leave a block's last warps idle, and backward rows of several tiles.
 #include "product_key_emu.inc"
 
 #include <cmath>
@@ -96,8 +96,9 @@ struct Case {
   int64_t rows;
   std::vector<int64_t> factors;
   int64_t k;
-  int kinds = 4;  // the first `kinds` of the value kinds (a case of many rows takes long to emulate; the fifth,
-                  // infinities of both signs, only where the thread-per-row kernel runs)
+  unsigned kinds = 0xf;  // the value kinds to run, bit `kind` (a case of many rows takes long to emulate;
+                         // infinities of both signs only where the thread-per-row kernel runs)
+  bool bf16_only = false;  // a case of the thread-per-row kernel, which float32 scores do not take
 };
 
 }  // namespace
@@ -118,22 +119,29 @@ int main() {
       {5, {1024, 1024}, 16}, // a decode step at K = 2^20: prefiltered factors (32 keys a lane) and candidates
       {3, {64, 64}, 16},     // a decode step at K = 2^12
       {3, {40, 70}, 20},     // prefiltered with lanes of no element (n = 40) and m in (16, 32]
-      {515, {12, 20}, 8, 1}, // more rows than the block-per-row kernel takes: a warp per row
-      {2, {4, 4, 4, 4, 4, 4, 4, 4}, 600, 1},  // eight sort buffers of 1024 exceed shared memory: a warp per row
-      {520, {128, 128}, 32, 5},  // the layer's many rows (config b): float32 by the warp-per-row kernel of
-                                 // 256-element keys, bfloat16 by the thread-per-row kernel (both merge routes)
-      {520, {40, 72}, 20, 5},    // a thread a row: unaligned factor rows (scalar loads), m in (16, 32]
-      {530, {3, 5}, 15, 5},      // a thread a row: k = prod(factors), every list taken whole
-      {515, {256, 16}, 1, 2},    // a thread a row: k = 1, the largest factor it takes
-      {520, {256, 256}, 64, 1},  // config a: C = 280, the warp-per-row kernel of 512-element keys
-      {2, {65534}, 16, 2},   // the largest factor of narrow composites (16-bit scores)
-      {2, {65535}, 16, 2},   // the smallest of wide ones
+      {515, {12, 20}, 8, 0x1},  // more rows than the block-per-row kernel takes: a warp per row
+      {2, {4, 4, 4, 4, 4, 4, 4, 4}, 600, 0x1},  // eight sort buffers of 1024 exceed shared memory: a warp per row
+      {520, {128, 128}, 32, 0x1f},  // the layer's many rows (config b): float32 by the warp-per-row kernel of
+                                    // 256-element keys, bfloat16 by the thread-per-row kernel (both merge routes)
+      {520, {40, 72}, 20, 0x1f},    // a thread a row: unaligned factor rows (scalar loads), m in (16, 32]
+      {530, {3, 5}, 15, 0x1f},      // a thread a row: k = prod(factors), every list taken whole
+      {515, {256, 16}, 1, 0x3},     // a thread a row: k = 1, the largest factor it takes
+      {520, {256, 256}, 64, 0x3},   // config a: C = 280; float32 by the warp-per-row kernel of 512-element keys,
+                                    // bfloat16 by the thread-per-row kernel's instance of top lists of 64
+      {530, {100, 37}, 50, 0x13, true},   // a thread a row, lists of 64: s = 7 row and column lists, m_1 = 37 < k
+      {520, {256, 5}, 64, 0x11, true},    // a thread a row: m_1 = 5 < s = 8, the columns cut at m_1
+      {515, {7, 9}, 63, 0x11, true},      // a thread a row: k = prod(factors) = 63, every list taken whole
+      {515, {33, 64}, 33, 0x1, true},     // a thread a row: k = 33, the smallest k of the lists of 64
+      {2, {65534}, 16, 0x3},        // the largest factor of narrow composites (16-bit scores)
+      {2, {65535}, 16, 0x3},        // the smallest of wide ones
   };
   int failing = 0;
   unsigned seed = 1;
   for (const Case& c : cases) {
-    for (int kind = 0; kind < c.kinds; ++kind) {
-      failing += !run<float>(c.rows, c.factors, c.k, static_cast<Kind>(kind), seed++);
+    for (int kind = 0; kind < 5; ++kind) {
+      if (!(c.kinds >> kind & 1u)) continue;
+      if (!c.bf16_only) failing += !run<float>(c.rows, c.factors, c.k, static_cast<Kind>(kind), seed);
+      ++seed;
       failing += !run<bf16>(c.rows, c.factors, c.k, static_cast<Kind>(kind), seed++);
     }
   }
