@@ -131,6 +131,22 @@ def _stream_axes(in_axes, arg_shapes):
     return b, h
 
 
+def _def_partition(fn, local_fn, shardings, rule, others):
+    """Gives the custom-partitioned `fn` of `local_fn(static, *arrays)` its rules: `shardings(mesh, arg_shapes,
+    result_shape) -> (operand shardings, result shardings)` for the partition and the inference, and the Shardy
+    rule `rule` with its factors `others` that need replication. Returns `fn`."""
+    def partition(static, mesh, arg_shapes, result_shape):
+        ins, outs = shardings(mesh, arg_shapes, result_shape)
+        return mesh, functools.partial(local_fn, static), outs, ins
+
+    def infer_sharding_from_operands(static, mesh, arg_shapes, result_shape):
+        return shardings(mesh, arg_shapes, result_shape)[1]
+
+    fn.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands, sharding_rule=rule,
+                     need_replication_factors=others)
+    return fn
+
+
 @functools.lru_cache(maxsize=None)
 def _partitioned(local_fn, in_axes, out_axes, in_ranks, out_ranks):
     """`local_fn(static, *arrays) -> tuple of arrays` as a custom-partitioned function of the same arguments.
@@ -147,17 +163,8 @@ def _partitioned(local_fn, in_axes, out_axes, in_ranks, out_ranks):
         outs = tuple(_stream_spec(mesh, at, len(s.shape), b, h) for s, at in zip(result_shape, out_axes))
         return ins, outs
 
-    def partition(static, mesh, arg_shapes, result_shape):
-        ins, outs = shardings(mesh, arg_shapes, result_shape)
-        return mesh, functools.partial(local_fn, static), outs, ins
-
-    def infer_sharding_from_operands(static, mesh, arg_shapes, result_shape):
-        return shardings(mesh, arg_shapes, result_shape)[1]
-
     rule, others = _sharding_rule(in_axes, out_axes, in_ranks, out_ranks)
-    fn.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands,
-                     sharding_rule=rule, need_replication_factors=others)
-    return fn
+    return _def_partition(fn, local_fn, shardings, rule, others)
 
 
 def _fold(a, at):
@@ -266,16 +273,7 @@ def _rowwise_partitioned(local_fn, in_ranks, out_ranks, replicated):
         outs = tuple(NamedSharding(mesh, PartitionSpec(*rows, None)) for _ in result_shape)
         return ins, outs
 
-    def partition(static, mesh, arg_shapes, result_shape):
-        ins, outs = shardings(mesh, arg_shapes, result_shape)
-        return mesh, functools.partial(local_fn, static), outs, ins
-
-    def infer_sharding_from_operands(static, mesh, arg_shapes, result_shape):
-        return shardings(mesh, arg_shapes, result_shape)[1]
-
-    fn.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands,
-                     sharding_rule=f"{ins} -> {outs}", need_replication_factors=tuple(others))
-    return fn
+    return _def_partition(fn, local_fn, shardings, f"{ins} -> {outs}", tuple(others))
 
 
 def rowwise(local_fn, static, arrays, replicated=()):
