@@ -467,14 +467,15 @@ __device__ __forceinline__ void ce_desc(uint32_t& a, uint32_t& b) {  // a the la
   a = hi;
 }
 
-// v[0, 32) sorted descending (a bitonic network, every index a constant).
-__device__ __forceinline__ void thread_sort32(uint32_t (&v)[32]) {
+// v[0, N) sorted descending (a bitonic network, every index a constant; N a power of two).
+template <int N>
+__device__ __forceinline__ void thread_sort(uint32_t (&v)[N]) {
 #pragma unroll
-  for (int size = 2; size <= 32; size <<= 1) {
+  for (int size = 2; size <= N; size <<= 1) {
 #pragma unroll
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
 #pragma unroll
-      for (int i = 0; i < 32; ++i) {
+      for (int i = 0; i < N; ++i) {
         const int j = i ^ stride;
         if (j <= i) continue;
         if ((i & size) == 0) {
@@ -538,7 +539,7 @@ __device__ unsigned thread_factor(const uint16_t* __restrict__ xf, int n, int m,
                              : 0u;
       }
     }
-    thread_sort32(b);
+    thread_sort(b);
     if (e0 == 0) {
 #pragma unroll
       for (int j = 0; j < kTop; ++j) top[j] = j < 32 ? b[j] : 0u;  // 0: below every element
@@ -696,6 +697,57 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+// The backward, a thread per row, for many rows of two factors of at most kThreadMaxN entries and k <= kTop (the
+// layer's addressing, as in the forward; float32 or bfloat16): a warp's serial walk over the slots costs a chain of
+// shared-memory round trips per slot, a thread's sort about ten compare-exchanges per slot. Per factor, the k keys
+// ~(i << 8 | j) (factor index i, slot j; 0 for an id outside [0, slots)) sorted descending in registers, so in
+// (i, j) order; then one pass adds each run of equal i in slot order from +0 and stores its sum at the run's end,
+// over the row zeroed first (16-byte stores where aligned).
+constexpr int kBwdThreadRows = 128;
+template <int kTop, typename T>
+__global__ void __launch_bounds__(kBwdThreadRows)
+    product_key_topk_bwd_thread_kernel(ProductKeyDims d, const float* __restrict__ dscores,
+                                       const int32_t* __restrict__ ids, T* __restrict__ dx) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kBwdThreadRows + threadIdx.x;
+  if (row >= d.rows) return;
+  const float* dsr = dscores + row * d.k;
+  const int32_t* ir = ids + row * d.k;
+  T* out = dx + row * d.width;
+  const uint32_t n1 = static_cast<uint32_t>(d.n[1]);
+  uint32_t key[2][kTop];  // factor f's keys
+#pragma unroll
+  for (int j = 0; j < kTop; ++j) {
+    const int32_t slot = j < d.k ? ir[j] : -1;
+    const bool valid = slot >= 0 && slot < d.slots;
+    const uint32_t i0 = static_cast<uint32_t>(slot) / n1, i1 = static_cast<uint32_t>(slot) - i0 * n1;
+    key[0][j] = valid ? ~(i0 << 8 | j) : 0u;
+    key[1][j] = valid ? ~(i1 << 8 | j) : 0u;
+  }
+  constexpr int kVec = 16 / sizeof(T);  // elements a 16-byte store
+  if ((reinterpret_cast<uintptr_t>(out) & 15u) == 0 && d.width % kVec == 0) {
+    const uint4 zeros{0u, 0u, 0u, 0u};
+    for (int c = 0; c < d.width; c += kVec) *reinterpret_cast<uint4*>(out + c) = zeros;
+  } else {
+    for (int c = 0; c < d.width; ++c) out[c] = from_f(0.0f, out);
+  }
+#pragma unroll
+  for (int f = 0; f < 2; ++f) {
+    thread_sort(key[f]);
+    T* of = out + d.x_offset[f];
+    float acc = 0.0f;
+#pragma unroll
+    for (int p = 0; p < kTop; ++p) {
+      const uint32_t kp = ~key[f][p];  // (i << 8 | j); all ones past the valid slots
+      if (kp == ~0u) break;
+      const uint32_t i = kp >> 8;
+      if (p == 0 || (~key[f][p - 1] >> 8) != i) acc = 0.0f;
+      acc += dsr[kp & 0xffu];
+      const uint32_t next = p + 1 < kTop ? ~key[f][p + 1] : ~0u;
+      if ((next >> 8) != i) of[i] = from_f(acc, of);
+    }
+  }
+}
+
 template <typename Kernel, typename... Args>
 int launch(Kernel kernel, const ProductKeyDims& d, int64_t bytes_per_warp, cudaStream_t stream, Args... args) {
   if (d.rows <= 0) return static_cast<int>(cudaSuccess);
@@ -743,6 +795,14 @@ template <typename T>
 int product_key_topk_bwd_cuda(const ProductKeyDims& d, const float* dscores, const int32_t* ids, T* dx,
                               CUstream_st* stream) {
   using D = typename Device<T>::type;
+  if (d.rows > kSplitRows && d.F == 2 && d.k <= 64 && d.n[0] <= kThreadMaxN && d.n[1] <= kThreadMaxN) {
+    const auto kernel =
+        d.k > 32 ? product_key_topk_bwd_thread_kernel<64, D> : product_key_topk_bwd_thread_kernel<32, D>;
+    const int64_t blocks = (d.rows + kBwdThreadRows - 1) / kBwdThreadRows;
+    if (blocks > 0x7fffffff) return static_cast<int>(cudaErrorInvalidValue);
+    kernel<<<static_cast<unsigned>(blocks), kBwdThreadRows, 0, stream>>>(d, dscores, ids, reinterpret_cast<D*>(dx));
+    return static_cast<int>(cudaGetLastError());
+  }
   const int64_t indexed_bytes = bwd_warp_bytes(d, true);  // the factor indices where they fit
   const int64_t bytes = kWarps * indexed_bytes <= kSharedBytes ? indexed_bytes : bwd_warp_bytes(d, false);
   return launch(product_key_topk_bwd_kernel<D>, d, bytes, stream, dscores, ids, reinterpret_cast<D*>(dx));

@@ -7,9 +7,11 @@
 // launch forms (a block per row for a few rows of 2 to 8 factors; a thread per row for many rows of two short
 // bfloat16 factors, k <= 64, in both instances (top lists of 32 and of 64), with its rows of infinities of both
 // signs; else a warp per row, in each of its three instances by the longest list kept in registers: 256, 512,
-// 1024), row counts that leave a block's last warps idle, and backward rows of several tiles.
+// 1024), row counts that leave a block's last warps idle, and backward rows of several tiles; the backward also
+// with ids outside [0, slots) and cotangents of -0.
 #include "product_key_emu.inc"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -78,9 +80,16 @@ bool run(int64_t rows, const std::vector<int64_t>& factors, int64_t k, Kind kind
   product_key_topk_cpu<T>(d, x.data(), table.data(), s_cpu.data(), i_cpu.data());
   const int rc = product_key_topk_cuda<T>(d, x.data(), table.data(), s_cuda.data(), i_cuda.data(), nullptr);
   for (auto& v : ds) v = normal(rng);
+  // The backward's ids: the forward's, and for two kinds some changed: ids outside [0, slots), which contribute
+  // nothing, and cotangents of -0 (a sum from +0 gives +0).
+  std::vector<int32_t> i_bwd = i_cpu;
+  for (size_t t = 3; t < i_bwd.size() && kind == kInts; t += 7)
+    i_bwd[t] = t % 2 ? -1 - static_cast<int32_t>(t % 5)
+                     : static_cast<int32_t>(std::min<int64_t>(d.slots + t % 5, 0x7fffffff));
+  for (size_t t = 2; t < ds.size() && kind == kSpecial; t += 5) ds[t] = -0.0f;
   std::vector<T> dx_cpu(rows * d.width), dx_cuda(rows * d.width, value<T>(-7.0f));
-  product_key_topk_bwd_cpu<T>(d, ds.data(), i_cpu.data(), dx_cpu.data());
-  const int rc_bwd = product_key_topk_bwd_cuda<T>(d, ds.data(), i_cpu.data(), dx_cuda.data(), nullptr);
+  product_key_topk_bwd_cpu<T>(d, ds.data(), i_bwd.data(), dx_cpu.data());
+  const int rc_bwd = product_key_topk_bwd_cuda<T>(d, ds.data(), i_bwd.data(), dx_cuda.data(), nullptr);
   const bool fwd = same_bits(s_cpu, s_cuda) && same_bits(i_cpu, i_cuda);
   const bool bwd = same_bits(dx_cpu, dx_cuda);
   const bool ok = rc == 0 && rc_bwd == 0 && fwd && bwd;

@@ -106,7 +106,7 @@ if [[ $CHECK == solve || $CHECK == all ]]; then
   "$WORK/solve_check"
 fi
 if [[ $CHECK == product_key || $CHECK == all ]]; then
-  build product_key product_key_topk_cuda.cu 3 "$REPO/kernels/product_key_topk_cpu.cc"
+  build product_key product_key_topk_cuda.cu 4 "$REPO/kernels/product_key_topk_cpu.cc"
   "$WORK/product_key_check"
 fi
 if [[ $CHECK == steps || $CHECK == all ]]; then
