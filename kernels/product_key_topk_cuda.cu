@@ -447,18 +447,24 @@ __global__ void __launch_bounds__(32 * kSplitMaxFactors, 1)
 // increase along it. They do not only where an infinity meets one of the other sign (+inf + -inf is NaN, below every
 // number): a row whose top lists hold both ranks the table's candidates instead, one pass over them per slot.
 constexpr int kThreadMaxN = 256;         // entries of a factor
+constexpr int kThreadMaxK = 64;          // k (the longer instance's top lists)
 constexpr int kThreadBlockWords = 8192;  // a block's shared memory (32 KiB): its rows' two top lists of kTop words
+
+// Whether the thread-per-row kernels (forward for 16-bit scores, backward for both) take the call's rows: many rows
+// of two factors of at most kThreadMaxN entries, k <= kThreadMaxK.
+inline bool thread_per_row(const ProductKeyDims& d) {
+  return d.rows > kSplitRows && d.F == 2 && d.k <= kThreadMaxK && d.n[0] <= kThreadMaxN && d.n[1] <= kThreadMaxN;
+}
+// floor(sqrt(k)) for k >= 1: the merge's s (every candidate (i, j) of the table has min(i, j) < s).
+__host__ __device__ constexpr int floor_sqrt(int k) {
+  int s = 1;
+  while ((s + 1) * (s + 1) <= k) ++s;
+  return s;
+}
 
 template <int kTop>
 __host__ __device__ constexpr int thread_rows() {  // rows (threads) per block: 128 for kTop 32, 64 for kTop 64
   return kThreadBlockWords / (2 * kTop);
-}
-// 2 floor(sqrt(kTop)): the merge's lists at k = kTop, the most an instance keeps.
-template <int kTop>
-__host__ __device__ constexpr int thread_lists() {
-  int s = 1;
-  while ((s + 1) * (s + 1) <= kTop) ++s;
-  return 2 * s;
 }
 
 __device__ __forceinline__ void ce_desc(uint32_t& a, uint32_t& b) {  // a the larger after
@@ -609,9 +615,8 @@ __global__ void __launch_bounds__(thread_rows<kTop>())
     return;
   }
   // The merge: head[l], list l's next candidate (0: exhausted); lists 0 .. s - 1 the rows, s .. 2s - 1 the columns.
-  constexpr int kLists = thread_lists<kTop>();
-  int s = 1;
-  while ((s + 1) * (s + 1) <= k) ++s;
+  constexpr int kLists = 2 * floor_sqrt(kTop);  // the most lists an instance keeps
+  const int s = floor_sqrt(k);
   uint64_t head[kLists];
 #pragma unroll
   for (int l = 0; l < kLists; ++l) {
@@ -771,7 +776,7 @@ int product_key_topk_cuda(const ProductKeyDims& d, const T* x, const int32_t* ta
     return static_cast<int>(cudaGetLastError());
   }
   if constexpr (sizeof(T) == 2) {
-    if (d.rows > kSplitRows && d.F == 2 && d.k <= 64 && d.n[0] <= kThreadMaxN && d.n[1] <= kThreadMaxN) {
+    if (thread_per_row(d)) {
       const bool wide = d.k > 32;
       const auto kernel = wide ? product_key_topk_thread_kernel<64> : product_key_topk_thread_kernel<32>;
       const int rows = wide ? thread_rows<64>() : thread_rows<32>();
@@ -795,7 +800,7 @@ template <typename T>
 int product_key_topk_bwd_cuda(const ProductKeyDims& d, const float* dscores, const int32_t* ids, T* dx,
                               CUstream_st* stream) {
   using D = typename Device<T>::type;
-  if (d.rows > kSplitRows && d.F == 2 && d.k <= 64 && d.n[0] <= kThreadMaxN && d.n[1] <= kThreadMaxN) {
+  if (thread_per_row(d)) {
     const auto kernel =
         d.k > 32 ? product_key_topk_bwd_thread_kernel<64, D> : product_key_topk_bwd_thread_kernel<32, D>;
     const int64_t blocks = (d.rows + kBwdThreadRows - 1) / kBwdThreadRows;
