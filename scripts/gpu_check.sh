@@ -2,7 +2,7 @@
 # The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
 #
 #   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,memory,profile,
-#                                          timeline,sanitize,rowbw,layer,topk,decode_profile,snapshot
+#                                          timeline,sanitize,rowbw,layer,topk,topk_profile,decode_profile,snapshot
 #                                          (default: build,tests,determinism,bench)
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
@@ -14,7 +14,7 @@
 # BENCH_DECODE (0 skips bench_decode.py), BENCH_DECODE_ARGS (bench_decode.py's arguments, default "--impls ffi";
 # e.g. "--impls ffi,noop --device-time" adds the device's kernel time per step), PROFILE_SHAPES, PROFILE_CHUNKS,
 # PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections), PROFILE_DETAIL_CHUNK,
-# PROFILE_MODES, SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT,
+# PROFILE_MODES, TOPK_PROFILE_ARGS, SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT,
 # SANITIZE_PRINT_LIMIT, ROWBW_ARGS (row_bandwidth's arguments: D K P rows per launch), LOGS_TGZ (an archive of the
 # logs after every stage: below).
 set -uo pipefail
@@ -129,6 +129,26 @@ if has topk; then
   timeout 200 python3 "$REPO/benchmarks/bench_topk.py" --device-time > "$OUT/bench_topk.log" 2>&1
   summary "bench_topk rc=$?"
   grep -E "^\|" "$OUT/bench_topk.log" | tee -a "$OUT/summary.txt"
+fi
+pack
+if has topk_profile; then
+  # The product-key top-k's forward and backward kernels at one shape (TOPK_PROFILE_ARGS: profile_topk.py's
+  # arguments, default the layer's config b): ncu's full set of one call, as sections and as stalls per SASS line.
+  rep=$OUT/ncu_topk
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 ncu --clock-control none --set full -k regex:product_key_topk \
+    -c 2 -f -o "$rep" python3 "$REPO/benchmarks/profile_topk.py" --backward --calls 1 \
+    ${TOPK_PROFILE_ARGS:---rows 131072 --factors 128,128 --k 32} > "$OUT/ncu_topk_run.txt" 2>&1
+  summary "topk profile rc=$?"
+  ncu -i "$rep.ncu-rep" --page details > "$OUT/ncu_topk_details.txt" 2>&1
+  for kernel in fwd bwd; do
+    filter=(--kernel-name regex:'product_key_topk_(thread_)?kernel')
+    [ $kernel = fwd ] || filter=(--kernel-name regex:product_key_topk_bwd)
+    ncu -i "$rep.ncu-rep" "${filter[@]}" --page source --print-source sass --csv > "$OUT/ncu_topk_$kernel.csv" 2>&1
+    python3 "$REPO/benchmarks/ncu_source_summary.py" "$OUT/ncu_topk_$kernel.csv" > "$OUT/ncu_topk_$kernel.txt" 2>&1
+  done
+  grep -E "Duration|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per|L1/TEX Hit|Mem Pipes|Issue Slots Busy" \
+    "$OUT/ncu_topk_details.txt" | tee -a "$OUT/summary.txt"
+  rm -f "$rep.ncu-rep"
 fi
 pack
 if has decode_profile; then
