@@ -518,32 +518,62 @@ __device__ __forceinline__ float entry_score(uint32_t entry) {
 }
 __device__ __forceinline__ int32_t entry_index(uint32_t entry) { return static_cast<int32_t>(entry & 0xffffu); }
 
+// A narrow composite's bfloat16 bits, from its key's top 16 bits (order_key's inverse there). Zero is ambiguous
+// (-0 and +0 share a key) and NaN is not kept (its sums are NaN, written as the one canonical NaN): the caller reads
+// a zero's bits back from the row.
+__device__ __forceinline__ uint16_t composite_bf16_bits(uint32_t c) {
+  const uint32_t top = c >> 16;
+  return static_cast<uint16_t>(top & 0x8000u ? top & 0x7fffu : ~top & 0xffffu);
+}
+constexpr uint32_t kZeroKeyTop = 0x8000u;  // order_key(+0) >> 16
+
+// The entries e0 + 8 q + [0, 8) (q < 4) of the rows of a lane pair (lanes 2 p and 2 p + 1: rows xa, xb) into the
+// calling lane's h[q][8]: each 32-byte sector is loaded once, half by each lane of the pair, and the halves swapped
+// with a shuffle (a lane loading its own row's 64 bytes alone would load each sector twice: shared memory leaves
+// L1 little room, so the second load misses). Every lane of the warp calls it; xa, xb 16-byte aligned, n % 8 == 0.
+__device__ __forceinline__ void pair_load_chunk(const uint16_t* xa, const uint16_t* xb, int e0, int n, bool odd,
+                                                uint16_t (&h)[4][8]) {
+#pragma unroll
+  for (int sector = 0; sector < 2; ++sector) {
+    const int q = 2 * sector + (odd ? 1 : 0);  // this lane's half of the sector
+    const bool in = e0 + 8 * q < n;
+    const uint4 zero{0u, 0u, 0u, 0u};
+    const uint4 va = in ? *reinterpret_cast<const uint4*>(xa + e0 + 8 * q) : zero;
+    const uint4 vb = in ? *reinterpret_cast<const uint4*>(xb + e0 + 8 * q) : zero;
+    const uint4 keep = odd ? vb : va, send = odd ? va : vb;
+    const uint4 got{static_cast<unsigned>(__shfl_xor_sync(~0u, static_cast<int>(send.x), 1)),
+                    static_cast<unsigned>(__shfl_xor_sync(~0u, static_cast<int>(send.y), 1)),
+                    static_cast<unsigned>(__shfl_xor_sync(~0u, static_cast<int>(send.z), 1)),
+                    static_cast<unsigned>(__shfl_xor_sync(~0u, static_cast<int>(send.w), 1))};
+    const uint4 lo = odd ? got : keep, hi = odd ? keep : got;  // the sector's halves q = 2 sector, 2 sector + 1
+    const unsigned w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int t = 0; t < 16; ++t) h[2 * sector + t / 8][t % 8] = static_cast<uint16_t>(w[t / 2] >> (16 * (t % 2)));
+  }
+}
+
 // Factor f's top m_f of the thread's row (raw bfloat16 bits xf[0, n)) into its list in shared memory (entry r at
-// list[r * rows]); returns the list's infinities: bit 0 a +inf, bit 1 a -inf.
+// list[r * rows]); returns the list's infinities: bit 0 a +inf, bit 1 a -inf. Every lane of the warp calls it;
+// where `paired`, the rows of the lane pair are xa and xb (the calling lane's is xf, the odd lane's xb) and each
+// chunk is loaded by pair_load_chunk.
 template <int kTop>
-__device__ unsigned thread_factor(const uint16_t* __restrict__ xf, int n, int m, uint32_t* list) {
+__device__ unsigned thread_factor(const uint16_t* __restrict__ xf, const uint16_t* xa, const uint16_t* xb,
+                                  bool paired, bool odd, int n, int m, uint32_t* list) {
   uint32_t top[kTop];
-  const bool vec = (reinterpret_cast<uintptr_t>(xf) & 15u) == 0 && (n & 7) == 0;
   for (int e0 = 0; e0 < n; e0 += 32) {
+    uint16_t h[4][8];
+    if (paired) {
+      pair_load_chunk(xa, xb, e0, n, odd, h);
+    } else {
+#pragma unroll
+      for (int t = 0; t < 32; ++t) h[t / 8][t % 8] = e0 + t < n ? xf[e0 + t] : uint16_t{0};
+    }
     uint32_t b[32];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {  // 8 entries a load where aligned
-      uint16_t h[8];
-      if (vec && e0 + 8 * q < n) {
-        const uint4 u = *reinterpret_cast<const uint4*>(xf + e0 + 8 * q);
-        const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-        for (int t = 0; t < 8; ++t) h[t] = static_cast<uint16_t>(w[t / 2] >> (16 * (t % 2)));
-      } else {
-#pragma unroll
-        for (int t = 0; t < 8; ++t) h[t] = e0 + 8 * q + t < n ? xf[e0 + 8 * q + t] : uint16_t{0};
-      }
-#pragma unroll
-      for (int t = 0; t < 8; ++t) {
-        const int e = e0 + 8 * q + t;
-        b[8 * q + t] = e < n ? Composite<uint32_t>::make(order_key(float_of_bf16_bits(h[t])), static_cast<uint32_t>(e))
-                             : 0u;
-      }
+    for (int t = 0; t < 32; ++t) {
+      const int e = e0 + t;
+      b[t] = e < n ? Composite<uint32_t>::make(order_key(float_of_bf16_bits(h[t / 8][t % 8])), static_cast<uint32_t>(e))
+                   : 0u;
     }
     thread_sort(b);
     if (e0 == 0) {
@@ -559,7 +589,7 @@ __device__ unsigned thread_factor(const uint16_t* __restrict__ xf, int n, int m,
   for (int r = 0; r < kTop; ++r) {
     if (r >= m) break;
     const uint32_t e = Composite<uint32_t>::position(top[r]);
-    const uint16_t bits = xf[e];
+    const uint16_t bits = top[r] >> 16 == kZeroKeyTop ? xf[e] : composite_bf16_bits(top[r]);
     inf |= bits == 0x7f80u ? 1u : bits == 0xff80u ? 2u : 0u;
     list[r * rows] = static_cast<uint32_t>(bits) << 16 | e;
   }
@@ -567,50 +597,61 @@ __device__ unsigned thread_factor(const uint16_t* __restrict__ xf, int n, int m,
 }
 
 template <int kTop>
-__global__ void __launch_bounds__(thread_rows<kTop>())
+__global__ void __launch_bounds__(thread_rows<kTop>(), kTop == 32 ? 6 : 3)
     product_key_topk_thread_kernel(ProductKeyDims d, const uint16_t* __restrict__ x,
                                    const int32_t* __restrict__ table, float* __restrict__ scores,
                                    int32_t* __restrict__ ids) {
   constexpr int rows = thread_rows<kTop>();
   extern __shared__ __align__(16) unsigned char shared[];
+  // A block's rows past d.rows still load (their pair's last row) and sort with their warp: the loads shuffle.
   const int64_t row = static_cast<int64_t>(blockIdx.x) * rows + threadIdx.x;
-  if (row >= d.rows) return;
+  const int64_t last = d.rows - 1;
+  const bool odd = (threadIdx.x & 1u) != 0;  // rows is even: row and threadIdx.x share their parity
+  const int64_t row_a = (row & ~int64_t{1}) < last ? (row & ~int64_t{1}) : last;
+  const int64_t row_b = (row | 1) < last ? (row | 1) : last;
   uint32_t* a = reinterpret_cast<uint32_t*>(shared) + threadIdx.x;  // a[r * rows]: factor 0's rank r
   uint32_t* b = a + kTop * rows;                                     // factor 1's
-  const uint16_t* xr = x + row * d.width;
-  const unsigned inf_a = thread_factor<kTop>(xr + d.x_offset[0], d.n[0], d.m[0], a);
-  const unsigned inf_b = thread_factor<kTop>(xr + d.x_offset[1], d.n[1], d.m[1], b);
+  unsigned inf[2];
+#pragma unroll
+  for (int f = 0; f < 2; ++f) {
+    const uint16_t* xa = x + row_a * d.width + d.x_offset[f];
+    const uint16_t* xb = x + row_b * d.width + d.x_offset[f];
+    // 16-byte loads where every row's factor is aligned (the same for all rows: the width a multiple of 8).
+    const bool paired = (reinterpret_cast<uintptr_t>(x + d.x_offset[f]) & 15u) == 0 && (d.width & 7) == 0 &&
+                        (d.n[f] & 7) == 0;
+    inf[f] = thread_factor<kTop>(odd ? xb : xa, xa, xb, paired, odd, d.n[f], d.m[f], f == 0 ? a : b);
+  }
+  if (row >= d.rows) return;
   float* sr = scores + row * d.k;
   int32_t* ir = ids + row * d.k;
   const int m0 = d.m[0], m1 = d.m[1], k = d.k, n1 = d.n[1];
-  auto emit = [&](int out, int i, int j) {
-    const uint32_t ea = a[i * rows], eb = b[j * rows];
-    sr[out] = canonical_score(entry_score(ea) + entry_score(eb));
-    ir[out] = entry_index(ea) * n1 + entry_index(eb);
-  };
+  auto score_of = [&](int i, int j) { return canonical_score(entry_score(a[i * rows]) + entry_score(b[j * rows])); };
+  auto id_of = [&](int i, int j) { return entry_index(a[i * rows]) * n1 + entry_index(b[j * rows]); };
   // A candidate (i, j) as one integer whose descending order is the slots' (composite: the merge key, then the
   // smaller rank tuple; i, j < 256); 0 for none.
   auto head_of = [&](int i, int j) {
     return composite(merge_key(entry_score(a[i * rows]) + entry_score(b[j * rows])),
                      static_cast<uint32_t>(i << 8 | j));
   };
-  if (((inf_a & 1u) && (inf_b & 2u)) || ((inf_a & 2u) && (inf_b & 1u))) {
+  if (((inf[0] & 1u) && (inf[1] & 2u)) || ((inf[0] & 2u) && (inf[1] & 1u))) {
     // Sums that do not fall along a list: per slot, the best candidate of the table below the one emitted last
     // (composites (key, table position): distinct, the CPU kernel's order).
-    uint64_t last = ~uint64_t{0};
+    uint64_t last_emitted = ~uint64_t{0};
     for (int out = 0; out < k; ++out) {
       uint64_t best = 0;
       int best_c = 0;
       for (int c = 0; c < d.C; ++c) {
         const uint32_t ea = a[__ldg(table + c) * rows], eb = b[__ldg(table + d.C + c) * rows];
         const uint64_t comp = composite(order_key(entry_score(ea) + entry_score(eb)), static_cast<uint32_t>(c));
-        if (comp < last && comp > best) {
+        if (comp < last_emitted && comp > best) {
           best = comp;
           best_c = c;
         }
       }
-      emit(out, __ldg(table + best_c), __ldg(table + d.C + best_c));
-      last = best;
+      const int i = __ldg(table + best_c), j = __ldg(table + d.C + best_c);
+      sr[out] = score_of(i, j);
+      ir[out] = id_of(i, j);
+      last_emitted = best;
     }
     return;
   }
@@ -624,23 +665,41 @@ __global__ void __launch_bounds__(thread_rows<kTop>())
     const bool open = l < 2 * s && i < m0 && j < m1 && (i + 1) * (j + 1) <= k;
     head[l] = open ? head_of(i, j) : 0u;
   }
-  for (int out = 0; out < k; ++out) {
-    uint64_t best = head[0];
-    int bl = 0;
+  // Four slots a step, written with 16-byte stores where the row allows (k a multiple of 4).
+  const bool vec_out = (k & 3) == 0 && (reinterpret_cast<uintptr_t>(sr) & 15u) == 0 &&
+                       (reinterpret_cast<uintptr_t>(ir) & 15u) == 0;
+  for (int out0 = 0; out0 < k; out0 += 4) {
+    float sv[4];
+    int32_t iv[4];
 #pragma unroll
-    for (int l = 1; l < kLists; ++l) {
-      const bool more = head[l] > best;
-      best = more ? head[l] : best;
-      bl = more ? l : bl;
+    for (int u = 0; u < 4; ++u) {
+      if (out0 + u >= k) break;
+      uint64_t best = head[0];
+      int bl = 0;
+#pragma unroll
+      for (int l = 1; l < kLists; ++l) {
+        const bool more = head[l] > best;
+        best = more ? head[l] : best;
+        bl = more ? l : bl;
+      }
+      const int pos = static_cast<int>(composite_pos(best));
+      const int i = pos >> 8, j = pos & 0xff;
+      sv[u] = score_of(i, j);
+      iv[u] = id_of(i, j);
+      if (!vec_out) {
+        sr[out0 + u] = sv[u];
+        ir[out0 + u] = iv[u];
+      }
+      // The list's next candidate: a row advances j, a column i.
+      const int i1 = bl < s ? i : i + 1, j1 = bl < s ? j + 1 : j;
+      const uint64_t h1 = i1 < m0 && j1 < m1 && (i1 + 1) * (j1 + 1) <= k ? head_of(i1, j1) : 0u;
+#pragma unroll
+      for (int l = 0; l < kLists; ++l) head[l] = l == bl ? h1 : head[l];
     }
-    const int pos = static_cast<int>(composite_pos(best));
-    const int i = pos >> 8, j = pos & 0xff;
-    emit(out, i, j);
-    // The list's next candidate: a row advances j, a column i.
-    const int i1 = bl < s ? i : i + 1, j1 = bl < s ? j + 1 : j;
-    const uint64_t h1 = i1 < m0 && j1 < m1 && (i1 + 1) * (j1 + 1) <= k ? head_of(i1, j1) : 0u;
-#pragma unroll
-    for (int l = 0; l < kLists; ++l) head[l] = l == bl ? h1 : head[l];
+    if (vec_out) {
+      *reinterpret_cast<float4*>(sr + out0) = make_float4(sv[0], sv[1], sv[2], sv[3]);
+      *reinterpret_cast<int4*>(ir + out0) = make_int4(iv[0], iv[1], iv[2], iv[3]);
+    }
   }
 }
 
@@ -706,39 +765,78 @@ __global__ void __launch_bounds__(kThreads, 1)
 // layer's addressing, as in the forward; float32 or bfloat16): a warp's serial walk over the slots costs a chain of
 // shared-memory round trips per slot, a thread's sort about ten compare-exchanges per slot. Per factor, the k keys
 // ~(i << 8 | j) (factor index i, slot j; 0 for an id outside [0, slots)) sorted descending in registers, so in
-// (i, j) order; then one pass adds each run of equal i in slot order from +0 and stores its sum at the run's end,
-// over the row zeroed first (16-byte stores where aligned).
+// (i, j) order; then one pass adds each run of equal i in slot order from +0. The row's dscores wait in shared memory
+// (slot j of thread t at [j][t]: no bank conflict whatever j). Where the row's factors are whole 16-byte groups,
+// the pass writes each group once (16-byte stores, zeros between the runs: global stores of a few bytes each cost
+// as much as whole ones); elsewhere the row is zeroed first and each run's sum stored alone.
 constexpr int kBwdThreadRows = 128;
 template <int kTop, typename T>
-__global__ void __launch_bounds__(kBwdThreadRows)
+__global__ void __launch_bounds__(kBwdThreadRows, kTop == 32 ? 6 : 3)
     product_key_topk_bwd_thread_kernel(ProductKeyDims d, const float* __restrict__ dscores,
                                        const int32_t* __restrict__ ids, T* __restrict__ dx) {
+  __shared__ float ds[kTop * kBwdThreadRows];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kBwdThreadRows + threadIdx.x;
   if (row >= d.rows) return;
   const float* dsr = dscores + row * d.k;
   const int32_t* ir = ids + row * d.k;
+  float* dst = ds + threadIdx.x;  // dst[j * kBwdThreadRows]: slot j's cotangent
   T* out = dx + row * d.width;
   const uint32_t n1 = static_cast<uint32_t>(d.n[1]);
+  const bool vec_in = (d.k & 3) == 0 && (reinterpret_cast<uintptr_t>(dsr) & 15u) == 0 &&
+                      (reinterpret_cast<uintptr_t>(ir) & 15u) == 0;
   uint32_t key[2][kTop];  // factor f's keys
 #pragma unroll
-  for (int j = 0; j < kTop; ++j) {
-    const int32_t slot = j < d.k ? ir[j] : -1;
-    const bool valid = slot >= 0 && slot < d.slots;
-    const uint32_t i0 = static_cast<uint32_t>(slot) / n1, i1 = static_cast<uint32_t>(slot) - i0 * n1;
-    key[0][j] = valid ? ~(i0 << 8 | j) : 0u;
-    key[1][j] = valid ? ~(i1 << 8 | j) : 0u;
+  for (int j0 = 0; j0 < kTop; j0 += 4) {
+    int32_t slot[4] = {-1, -1, -1, -1};
+    if (vec_in && j0 < d.k) {
+      const int4 iv = *reinterpret_cast<const int4*>(ir + j0);
+      const float4 dv = *reinterpret_cast<const float4*>(dsr + j0);
+      slot[0] = iv.x, slot[1] = iv.y, slot[2] = iv.z, slot[3] = iv.w;
+      dst[(j0 + 0) * kBwdThreadRows] = dv.x, dst[(j0 + 1) * kBwdThreadRows] = dv.y;
+      dst[(j0 + 2) * kBwdThreadRows] = dv.z, dst[(j0 + 3) * kBwdThreadRows] = dv.w;
+    } else if (!vec_in) {
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        if (j0 + t >= d.k) break;
+        slot[t] = ir[j0 + t];
+        dst[(j0 + t) * kBwdThreadRows] = dsr[j0 + t];
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const int j = j0 + t;
+      const bool valid = slot[t] >= 0 && slot[t] < d.slots;
+      const uint32_t i0 = static_cast<uint32_t>(slot[t]) / n1, i1 = static_cast<uint32_t>(slot[t]) - i0 * n1;
+      key[0][j] = valid ? ~(i0 << 8 | j) : 0u;
+      key[1][j] = valid ? ~(i1 << 8 | j) : 0u;
+    }
   }
   constexpr int kVec = 16 / sizeof(T);  // elements a 16-byte store
-  if ((reinterpret_cast<uintptr_t>(out) & 15u) == 0 && d.width % kVec == 0) {
-    const uint4 zeros{0u, 0u, 0u, 0u};
-    for (int c = 0; c < d.width; c += kVec) *reinterpret_cast<uint4*>(out + c) = zeros;
-  } else {
+  const bool vec_out = (reinterpret_cast<uintptr_t>(out) & 15u) == 0 && d.width == d.n[0] + d.n[1] &&
+                       d.x_offset[1] == d.n[0] && d.n[0] % kVec == 0 && d.n[1] % kVec == 0;
+  if (!vec_out) {
     for (int c = 0; c < d.width; ++c) out[c] = from_f(0.0f, out);
   }
 #pragma unroll
   for (int f = 0; f < 2; ++f) {
     thread_sort(key[f]);
     T* of = out + d.x_offset[f];
+    const int groups = d.n[f] / kVec;
+    float group[kVec];  // the group `g` being filled (vec_out): groups below g are written
+#pragma unroll
+    for (int t = 0; t < kVec; ++t) group[t] = 0.0f;
+    int g = 0;
+    auto flush_to = [&](int end) {  // write groups [g, end): the one being filled, then zeros
+      for (; g < end; ++g) {
+        T v[kVec];
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) {
+          v[t] = from_f(group[t], of);
+          group[t] = 0.0f;
+        }
+        *reinterpret_cast<uint4*>(of + g * kVec) = *reinterpret_cast<const uint4*>(v);
+      }
+    };
     float acc = 0.0f;
 #pragma unroll
     for (int p = 0; p < kTop; ++p) {
@@ -746,10 +844,19 @@ __global__ void __launch_bounds__(kBwdThreadRows)
       if (kp == ~0u) break;
       const uint32_t i = kp >> 8;
       if (p == 0 || (~key[f][p - 1] >> 8) != i) acc = 0.0f;
-      acc += dsr[kp & 0xffu];
+      acc += dst[(kp & 0xffu) * kBwdThreadRows];
       const uint32_t next = p + 1 < kTop ? ~key[f][p + 1] : ~0u;
-      if ((next >> 8) != i) of[i] = from_f(acc, of);
+      if ((next >> 8) != i) {  // the run of index i ends: its sum
+        if (vec_out) {
+          flush_to(static_cast<int>(i) / kVec);
+#pragma unroll
+          for (int t = 0; t < kVec; ++t) group[t] = static_cast<int>(i) % kVec == t ? acc : group[t];
+        } else {
+          of[i] = from_f(acc, of);
+        }
+      }
     }
+    if (vec_out) flush_to(groups);
   }
 }
 

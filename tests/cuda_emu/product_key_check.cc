@@ -132,9 +132,12 @@ int main() {
       {2, {4, 4, 4, 4, 4, 4, 4, 4}, 600, 0x1},  // eight sort buffers of 1024 exceed shared memory: a warp per row
       {520, {128, 128}, 32, 0x1f},  // the layer's many rows (config b): float32 by the warp-per-row kernel of
                                     // 256-element keys, bfloat16 by the thread-per-row kernel (both merge routes)
-      {520, {40, 72}, 20, 0x1f},    // a thread a row: unaligned factor rows (scalar loads), m in (16, 32]
-      {530, {3, 5}, 15, 0x1f},      // a thread a row: k = prod(factors), every list taken whole
-      {515, {256, 16}, 1, 0x3},     // a thread a row: k = 1, the largest factor it takes
+      {520, {40, 72}, 20, 0x1f},    // a thread a row: chunks cut short (one lane of a loading pair out of the
+                                    // factor), m in (16, 32]
+      {530, {3, 5}, 15, 0x1f},      // a thread a row: k = prod(factors), every list taken whole; scalar loads
+                                    // and stores
+      {515, {256, 16}, 1, 0x3},     // a thread a row: k = 1, the largest factor it takes; an odd row count (the
+                                    // last row loaded for its pair's idle lane)
       {520, {256, 256}, 64, 0x3},   // config a: C = 280; float32 by the warp-per-row kernel of 512-element keys,
                                     // bfloat16 by the thread-per-row kernel's instance of top lists of 64
       {530, {100, 37}, 50, 0x13, true},   // a thread a row, lists of 64: s = 7 row and column lists, m_1 = 37 < k
