@@ -2,7 +2,8 @@
 # The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
 #
 #   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,memory,profile,
-#                                          timeline,sanitize,rowbw,layer,topk,topk_profile,decode_profile,snapshot
+#                                          timeline,sanitize,rowbw,layer,topk,topk_profile,decode_trace,
+#                                          decode_profile,snapshot
 #                                          (default: build,tests,determinism,bench)
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
@@ -149,6 +150,16 @@ if has topk_profile; then
   grep -E "Duration|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per|L1/TEX Hit|Mem Pipes|Issue Slots Busy" \
     "$OUT/ncu_topk_details.txt" | tee -a "$OUT/summary.txt"
   rm -f "$rep.ncu-rep"
+fi
+pack
+if has decode_trace; then
+  # The layer's decode against K with device timelines at 2^12 and 2^20, and XLA's optimized HLO of the decode
+  # loops (hlo_decode/: which fusions a step launches besides the op and the top-k).
+  XLA_FLAGS="--xla_dump_to=$OUT/hlo_decode --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_loop.*" \
+    timeout 300 python3 "$REPO/benchmarks/bench_layer.py" --layer-decode --trace > "$OUT/decode_timeline.txt" 2>&1
+  summary "layer decode rc=$?"
+  grep -E "^\|" "$OUT/decode_timeline.txt" | tee -a "$OUT/summary.txt"
+  find "$OUT/hlo_decode" -name "*before_optimizations*" -delete 2>/dev/null
 fi
 pack
 if has decode_profile; then
