@@ -3,6 +3,7 @@
     python benchmarks/bench_layer.py [--config a,b | cpu] [--repeats N] [--pipeline N] [--trace]
                                      [--layer-option NAME=VALUE ...]
     python benchmarks/bench_layer.py --layer-decode [--min-log-k 12 --max-log-k 20] [--decode-steps 256] [--trace]
+                                     [--decode-unroll 1,4]
 
 For each config:
 * layer training step: `jax.jit` of the gradient of `sum(layer(x) * dy)` with respect to `x` and every parameter;
@@ -18,7 +19,8 @@ the device time grouped by the layer's named scopes (`address`, `project`, `memo
 `--layer-decode`: decoding through the layer against the op alone, per token, against `K` (B 4, H 4, D 128,
 d_model 512, W = R = 16, bf16; float32 on the CPU): the layer's `decode_loop` (one jit, a `lax.scan` over
 `--decode-steps` tokens of `layer.decode`, the state donated) and `sdm_step` in the same kind of loop on the
-memory inputs the layer makes for the same tokens; wall time per token, median of `--repeats` runs. With `--trace`
+memory inputs the layer makes for the same tokens; wall time per token, median of `--repeats` runs; each
+`--decode-unroll` (steps per loop iteration, both loops) in turn. With `--trace`
 also the device timeline of one loop at the smallest and the largest K, by scope and kernel.
 """
 import argparse
@@ -182,8 +184,9 @@ def decode_timeline(K, steps, options):
              f"{steps} tokens")
 
 
-def decode_times(K, steps, repeats, options):
-    """(layer us per token, op us per token) for decoding `steps` tokens inside one jitted, donated loop."""
+def decode_times(K, steps, repeats, options, unroll=1):
+    """(layer us per token, op us per token) for decoding `steps` tokens inside one jitted, donated loop
+    (`unroll` steps an iteration, both loops)."""
     B = DECODE["B"]
     layer, x = decode_layer(K, steps, options)
     args = jax.jit(lambda x: layer.memory_inputs(x))(x)
@@ -193,7 +196,7 @@ def decode_times(K, steps, repeats, options):
         def body(bank, token):
             y, bank = jax_sdm.sdm_step(bank, *token)
             return bank, y
-        bank, ys = jax.lax.scan(body, bank, tuple(jnp.swapaxes(a, 0, 1) for a in args))
+        bank, ys = jax.lax.scan(body, bank, tuple(jnp.swapaxes(a, 0, 1) for a in args), unroll=unroll)
         return ys, bank
 
     def per_token(loop, *inputs):
@@ -206,7 +209,7 @@ def decode_times(K, steps, repeats, options):
             times.append((time.perf_counter() - start) / steps)
         return statistics.median(times) * 1e6
 
-    t_layer = per_token(lambda x, state: decode_loop(layer, x, state), x)
+    t_layer = per_token(lambda x, state: decode_loop(layer, x, state, unroll=unroll), x)
     t_op = per_token(lambda args, state: op_loop(state, args), args)
     return t_layer, t_op
 
@@ -221,11 +224,14 @@ def main_decode(opts, options):
           f"{DECODE['num_heads'] * DECODE['head_dim']}, W {DECODE['num_writes']}, R {DECODE['num_reads']}")
     print()
     rows = []
+    unrolls = [int(u) for u in opts.decode_unroll.split(",")]
     for log_k in range(opts.min_log_k, high + 1):
-        t_layer, t_op = decode_times(1 << log_k, opts.decode_steps, opts.repeats, options)
-        rows.append([f"2^{log_k}", f"{t_layer:.1f}", f"{t_op:.1f}", f"{t_layer / t_op:.2f}"])
-        print(f"  K 2^{log_k}: layer {t_layer:.1f} us, op {t_op:.1f} us", file=sys.stderr, flush=True)
-    print_table(["K", "layer decode us/token", "op sdm_step us/token", "layer / op"], rows)
+        for unroll in unrolls:
+            t_layer, t_op = decode_times(1 << log_k, opts.decode_steps, opts.repeats, options, unroll)
+            rows.append([f"2^{log_k}", str(unroll), f"{t_layer:.1f}", f"{t_op:.1f}", f"{t_layer / t_op:.2f}"])
+            print(f"  K 2^{log_k}, unroll {unroll}: layer {t_layer:.1f} us, op {t_op:.1f} us", file=sys.stderr,
+                  flush=True)
+    print_table(["K", "unroll", "layer decode us/token", "op sdm_step us/token", "layer / op"], rows)
     if opts.trace:
         print()
         for log_k in sorted({opts.min_log_k, high}):
@@ -248,6 +254,8 @@ def main(argv=None):
     parser.add_argument("--min-log-k", type=int, default=12)
     parser.add_argument("--max-log-k", type=int, default=None, help="default 20 (14 on the CPU)")
     parser.add_argument("--decode-steps", type=int, default=256)
+    parser.add_argument("--decode-unroll", default="1",
+                        help="comma-separated steps per loop iteration (decode_loop's unroll; the op's loop too)")
     opts = parser.parse_args(argv)
     backend = jax.default_backend()
     names = (opts.config or ("cpu" if backend == "cpu" else "a,b")).split(",")

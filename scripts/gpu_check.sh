@@ -15,7 +15,7 @@
 # BENCH_DECODE (0 skips bench_decode.py), BENCH_DECODE_ARGS (bench_decode.py's arguments, default "--impls ffi";
 # e.g. "--impls ffi,noop --device-time" adds the device's kernel time per step), PROFILE_SHAPES, PROFILE_CHUNKS,
 # PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections), PROFILE_DETAIL_CHUNK,
-# PROFILE_MODES, TOPK_PROFILE_ARGS, SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT,
+# PROFILE_MODES, TOPK_PROFILE_ARGS, DECODE_ARGS, SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT,
 # SANITIZE_PRINT_LIMIT, ROWBW_ARGS (row_bandwidth's arguments: D K P rows per launch), LOGS_TGZ (an archive of the
 # logs after every stage: below).
 set -uo pipefail
@@ -154,9 +154,11 @@ fi
 pack
 if has decode_trace; then
   # The layer's decode against K with device timelines at 2^12 and 2^20, and XLA's optimized HLO of the decode
-  # loops (hlo_decode/: which fusions a step launches besides the op and the top-k).
+  # loops (hlo_decode/: which fusions a step launches besides the op and the top-k). DECODE_ARGS: more
+  # bench_layer.py arguments (e.g. "--decode-unroll 1,8").
   XLA_FLAGS="--xla_dump_to=$OUT/hlo_decode --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_loop.*" \
-    timeout 300 python3 "$REPO/benchmarks/bench_layer.py" --layer-decode --trace > "$OUT/decode_timeline.txt" 2>&1
+    timeout 300 python3 "$REPO/benchmarks/bench_layer.py" --layer-decode --trace ${DECODE_ARGS:-} \
+    > "$OUT/decode_timeline.txt" 2>&1
   summary "layer decode rc=$?"
   grep -E "^\|" "$OUT/decode_timeline.txt" | tee -a "$OUT/summary.txt"
   find "$OUT/hlo_decode" -name "*before_optimizations*" -delete 2>/dev/null

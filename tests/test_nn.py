@@ -553,6 +553,18 @@ def test_decode_loop_equals_one_call_and_donates_the_state(variant):
         model.decode(x, model.init_state(2))
 
 
+def test_decode_loop_unrolled_gives_the_same_bits():
+    seed = fresh_seed()
+    model = layer(seed, **VARIANTS["product_key"])
+    model.eval()
+    x = inputs(seed + 1, T=7)  # 7 steps: unroll 3 leaves a remainder iteration
+    y1, bank1 = decode_loop(model, x, model.init_state(2))
+    y3, bank3 = decode_loop(model, x, model.init_state(2), unroll=3)
+    assert np.array_equal(np.asarray(y1), np.asarray(y3)) and np.array_equal(np.asarray(bank1), np.asarray(bank3))
+    with pytest.raises(ValueError, match="unroll"):
+        decode_loop(model, x, model.init_state(2), unroll=0)
+
+
 def test_access_stats_match_numpy():
     seed = fresh_seed()
     model = layer(seed, gate="write")

@@ -444,8 +444,8 @@ class SparseDeltaMemory(nnx.Module):
         return (y[:, 0] if squeeze else y), state
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-def _decode_loop(graphdef, params, x, state):
+@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=3)
+def _decode_loop(graphdef, params, x, state, unroll=1):
     layer = nnx.merge(graphdef, params)
     weights = layer.projection_weights()  # once, not in every step
 
@@ -453,21 +453,25 @@ def _decode_loop(graphdef, params, x, state):
         y_t, state = layer.decode(x_t, state, weights=weights)
         return state, y_t
 
-    state, ys = jax.lax.scan(body, state, jnp.swapaxes(x, 0, 1))
+    state, ys = jax.lax.scan(body, state, jnp.swapaxes(x, 0, 1), unroll=unroll)
     return jnp.swapaxes(ys, 0, 1), state
 
 
-def decode_loop(layer, x, state):
+def decode_loop(layer, x, state, *, unroll=1):
     """Decode `x [B, T, d_model]` token by token through `layer`: one `jax.jit` with a `lax.scan` over the
     tokens of `layer.decode`, the state donated (updated in place, never copied; the `state` passed in is
     deleted). Returns `(y [B, T, d_model], state)`: the same as `layer(x, state=state)` up to rounding, at the
-    cost of `T` decode steps. For a model of your own, write the scan body around your model's step the same
-    way and jit it with the state in `donate_argnums`."""
+    cost of `T` decode steps. `unroll`: steps per iteration of the compiled loop (`lax.scan`'s `unroll`; more
+    steps an iteration pay the loop's own per-iteration work less often, and take longer to compile; the same
+    bits). For a model of your own, write the scan body around your model's step the same way and jit it with
+    the state in `donate_argnums`."""
     if x.ndim != 3 or x.shape[-1] != layer.d_model:
         raise ValueError(f"decode_loop: `x` must be [B, T, d_model={layer.d_model}], got {x.shape}")
+    if not isinstance(unroll, int) or isinstance(unroll, bool) or unroll < 1:
+        raise ValueError(f"decode_loop: `unroll` must be a positive int, got {unroll!r}")
     layer._check_state(state, x.shape[0])
     graphdef, params = nnx.split(layer)
-    return _decode_loop(graphdef, params, x, state)
+    return _decode_loop(graphdef, params, x, state, unroll)
 
 
 def memory_access_stats(memory_inputs, num_slots, mask=None):
