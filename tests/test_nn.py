@@ -553,14 +553,18 @@ def test_decode_loop_equals_one_call_and_donates_the_state(variant):
         model.decode(x, model.init_state(2))
 
 
-def test_decode_loop_unrolled_gives_the_same_bits():
+def test_decode_loop_unrolled_equals_one_call():
     seed = fresh_seed()
     model = layer(seed, **VARIANTS["product_key"])
     model.eval()
     x = inputs(seed + 1, T=7)  # 7 steps: unroll 3 leaves a remainder iteration
-    y1, bank1 = decode_loop(model, x, model.init_state(2))
+    y_all, bank_all = nnx.jit(lambda m, x, s: m(x, state=s))(model, x, model.init_state(2))
     y3, bank3 = decode_loop(model, x, model.init_state(2), unroll=3)
-    assert np.array_equal(np.asarray(y1), np.asarray(y3)) and np.array_equal(np.asarray(bank1), np.asarray(bank3))
+    # Up to rounding: the compiler may fuse an unrolled iteration's steps differently (on the GPU the outputs
+    # differ from the rolled loop's in the last bits).
+    assert rel_err(y3, y_all) < 1e-5 and rel_err(bank3, bank_all) < 1e-5
+    y3_again, _ = decode_loop(model, x, model.init_state(2), unroll=3)
+    assert np.array_equal(np.asarray(y3), np.asarray(y3_again))
     with pytest.raises(ValueError, match="unroll"):
         decode_loop(model, x, model.init_state(2), unroll=0)
 
