@@ -15,9 +15,9 @@
 # BENCH_DECODE (0 skips bench_decode.py), BENCH_DECODE_ARGS (bench_decode.py's arguments, default "--impls ffi";
 # e.g. "--impls ffi,noop --device-time" adds the device's kernel time per step), PROFILE_SHAPES, PROFILE_CHUNKS,
 # PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections), PROFILE_DETAIL_CHUNK,
-# PROFILE_MODES, TOPK_PROFILE_ARGS, DECODE_ARGS, SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS, SANITIZE_TAG, SANITIZE_TIMEOUT,
-# SANITIZE_PRINT_LIMIT, ROWBW_ARGS (row_bandwidth's arguments: D K P rows per launch), LOGS_TGZ (an archive of the
-# logs after every stage: below).
+# PROFILE_MODES, TOPK_PROFILE_ARGS, DECODE_ARGS, SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS,
+# SANITIZE_TAG, SANITIZE_TIMEOUT, SANITIZE_PRINT_LIMIT, ROWBW_ARGS (row_bandwidth's arguments: D K P rows per
+# launch), LOGS_TGZ (an archive of the logs after every stage: below).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/sdm_out}
@@ -147,15 +147,15 @@ if has topk_profile; then
     ncu -i "$rep.ncu-rep" "${filter[@]}" --page source --print-source sass --csv > "$OUT/ncu_topk_$kernel.csv" 2>&1
     python3 "$REPO/benchmarks/ncu_source_summary.py" "$OUT/ncu_topk_$kernel.csv" > "$OUT/ncu_topk_$kernel.txt" 2>&1
   done
-  grep -E "Duration|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per|L1/TEX Hit|Mem Pipes|Issue Slots Busy" \
-    "$OUT/ncu_topk_details.txt" | tee -a "$OUT/summary.txt"
+  grep -E -e "Duration|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per" \
+    -e "L1/TEX Hit|Mem Pipes|Issue Slots Busy" "$OUT/ncu_topk_details.txt" | tee -a "$OUT/summary.txt"
   rm -f "$rep.ncu-rep"
 fi
 pack
 if has decode_trace; then
-  # The layer's decode against K with device timelines at 2^12 and 2^20, and XLA's optimized HLO of the decode
-  # loops (hlo_decode/: which fusions a step launches besides the op and the top-k). DECODE_ARGS: more
-  # bench_layer.py arguments (e.g. "--decode-unroll 1,8").
+  # The layer's decode against K with device timelines at the smallest and largest K (each traced call also copies
+  # the undonated state once), and XLA's optimized HLO of the decode loops (hlo_decode/: which fusions a step
+  # launches besides the op and the top-k). DECODE_ARGS: more bench_layer.py arguments (e.g. "--decode-unroll 1,8").
   XLA_FLAGS="--xla_dump_to=$OUT/hlo_decode --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_loop.*" \
     timeout 300 python3 "$REPO/benchmarks/bench_layer.py" --layer-decode --trace ${DECODE_ARGS:-} \
     > "$OUT/decode_timeline.txt" 2>&1
@@ -166,8 +166,8 @@ fi
 pack
 if has decode_profile; then
   # Where a layer decode step's time goes: the top-k kernels' stalls per SASS instruction at the decode shapes
-  # (ncu's sampled stalls at its highest rate, benchmarks/ncu_source_summary.py), then the decode loop against K
-  # with device timelines at the smallest and largest K (each traced call also copies the undonated state once).
+  # (ncu's sampled stalls at its highest rate, benchmarks/ncu_source_summary.py). The decode loop against K and
+  # its timelines are the stage decode_trace.
   for shape in "1024,1024" "64,64"; do
     name=ncu_topk_source_${shape/,/x}
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none --section SourceCounters \
@@ -178,9 +178,6 @@ if has decode_profile; then
     python3 "$REPO/benchmarks/ncu_source_summary.py" "$OUT/$name.csv" > "$OUT/$name.txt" 2>&1
     head -25 "$OUT/$name.txt"
   done
-  timeout 300 python3 "$REPO/benchmarks/bench_layer.py" --layer-decode --trace > "$OUT/decode_timeline.txt" 2>&1
-  summary "layer decode rc=$?"
-  grep -E "^\|" "$OUT/decode_timeline.txt" | tee -a "$OUT/summary.txt"
 fi
 pack
 if has sanitize; then

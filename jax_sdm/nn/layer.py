@@ -463,8 +463,9 @@ def decode_loop(layer, x, state, *, unroll=1):
     deleted). Returns `(y [B, T, d_model], state)`: the same as `layer(x, state=state)` up to rounding, at the
     cost of `T` decode steps. `unroll`: steps per iteration of the compiled loop (`lax.scan`'s `unroll`; more
     steps an iteration pay the loop's own per-iteration work less often, and take longer to compile; the result
-    is the same up to rounding, as the compiler may fuse the steps of an iteration differently). For a model of your own, write the scan body around your model's step the same way and jit it with
-    the state in `donate_argnums`."""
+    is the same up to rounding, as the compiler may fuse the steps of an iteration differently). For a model of
+    your own, write the scan body around your model's step the same way and jit it with the state in
+    `donate_argnums`."""
     if x.ndim != 3 or x.shape[-1] != layer.d_model:
         raise ValueError(f"decode_loop: `x` must be [B, T, d_model={layer.d_model}], got {x.shape}")
     if not isinstance(unroll, int) or isinstance(unroll, bool) or unroll < 1:
