@@ -18,6 +18,22 @@
   X(Arg, ::sdm_ffi::AnyBuffer, q_val) SEP() X(Ret, ::sdm_ffi::AnyBuffer, bank_out) SEP()                        \
   X(Ret, ::sdm_ffi::AnyBuffer, y)
 
+// The buffers and attributes of `sdm_layer_decode_step` (kernels/decode_step.h "The layer's decode step"): the
+// bank (aliased to its result), per stream the top lists' ids and scores [..., 2, k] (writes, then reads), the
+// input projection's row [..., width], the heads' gate parameters [..., H, 2] and the readout norm's [..., 2, D]
+// (leading dims of product G, dividing the streams' into G groups with the heads last); the
+// lanes, the columns of v, b, a and the output gate's projection (og_offset < 0: none), the codes of the
+// activations and of the norm; the results: the bank and the outputs [..., D], in the bank's dtype.
+#define SDM_LAYER_DECODE_BUFFERS(X, SEP)                                                                        \
+  X(Arg, ::sdm_ffi::AnyBuffer, bank) SEP() X(Arg, ::sdm_ffi::S32, ids) SEP() X(Arg, ::sdm_ffi::F32, scores)     \
+  SEP() X(Arg, ::sdm_ffi::AnyBuffer, proj) SEP() X(Arg, ::sdm_ffi::F32, gates) SEP()                            \
+  X(Arg, ::sdm_ffi::F32, norm) SEP() X(Attr, int64_t, num_writes) SEP() X(Attr, int64_t, num_reads) SEP()       \
+  X(Attr, int64_t, v_offset) SEP() X(Attr, int64_t, b_offset) SEP() X(Attr, int64_t, a_offset) SEP()            \
+  X(Attr, int64_t, og_offset) SEP() X(Attr, int64_t, write_activation) SEP()                                   \
+  X(Attr, int64_t, read_activation) SEP() X(Attr, int64_t, per_write_gates) SEP()                               \
+  X(Attr, int64_t, readout_norm) SEP() X(Attr, float, write_scale) SEP() X(Attr, float, read_scale) SEP()       \
+  X(Attr, float, norm_eps) SEP() X(Ret, ::sdm_ffi::AnyBuffer, bank_out) SEP() X(Ret, ::sdm_ffi::AnyBuffer, out)
+
 namespace sdm_ffi {
 
 // A checked call, ready for a platform's kernel.
@@ -90,6 +106,82 @@ inline ffi::Error PrepareDecodeStep(const char* op, SDM_FFI_PARAMS(SDM_DECODE_BU
                      bank.untyped_data(),
                      bank_out->untyped_data(),
                      bank.size_bytes()};
+  return ffi::Error::Success();
+}
+
+// A checked call of `sdm_layer_decode_step`.
+struct LayerDecodeCall {
+  sdm::LayerDecodeDims dm;
+  sdm::LayerDecodeInputs in;
+  const void* bank_in;
+  void* bank;  // the result, aliased to bank_in unless XLA handed two buffers
+  size_t bank_bytes;
+};
+
+inline ffi::Error PrepareLayerDecodeStep(const char* op, SDM_FFI_PARAMS(SDM_LAYER_DECODE_BUFFERS),
+                                         LayerDecodeCall* call) {
+  auto bd = bank.dimensions();
+  auto id = ids.dimensions();
+  if (bd.size() < 2 || id.size() < 2)
+    return ffi::Error::InvalidArgument(std::string(op) + ": bank must be [..., K, D] and ids [..., 2, k]");
+  const ffi::DataType type = bank.element_type();
+  if (type != ffi::DataType::F32 && type != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument(std::string(op) + ": the bank must be float32 or bfloat16");
+  sdm::LayerDecodeDims& dm = call->dm;
+  dm.S = LeadingProduct(bd, 2);
+  dm.K = bd[bd.size() - 2];
+  dm.D = bd.back();
+  dm.W = num_writes;
+  dm.R = num_reads;
+  dm.k = id.back();
+  dm.width = proj.dimensions().size() == 0 ? -1 : proj.dimensions().back();
+  dm.v_off = v_offset;
+  dm.b_off = b_offset;
+  dm.a_off = a_offset;
+  dm.og_off = og_offset;
+  dm.write_act = static_cast<int32_t>(write_activation);
+  dm.read_act = static_cast<int32_t>(read_activation);
+  dm.norm = static_cast<int32_t>(readout_norm);
+  dm.write_scale = write_scale;
+  dm.read_scale = read_scale;
+  dm.eps = norm_eps;
+  dm.per_write_gates = per_write_gates != 0;
+  dm.bf16 = type == ffi::DataType::BF16;
+  const std::string o(op);
+  if (dm.W < 1 || dm.R < 1 || dm.W > dm.k || dm.R > dm.k)
+    return ffi::Error::InvalidArgument(o + ": need 1 <= num_writes, num_reads <= k = " + std::to_string(dm.k) +
+                                       ", got " + std::to_string(dm.W) + ", " + std::to_string(dm.R));
+  const bool columns_ok = dm.width >= 0 && v_offset >= 0 && v_offset + dm.D <= dm.width && b_offset >= 0 &&
+                          b_offset < dm.width && a_offset >= 0 && a_offset < dm.width &&
+                          (og_offset < 0 || og_offset + dm.D <= dm.width);
+  if (!columns_ok)
+    return ffi::Error::InvalidArgument(o + ": the offsets of v, b, a and the output gate must lie in a "
+                                       "projection row of " + std::to_string(dm.width) + " columns");
+  if (write_activation < 0 || write_activation >= sdm::kNumLaneActivations || read_activation < 0 ||
+      read_activation >= sdm::kNumLaneActivations || readout_norm < 0 || readout_norm >= sdm::kNumReadoutNorms)
+    return ffi::Error::InvalidArgument(o + ": unknown activation or readout norm code");
+  SDM_RETURN_IF_ERROR(CheckShape(op, "ids", ids, dm.S, {2, dm.k}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "scores", scores, dm.S, {2, dm.k}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "proj", proj, dm.S, {dm.width}));
+  auto gd = gates.dimensions();
+  dm.G = LeadingProduct(gd, 2);
+  dm.H = gd.size() < 2 ? 0 : gd[gd.size() - 2];
+  if (gd.size() < 2 || gd.back() != 2 || dm.G < 1 || dm.H < 1 || dm.S % (dm.G * dm.H) != 0)
+    return ffi::Error::InvalidArgument(o + ": gates must be [..., H, 2] with G = the product of its leading dims "
+                                       "and G * H dividing the streams (" + std::to_string(dm.S) + "), got " +
+                                       DimsToString(gd));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "norm", norm, dm.G, {2, dm.D}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "bank (result)", *bank_out, dm.S, {dm.K, dm.D}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "out (result)", *out, dm.S, {dm.D}));
+  for (auto [name, a] : {std::pair<const char*, const ffi::AnyBuffer*>{"proj", &proj}, {"bank (result)", &*bank_out},
+                         {"out (result)", &*out}}) {
+    SDM_RETURN_IF_ERROR(CheckValueType(op, name, *a, type));
+  }
+  call->in = sdm::LayerDecodeInputs{ids.typed_data(), scores.typed_data(), proj.untyped_data(), gates.typed_data(),
+                                    norm.typed_data(), out->untyped_data()};
+  call->bank_in = bank.untyped_data();
+  call->bank = bank_out->untyped_data();
+  call->bank_bytes = bank.size_bytes();
   return ffi::Error::Success();
 }
 

@@ -1,5 +1,5 @@
-// XLA FFI handler `sdm_decode_step` (platform cpu): check (ffi/decode_step_common.h), then one token of every
-// stream (kernels/decode_step_cpu.cc). The bank arrives aliased to the first result (input_output_aliases) and
+// XLA FFI handlers `sdm_decode_step` and `sdm_layer_decode_step` (platform cpu): check
+// (ffi/decode_step_common.h), then one token of every stream (kernels/decode_step_cpu.cc). The bank arrives aliased to the first result (input_output_aliases) and
 // only its written rows are touched.
 #include <cstring>
 
@@ -24,7 +24,17 @@ ffi::Error DecodeStepCpu(SDM_FFI_PARAMS(SDM_DECODE_BUFFERS)) {
   });
 }
 
+ffi::Error LayerDecodeStepCpu(SDM_FFI_PARAMS(SDM_LAYER_DECODE_BUFFERS)) {
+  constexpr const char* op = "sdm_layer_decode_step";
+  sdm_ffi::LayerDecodeCall call;
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareLayerDecodeStep(op, SDM_FFI_NAMES(SDM_LAYER_DECODE_BUFFERS), &call));
+  if (call.bank_in != call.bank) std::memcpy(call.bank, call.bank_in, call.bank_bytes);
+  return sdm_ffi::RunCatching(op, [&] { sdm::layer_decode_step_cpu(call.dm, call.in, call.bank); });
+}
+
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmLayerDecodeStepCpu, LayerDecodeStepCpu,
+                              ffi::Ffi::Bind() SDM_FFI_BINDING(SDM_LAYER_DECODE_BUFFERS));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmDecodeStepCpu, DecodeStepCpu,
                               ffi::Ffi::Bind() SDM_FFI_BINDING(SDM_DECODE_BUFFERS));

@@ -30,6 +30,7 @@
   X(P, "sdm_forward_packed", ForwardPacked, SDM_FORWARD_PACKED_BUFFERS)    \
   X(P, "sdm_backward_packed", BackwardPacked, SDM_BACKWARD_PACKED_BUFFERS) \
   X(P, "sdm_decode_step", DecodeStep, SDM_DECODE_BUFFERS)                  \
+  X(P, "sdm_layer_decode_step", LayerDecodeStep, SDM_LAYER_DECODE_BUFFERS) \
   X(P, "sdm_product_key_topk", ProductKeyTopk, SDM_PKTOPK_BUFFERS)         \
   X(P, "sdm_product_key_topk_bwd", ProductKeyTopkBwd, SDM_PKTOPK_BWD_BUFFERS)
 

@@ -386,6 +386,46 @@ def decode_step_ffi(bank, k_idx, k_val, x, v, beta, q_idx, q_val):
     return outs["bank_out"], outs["y"]
 
 
+# The codes of the layer's weight activations and readout norms (kernels/decode_step.h LaneActivation, ReadoutNorm).
+LANE_ACTIVATIONS = ("softmax", "l2_normalize", "identity", "sigmoid", "tanh", "relu", "gelu", "silu", "softplus")
+READOUT_NORMS = (None, "rms", "layer")
+
+
+def layer_decode_step_ffi(bank, ids, scores, proj, gates, norm, *, num_writes, num_reads, v_offset, b_offset,
+                          a_offset, og_offset, write_activation, read_activation, per_write_gates, readout_norm,
+                          write_scale, read_scale, norm_eps):
+    """The layer's decode step in one kernel call (kernels/decode_step.h "The layer's decode step"): the decode step
+    with its lanes, gates and values made from the address top-k and the input projection, and its readings normed
+    and gated.
+
+    Args:
+      bank: `[..., K, D]` float32 or bfloat16 (aliased to the returned bank: donate it to avoid a copy).
+      ids, scores: `[..., 2, k]` a stream's top lists (writes, then reads; best first), int32 and float32.
+      proj: `[..., width]` the stream's input projection row (the bank's dtype): v at columns `v_offset` to
+        `v_offset + D`, the pre-gate columns `b_offset` and `a_offset`, the output gate's `og_offset` to
+        `og_offset + D` (`og_offset < 0`: none).
+      gates: `[..., H, 2]` per head `-exp(A_log)` and `dt_bias`; norm: `[..., 2, D]` the readout norm's scale and
+        bias (float32; leading dims of product G split the streams into G groups, heads last).
+      write_activation, read_activation: names in `LANE_ACTIVATIONS`; readout_norm: one of `READOUT_NORMS`.
+
+    Returns:
+      `(new_bank, out [..., D])`, in the bank's dtype.
+    """
+    f32 = jnp.float32
+    outs = _call("sdm_layer_decode_step",
+                 dict(bank_out=jax.ShapeDtypeStruct(bank.shape, bank.dtype),
+                      out=jax.ShapeDtypeStruct(bank.shape[:-2] + bank.shape[-1:], bank.dtype)),
+                 aliases=dict(bank="bank_out"), bank=bank, ids=ids.astype(jnp.int32), scores=scores.astype(f32),
+                 proj=proj, gates=gates.astype(f32), norm=norm.astype(f32), num_writes=np.int64(num_writes),
+                 num_reads=np.int64(num_reads), v_offset=np.int64(v_offset), b_offset=np.int64(b_offset),
+                 a_offset=np.int64(a_offset), og_offset=np.int64(og_offset),
+                 write_activation=np.int64(LANE_ACTIVATIONS.index(write_activation)),
+                 read_activation=np.int64(LANE_ACTIVATIONS.index(read_activation)),
+                 per_write_gates=np.int64(bool(per_write_gates)), readout_norm=np.int64(READOUT_NORMS.index(readout_norm)),
+                 write_scale=np.float32(write_scale), read_scale=np.float32(read_scale), norm_eps=np.float32(norm_eps))
+    return outs["bank_out"], outs["out"]
+
+
 def token_recurrence_ffi(bank, k_idx, k_val, x, v, beta, q_idx, q_val, in_place=False):
     """The token recurrence in one kernel, the CPU's no-grad forward (docs/DESIGN.md "No-grad forward"),
     on the op's arguments in the public layout as they are: nothing is laid out or widened first.

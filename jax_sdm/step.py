@@ -71,11 +71,14 @@ def _inference_only(impl, dims, *args):
     return _RUN[impl](*args, dims)
 
 
+INFERENCE_ONLY = ("sdm_step is inference only and cannot be differentiated (jax.grad, jax.vjp, jax.jvp, ...); "
+                  "to train, run the sequence through jax_sdm.sdm_write_read, which is differentiable in every float "
+                  "input")
+
+
 @_inference_only.defjvp
 def _no_derivative(impl, dims, primals, tangents):
-    raise TypeError(
-        "sdm_step is inference only and cannot be differentiated (jax.grad, jax.vjp, jax.jvp, ...); "
-        "to train, run the sequence through jax_sdm.sdm_write_read, which is differentiable in every float input")
+    raise TypeError(INFERENCE_ONLY)
 
 
 def sdm_step(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, impl="auto", check=False):

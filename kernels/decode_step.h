@@ -20,10 +20,12 @@
 #ifndef JAX_SDM_KERNELS_DECODE_STEP_H_
 #define JAX_SDM_KERNELS_DECODE_STEP_H_
 
+#include <cmath>
 #include <cstdint>
 
 struct CUstream_st;  // cudaStream_t, declared so that this header needs no CUDA include
 
+#include "kernels/bf16.h"
 #include "kernels/host_device.h"
 
 namespace sdm {
@@ -59,6 +61,180 @@ struct DecodeToken {
 // The bank ([S, K, D], in/out) goes one token forward. BankT is float or sdm::bf16.
 template <typename BankT>
 void decode_step_cpu(const DecodeDims& dims, const DecodeToken<BankT>& token, BankT* bank);
+
+// The layer's decode step (jax_sdm.nn.SparseDeltaMemory.decode): the step above with its per-lane inputs made from
+// the layer's address top-k and input projection, and its readings normed and gated, in one call (a decode step
+// launches few kernels). Per stream s, of head h = s mod H in parameter group c (the streams are [G, S/G] with the
+// heads last, the parameters [G, H, 2] and [G, 2, D]: G > 1 where a vmap maps the parameters too):
+//
+//   k_idx[n] = ids[s][0][n], k_val[n] = V(act_w(write_scale * scores[s][0][0..W)))[n]       n < W
+//   q_idx[m] = ids[s][1][m], q_val[m] = V(act_r(read_scale * scores[s][1][0..R)))[m]        m < R
+//   beta = sigmoid(b), g = gates[c][h][0] * softplus(a + gates[c][h][1])   (gates: -exp(A_log), dt_bias)
+//   x = g (per token), or x[n] = g |k_val[n]| (per write)
+//   v = proj[s][v_off .. v_off + D), b = proj[s][b_off], a = proj[s][a_off]
+//   y = V(the step's reading); out = V(norm(y)) * V(sigmoid(proj[s][og_off + j])) (no factor when og_off < 0)
+//
+// V rounds to the values' type (float32 or bfloat16: the bank's). The norms, in float32 (sums: warp_order_sums):
+// RMS `y rsqrt(mean(y^2) + eps) scale`, layer `(y - mean) rsqrt(max(mean(y^2) - mean^2, 0) + eps) scale + bias`
+// (scale = norm[c][0], bias = norm[c][1]).
+// The activations' sums (softmax, l2_normalize) run in lane order, so CPU and CUDA make the same weights.
+enum LaneActivation : int32_t {
+  kSoftmax = 0,
+  kL2Normalize,
+  kIdentity,
+  kSigmoid,
+  kTanh,
+  kRelu,
+  kGelu,
+  kSilu,
+  kSoftplus,
+  kNumLaneActivations
+};
+enum ReadoutNorm : int32_t { kNoNorm = 0, kRmsNorm, kLayerNorm, kNumReadoutNorms };
+
+struct LayerDecodeDims {
+  int64_t S, K, D, W, R;
+  int64_t G, H;  // parameter groups, heads
+  int64_t k;                            // entries per top list (at least W and R)
+  int64_t width;                        // columns of a stream's projection row
+  int64_t v_off, b_off, a_off, og_off;  // og_off < 0: no output gate
+  int32_t write_act, read_act, norm;
+  float write_scale, read_scale, eps;
+  bool per_write_gates;
+  bool bf16;  // the values' type (bank, projection, out): bfloat16, else float32
+};
+
+struct LayerDecodeInputs {
+  const int32_t* ids;    // [S, 2, k]: a stream's write list, then its read list, best first
+  const float* scores;   // [S, 2, k]
+  const void* proj;      // [S, width]
+  const float* gates;    // [G, H, 2]: -exp(A_log), dt_bias
+  const float* norm;     // [G, 2, D]: scale, bias (the bias for the layer norm only)
+  void* out;             // [S, D]
+};
+
+SDM_HOST_DEVICE inline float value_at(const void* p, int64_t i, bool is_bf16) {
+  return is_bf16 ? float_of_bf16_bits(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+SDM_HOST_DEVICE inline float rounded_value(float x, bool is_bf16) {
+  return is_bf16 ? float_of_bf16_bits(bf16_bits_of(x)) : x;
+}
+SDM_HOST_DEVICE inline float sigmoid_of(float x) { return 1.0f / (1.0f + expf(-x)); }
+SDM_HOST_DEVICE inline float softplus_of(float x) { return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))); }
+
+// w[i] = V(act(scale * s[i])) for i < n (jax_sdm.nn ACTIVATIONS; gelu exact).
+SDM_HOST_DEVICE inline void lane_weights(const float* s, int64_t n, int32_t act, float scale, bool is_bf16,
+                                         float* w) {
+  float total = 0.0f, top = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    const float z = scale * s[i];
+    switch (act) {
+      case kSoftmax: top = fmaxf(top, z); w[i] = z; break;
+      case kL2Normalize: total += z * z; w[i] = z; break;
+      case kIdentity: w[i] = z; break;
+      case kSigmoid: w[i] = sigmoid_of(z); break;
+      case kTanh: w[i] = tanhf(z); break;
+      case kRelu: w[i] = fmaxf(z, 0.0f); break;
+      case kGelu: w[i] = z * (erff(z * 0.70710678118654752f) + 1.0f) * 0.5f; break;
+      case kSilu: w[i] = z * sigmoid_of(z); break;
+      default: w[i] = softplus_of(z); break;
+    }
+  }
+  if (act == kSoftmax) {
+    for (int64_t i = 0; i < n; ++i) {
+      w[i] = expf(w[i] - top);
+      total += w[i];
+    }
+    for (int64_t i = 0; i < n; ++i) w[i] = w[i] / total;
+  } else if (act == kL2Normalize) {
+    const float norm = sqrtf(total) + 1e-12f;
+    for (int64_t i = 0; i < n; ++i) w[i] = w[i] / norm;
+  }
+  for (int64_t i = 0; i < n; ++i) w[i] = rounded_value(w[i], is_bf16);
+}
+
+// Stream s's lanes (slot ids, weights), log-gates (W with per-write gates, else one) and beta.
+SDM_HOST_DEVICE inline void layer_lanes(const LayerDecodeDims& dm, const LayerDecodeInputs& in, int64_t s,
+                                        int32_t* k_idx, float* k_val, int32_t* q_idx, float* q_val, float* x,
+                                        float* beta) {
+  const int64_t w_list = 2 * s * dm.k, r_list = w_list + dm.k;
+  for (int64_t n = 0; n < dm.W; ++n) k_idx[n] = in.ids[w_list + n];
+  for (int64_t m = 0; m < dm.R; ++m) q_idx[m] = in.ids[r_list + m];
+  lane_weights(in.scores + w_list, dm.W, dm.write_act, dm.write_scale, dm.bf16, k_val);
+  lane_weights(in.scores + r_list, dm.R, dm.read_act, dm.read_scale, dm.bf16, q_val);
+  const int64_t row = s * dm.width;
+  *beta = sigmoid_of(value_at(in.proj, row + dm.b_off, dm.bf16));
+  const float* gates = in.gates + 2 * ((s / (dm.S / dm.G)) * dm.H + s % dm.H);
+  const float g = gates[0] * softplus_of(value_at(in.proj, row + dm.a_off, dm.bf16) + gates[1]);
+  if (dm.per_write_gates) {
+    for (int64_t n = 0; n < dm.W; ++n) x[n] = g * fabsf(k_val[n]);
+  } else {
+    x[0] = g;
+  }
+}
+
+// The sums of y[0..D) and of its squares in the order the CUDA kernel's warp adds them: lane l < 32 sums columns
+// l, l + 32, l + 64, ... in order, then lanes combine in pairs, lane i with lane i ^ o for o = 16, 8, 4, 2, 1.
+inline void warp_order_sums(const float* y, int64_t D, float* sum, float* sum_sq) {
+  float p[32], q[32];
+  for (int l = 0; l < 32; ++l) {
+    p[l] = 0.0f;
+    q[l] = 0.0f;
+    for (int64_t j = l; j < D; j += 32) {
+      p[l] += y[j];
+      q[l] += y[j] * y[j];
+    }
+  }
+  for (int o = 16; o > 0; o /= 2) {
+    float p2[32], q2[32];
+    for (int l = 0; l < 32; ++l) {
+      p2[l] = p[l] + p[l ^ o];
+      q2[l] = q[l] + q[l ^ o];
+    }
+    for (int l = 0; l < 32; ++l) {
+      p[l] = p2[l];
+      q[l] = q2[l];
+    }
+  }
+  *sum = p[0];
+  *sum_sq = q[0];
+}
+
+// The norm's statistics from the column sums of y and y^2: (shift, multiplier without the scale).
+SDM_HOST_DEVICE inline void norm_stats(const LayerDecodeDims& dm, float sum, float sum_sq, float* shift,
+                                       float* mul) {
+  const float d = static_cast<float>(dm.D);
+  if (dm.norm == kRmsNorm) {
+    *shift = 0.0f;
+    *mul = 1.0f / sqrtf(sum_sq / d + dm.eps);
+  } else {
+    const float mean = sum / d;
+    *shift = mean;
+    *mul = 1.0f / sqrtf(fmaxf(sum_sq / d - mean * mean, 0.0f) + dm.eps);
+  }
+}
+
+// out[j] of stream s from its rounded reading y_j and the norm's statistics.
+SDM_HOST_DEVICE inline float layer_out(const LayerDecodeDims& dm, const LayerDecodeInputs& in, int64_t s, int64_t j,
+                                       float y, float shift, float mul) {
+  float o = y;
+  if (dm.norm != kNoNorm) {
+    const float* norm = in.norm + 2 * (s / (dm.S / dm.G)) * dm.D;
+    o = (y - shift) * (mul * norm[j]);
+    if (dm.norm == kLayerNorm) o += norm[dm.D + j];
+    o = rounded_value(o, dm.bf16);
+  }
+  if (dm.og_off >= 0) {
+    const float gate = rounded_value(sigmoid_of(value_at(in.proj, s * dm.width + dm.og_off + j, dm.bf16)), dm.bf16);
+    o = rounded_value(o * gate, dm.bf16);
+  }
+  return o;
+}
+
+// The layer's step (the bank [S, K, D], in/out, of the values' type).
+void layer_decode_step_cpu(const LayerDecodeDims& dims, const LayerDecodeInputs& in, void* bank);
+int layer_decode_step_cuda(const LayerDecodeDims& dims, const LayerDecodeInputs& in, void* bank,
+                           CUstream_st* stream);
 
 // Largest W and R of the CUDA kernel (a warp's working rows fit the default shared memory).
 constexpr int64_t kDecodeCudaMaxLanes = 256;

@@ -41,6 +41,51 @@ void decode_step_cpu(const DecodeDims& dm, const DecodeToken<BankT>& tok, BankT*
   });
 }
 
+namespace {
+
+template <typename BankT>
+void layer_decode_step_typed(const LayerDecodeDims& dm, const LayerDecodeInputs& in, BankT* bank) {
+  const int64_t K = dm.K, D = dm.D, W = dm.W, R = dm.R;
+  const int64_t per_stream = (W + R + 2) * D;
+  parallel_blocks(dm.S, std::max<int64_t>(1, (int64_t{1} << 20) / per_stream), [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> k_idx(static_cast<size_t>(W)), q_idx(static_cast<size_t>(R)), first(static_cast<size_t>(W)),
+        read_lane(static_cast<size_t>(R));
+    std::vector<float> k_val(static_cast<size_t>(W)), q_val(static_cast<size_t>(R)), x(static_cast<size_t>(W)),
+        v(static_cast<size_t>(D)), cur(static_cast<size_t>(W * D)), delta(static_cast<size_t>(D)),
+        reading(static_cast<size_t>(D));
+    for (int64_t s = begin; s < end; ++s) {
+      float beta;
+      layer_lanes(dm, in, s, k_idx.data(), k_val.data(), q_idx.data(), q_val.data(), x.data(), &beta);
+      BankT* rows = bank + s * K * D;
+      prefetch_rows(rows, k_idx.data(), W, K, D);
+      prefetch_rows(rows, q_idx.data(), R, K, D);
+      for (int64_t n = 0; n < W; ++n) first[n] = first_write_lane(k_idx.data(), W, K, k_idx[n]);
+      for (int64_t m = 0; m < R; ++m) read_lane[m] = first_write_lane(k_idx.data(), W, K, q_idx[m]);
+      for (int64_t j = 0; j < D; ++j) v[j] = value_at(in.proj, s * dm.width + dm.v_off + j, dm.bf16);
+      const TokenRows<BankT, float> token{K, D, W, R, k_idx.data(), k_val.data(), x.data(),
+                                          dm.per_write_gates ? 1 : 0, v.data(), beta, q_idx.data(), q_val.data(),
+                                          first.data(), read_lane.data(), rows};
+      token_rows_cpu(token, cur.data(), delta.data(), reading.data());
+      for (int64_t j = 0; j < D; ++j) reading[j] = rounded_value(reading[j], dm.bf16);
+      float shift = 0.0f, mul = 1.0f;
+      if (dm.norm != kNoNorm) {
+        float sum, sum_sq;
+        warp_order_sums(reading.data(), D, &sum, &sum_sq);
+        norm_stats(dm, sum, sum_sq, &shift, &mul);
+      }
+      BankT* out = static_cast<BankT*>(in.out) + s * D;
+      for (int64_t j = 0; j < D; ++j) out[j] = from_float<BankT>(layer_out(dm, in, s, j, reading[j], shift, mul));
+    }
+  });
+}
+
+}  // namespace
+
+void layer_decode_step_cpu(const LayerDecodeDims& dm, const LayerDecodeInputs& in, void* bank) {
+  if (dm.bf16) layer_decode_step_typed(dm, in, static_cast<bf16*>(bank));
+  else layer_decode_step_typed(dm, in, static_cast<float*>(bank));
+}
+
 template void decode_step_cpu<float>(const DecodeDims&, const DecodeToken<float>&, float*);
 template void decode_step_cpu<bf16>(const DecodeDims&, const DecodeToken<bf16>&, bf16*);
 

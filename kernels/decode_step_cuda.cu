@@ -2,8 +2,10 @@
 // columns, a thread one column: it runs the stream's whole token on its column in lane order, so every bank cell
 // has one writer and every sum a fixed order, with no barrier but the one after the block computes the stream's
 // lane maps (first write lane of each write and read slot) into shared memory. Only the W written rows are
-// touched; each thread loads its column of several rows before using the first. Built with -fmad=false: multiplies
-// and adds are rounded separately, as on the CPU.
+// touched; each thread loads its column of several rows before using the first. The layer's step
+// (layer_decode_step_kernel) runs the same column code (step_column) with a block per stream, its lanes made in the
+// kernel and its readings normed there. Built with -fmad=false: multiplies and adds are rounded separately, as on
+// the CPU.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -24,68 +26,70 @@ __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float
 __device__ __forceinline__ float from_f(float x, float*) { return x; }
 __device__ __forceinline__ __nv_bfloat16 from_f(float x, __nv_bfloat16*) { return __float2bfloat16_rn(x); }
 
-// Shared memory of a block: the working rows cur [W][threads] (float), then first [W], read_lane [R], the token's
-// slot ids k_idx [W], q_idx [R] (int32) and weights k_val [W], q_val [R] (float): loaded once by the block, in
-// parallel, instead of once per lane in each thread's serial loops.
-int64_t shared_bytes(const DecodeDims& dm, int threads) { return 4 * (dm.W * threads + 3 * (dm.W + dm.R)); }
+// Shared memory of a block: the working rows cur [W][threads] (float), then the token's lanes (LaneShared):
+// loaded or made once by the block, in parallel, instead of once per lane in each thread's serial loops.
+struct LaneShared {
+  int32_t* first;      // [W] first write lane of each write lane's slot
+  int32_t* read_lane;  // [R] first write lane of each read lane's slot
+  int32_t* k_idx;      // [W]
+  int32_t* q_idx;      // [R]
+  float* k_val;        // [W]
+  float* q_val;        // [R]
+  float* x;            // [W] log-gates (one per lane, or x[0] for the token)
+  float* end;          // what follows the lanes
+};
+__host__ __device__ inline int64_t lane_floats(int64_t W, int64_t R) { return 3 * (W + R) + W; }
+__device__ inline LaneShared lane_shared(float* base, int64_t W, int64_t R) {
+  LaneShared ln;
+  ln.first = reinterpret_cast<int32_t*>(base);
+  ln.read_lane = ln.first + W;
+  ln.k_idx = ln.read_lane + R;
+  ln.q_idx = ln.k_idx + W;
+  ln.k_val = reinterpret_cast<float*>(ln.q_idx + R);
+  ln.q_val = ln.k_val + W;
+  ln.x = ln.q_val + R;
+  ln.end = ln.x + W;
+  return ln;
+}
+int64_t shared_bytes(const DecodeDims& dm, int threads) { return 4 * (dm.W * threads + lane_floats(dm.W, dm.R)); }
+// The layer's kernel adds beta, the readings y [D] and the norm's two statistics.
+int64_t shared_bytes(const LayerDecodeDims& dm, int threads) {
+  return 4 * (dm.W * threads + lane_floats(dm.W, dm.R) + 1 + dm.D + 2);
+}
 
 // Bank rows a thread loads before using the first (one per lane): the step is a short chain of dependent loads,
 // and a loop that waits for each row in turn costs one memory latency per lane. 16 covers the written rows, then
 // the read rows, of W, R <= 16 in one round each.
 constexpr int kInFlight = 16;
 
+// The token on one column of a stream's rows (row r's element at col[r * D]), the lanes in shared memory: returns
+// the column's reading in float32. `cur` is the thread's working column (lane n at cur[n * stride]).
 template <typename T>
-__global__ void decode_step_kernel(DecodeDims dm, DecodeToken<T> tok, T* __restrict__ bank, int64_t tiles) {
-  extern __shared__ float shared[];
-  const int64_t W = dm.W, R = dm.R, K = dm.K, D = dm.D;
-  const int64_t s = blockIdx.x / tiles;
-  const int64_t j = (blockIdx.x % tiles) * blockDim.x + threadIdx.x;
-  float* cur = shared + threadIdx.x;  // this column's working row of lane n at cur[n * blockDim.x]
-  int32_t* first = reinterpret_cast<int32_t*>(shared + W * blockDim.x);
-  int32_t* read_lane = first + W;
-  int32_t* k_idx = read_lane + R;  // the token's slot ids, in shared memory: the row loads depend on them
-  int32_t* q_idx = k_idx + W;
-  float* k_val = reinterpret_cast<float*>(q_idx + R);
-  float* q_val = k_val + W;
-  const int32_t* k_idx_in = tok.k_idx + s * W;
-  for (int64_t n = threadIdx.x; n < W; n += blockDim.x) {
-    k_idx[n] = k_idx_in[n];
-    k_val[n] = to_f(tok.k_val[s * W + n]);
-    first[n] = first_write_lane(k_idx_in, W, K, k_idx_in[n]);
-  }
-  for (int64_t m = threadIdx.x; m < R; m += blockDim.x) {
-    q_idx[m] = tok.q_idx[s * R + m];
-    q_val[m] = to_f(tok.q_val[s * R + m]);
-    read_lane[m] = first_write_lane(k_idx_in, W, K, q_idx[m]);
-  }
-  __syncthreads();
-  if (j >= D) return;
-
-  const float* x = tok.x + (dm.per_write_gates ? s * W : s);
-  T* col = bank + s * K * D + j;  // column j of the stream's rows: row r at col[r * D]
+__device__ float step_column(const LaneShared& ln, float* cur, int64_t stride, T* col, int64_t W, int64_t R,
+                             int64_t K, int64_t D, int64_t x_stride, float beta, float v) {
   for (int64_t n0 = 0; n0 < W; n0 += kInFlight) {  // each distinct written row decays once
     float row[kInFlight];
 #pragma unroll
     for (int i = 0; i < kInFlight; ++i) {
       const int64_t n = n0 + i;
-      if (n < W && first[n] == n) row[i] = to_f(col[k_idx[n] * D]);
+      if (n < W && ln.first[n] == n) row[i] = to_f(col[ln.k_idx[n] * D]);
     }
 #pragma unroll
     for (int i = 0; i < kInFlight; ++i) {
       const int64_t n = n0 + i;
-      if (n < W && first[n] == n) cur[n * blockDim.x] = expf(x[dm.per_write_gates ? n : 0]) * row[i];
+      if (n < W && ln.first[n] == n) cur[n * stride] = expf(ln.x[n * x_stride]) * row[i];
     }
   }
   float d = 0.0f;  // pred, then the delta-rule correction
   for (int64_t n = 0; n < W; ++n) {
-    if (first[n] >= 0) d += k_val[n] * cur[first[n] * blockDim.x];
+    if (ln.first[n] >= 0) d += ln.k_val[n] * cur[ln.first[n] * stride];
   }
-  d = tok.beta[s] * (to_f(tok.v[s * D + j]) - d);
+  d = beta * (v - d);
   for (int64_t n = 0; n < W; ++n) {
-    if (first[n] >= 0) cur[first[n] * blockDim.x] += k_val[n] * d;
+    if (ln.first[n] >= 0) cur[ln.first[n] * stride] += ln.k_val[n] * d;
   }
   for (int64_t n = 0; n < W; ++n) {
-    if (first[n] == n) col[k_idx[n] * D] = from_f(cur[n * blockDim.x], col);
+    if (ln.first[n] == n) col[ln.k_idx[n] * D] = from_f(cur[n * stride], col);
   }
   // Reads after the write: a written row from its float32 working row, any other from the bank (kInFlight at a
   // time, summed in lane order).
@@ -96,15 +100,91 @@ __global__ void decode_step_kernel(DecodeDims dm, DecodeToken<T> tok, T* __restr
 #pragma unroll
     for (int i = 0; i < kInFlight; ++i) {
       const int64_t m = m0 + i;
-      const int32_t r = m < R ? q_idx[m] : -1;
+      const int32_t r = m < R ? ln.q_idx[m] : -1;
       ok[i] = r >= 0 && r < K;
-      if (ok[i]) row[i] = read_lane[m] >= 0 ? cur[read_lane[m] * blockDim.x] : to_f(col[r * D]);
+      if (ok[i]) row[i] = ln.read_lane[m] >= 0 ? cur[ln.read_lane[m] * stride] : to_f(col[r * D]);
     }
 #pragma unroll
     for (int i = 0; i < kInFlight; ++i)
-      if (ok[i]) y += q_val[m0 + i] * row[i];
+      if (ok[i]) y += ln.q_val[m0 + i] * row[i];
   }
+  return y;
+}
+
+template <typename T>
+__global__ void decode_step_kernel(DecodeDims dm, DecodeToken<T> tok, T* __restrict__ bank, int64_t tiles) {
+  extern __shared__ float shared[];
+  const int64_t W = dm.W, R = dm.R, K = dm.K, D = dm.D;
+  const int64_t s = blockIdx.x / tiles;
+  const int64_t j = (blockIdx.x % tiles) * blockDim.x + threadIdx.x;
+  const LaneShared ln = lane_shared(shared + W * blockDim.x, W, R);
+  const int32_t* k_idx_in = tok.k_idx + s * W;
+  for (int64_t n = threadIdx.x; n < W; n += blockDim.x) {
+    ln.k_idx[n] = k_idx_in[n];
+    ln.k_val[n] = to_f(tok.k_val[s * W + n]);
+    ln.first[n] = first_write_lane(k_idx_in, W, K, k_idx_in[n]);
+    if (dm.per_write_gates) ln.x[n] = tok.x[s * W + n];
+  }
+  for (int64_t m = threadIdx.x; m < R; m += blockDim.x) {
+    ln.q_idx[m] = tok.q_idx[s * R + m];
+    ln.q_val[m] = to_f(tok.q_val[s * R + m]);
+    ln.read_lane[m] = first_write_lane(k_idx_in, W, K, ln.q_idx[m]);
+  }
+  if (!dm.per_write_gates && threadIdx.x == 0) ln.x[0] = tok.x[s];
+  __syncthreads();
+  if (j >= D) return;
+  const float y = step_column(ln, shared + threadIdx.x, blockDim.x, bank + s * K * D + j, W, R, K, D,
+                              dm.per_write_gates ? 1 : 0, tok.beta[s], to_f(tok.v[s * D + j]));
   tok.y[s * D + j] = from_f(y, tok.y);
+}
+
+// The layer's step: a block per stream, its columns in batches of the block's width. Thread 0 makes the lanes
+// (layer_lanes), the block runs the step on every column, keeps the rounded readings in shared memory, warp 0 sums
+// them for the norm (warp_order_sums' order), then every thread writes the outputs of its columns.
+template <typename T>
+__global__ void layer_decode_step_kernel(LayerDecodeDims dm, LayerDecodeInputs in, T* __restrict__ bank) {
+  extern __shared__ float shared[];
+  const int64_t W = dm.W, R = dm.R, K = dm.K, D = dm.D;
+  const int64_t s = blockIdx.x;
+  const LaneShared ln = lane_shared(shared + W * blockDim.x, W, R);
+  float* beta = ln.end;
+  float* y = beta + 1;   // [D]
+  float* stats = y + D;  // the norm's shift and multiplier
+  if (threadIdx.x == 0) layer_lanes(dm, in, s, ln.k_idx, ln.k_val, ln.q_idx, ln.q_val, ln.x, beta);
+  __syncthreads();
+  for (int64_t n = threadIdx.x; n < W; n += blockDim.x) ln.first[n] = first_write_lane(ln.k_idx, W, K, ln.k_idx[n]);
+  for (int64_t m = threadIdx.x; m < R; m += blockDim.x)
+    ln.read_lane[m] = first_write_lane(ln.k_idx, W, K, ln.q_idx[m]);
+  __syncthreads();
+  T* rows = bank + s * K * D;
+  for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
+    const float v = value_at(in.proj, s * dm.width + dm.v_off + j, dm.bf16);
+    y[j] = rounded_value(step_column(ln, shared + threadIdx.x, blockDim.x, rows + j, W, R, K, D,
+                                     dm.per_write_gates ? 1 : 0, *beta, v),
+                         dm.bf16);
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float sum = 0.0f, sum_sq = 0.0f;
+    if (dm.norm != kNoNorm) {
+      for (int64_t j = threadIdx.x; j < D; j += 32) {
+        sum += y[j];
+        sum_sq += y[j] * y[j];
+      }
+      for (int o = 16; o > 0; o /= 2) {
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, o);
+      }
+    }
+    if (threadIdx.x == 0) {
+      stats[0] = 0.0f;
+      stats[1] = 1.0f;
+      if (dm.norm != kNoNorm) norm_stats(dm, sum, sum_sq, &stats[0], &stats[1]);
+    }
+  }
+  __syncthreads();
+  T* out = static_cast<T*>(in.out) + s * D;
+  for (int64_t j = threadIdx.x; j < D; j += blockDim.x) out[j] = from_f(layer_out(dm, in, s, j, y[j], stats[0], stats[1]), out);
 }
 
 template <typename T>
@@ -123,7 +203,24 @@ int launch(const DecodeDims& dm, const DecodeToken<T>& tok, T* bank, cudaStream_
   return static_cast<int>(cudaGetLastError());
 }
 
+// A block per stream, as wide as the columns (up to kMaxThreads) while its shared memory fits the default limit.
+template <typename T>
+int launch_layer(const LayerDecodeDims& dm, const LayerDecodeInputs& in, T* bank, cudaStream_t stream) {
+  if (dm.S <= 0 || dm.D <= 0) return static_cast<int>(cudaSuccess);
+  int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, (dm.D + 31) / 32 * 32));
+  while (threads > kMinThreads && shared_bytes(dm, threads) > kSharedBytes) threads /= 2;
+  if (shared_bytes(dm, threads) > kSharedBytes || dm.S > 0x7fffffff) return static_cast<int>(cudaErrorInvalidValue);
+  layer_decode_step_kernel<T><<<static_cast<unsigned>(dm.S), threads, shared_bytes(dm, threads), stream>>>(dm, in,
+                                                                                                          bank);
+  return static_cast<int>(cudaGetLastError());
+}
+
 }  // namespace
+
+int layer_decode_step_cuda(const LayerDecodeDims& dm, const LayerDecodeInputs& in, void* bank, CUstream_st* stream) {
+  if (dm.bf16) return launch_layer(dm, in, static_cast<__nv_bfloat16*>(bank), stream);
+  return launch_layer(dm, in, static_cast<float*>(bank), stream);
+}
 
 template <typename BankT>
 int decode_step_cuda(const DecodeDims& dm, const DecodeToken<BankT>& tok, BankT* bank, CUstream_st* stream) {

@@ -7,7 +7,8 @@
   building as the CUDA source changes; every launch with programmatic dependent launch, and with the build option
   SDM_CUDA_PDL=0 (kernels/chunk_steps.h) none, with the same results; and with the snapshot stored in bfloat16,
   float8 and int4 (kernels/snapshot_codec.h).
-- The decode step (kernels/decode_step_cuda.cu) against kernels/decode_step_cpu.cc, bitwise.
+- The decode step and the layer's decode step (kernels/decode_step_cuda.cu) against kernels/decode_step_cpu.cc,
+  bitwise.
 - The solve (kernels/solve_cuda.cu, both of its kernels) against kernels/solve_cpu.cc, bitwise.
 - The product-key top-k (kernels/product_key_topk_cuda.cu, forward and backward) against
   kernels/product_key_topk_cpu.cc, bitwise.
@@ -84,7 +85,7 @@ def test_cuda_steps_without_programmatic_dependent_launch():
 
 
 def test_cuda_decode_step_on_cpu_matches_cpu_kernel():
-    run_check("decode", cases=12)
+    run_check("decode", cases=24)  # 12 of the step, 12 of the layer's step
 
 
 def test_cuda_solve_on_cpu_matches_cpu_kernel():

@@ -553,6 +553,77 @@ def test_decode_loop_equals_one_call_and_donates_the_state(variant):
         model.decode(x, model.init_state(2))
 
 
+FUSED_DECODE_VARIANTS = {
+    **VARIANTS,
+    "layer_norm_tanh_gelu": dict(readout_norm="layer", write_activation="tanh", read_activation="gelu"),
+    "relu_silu_softplus": dict(write_activation="relu", read_activation="silu", output_gate=False,
+                               readout_norm=None, gate="write"),
+    "softplus_identity": dict(write_activation="softplus", read_activation="identity", use_bias=False),
+}
+NAMED_ACTIVATIONS = dict(jax_sdm.nn.layer.ACTIVATIONS)
+
+
+@pytest.mark.skipif(not jax_sdm.lowering.is_registered("sdm_layer_decode_step", jax.default_backend()),
+                    reason="no sdm_layer_decode_step kernel on this backend")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", sorted(FUSED_DECODE_VARIANTS))
+def test_fused_decode_step_equals_separate_operations(variant, dtype):
+    """The layer's decode step as one kernel call (named activations) against the same layer with the activations
+    passed as callables, which runs the step's operations one by one (`sdm_step` and XLA's)."""
+    seed = fresh_seed()
+    kw = dict(FUSED_DECODE_VARIANTS[variant], dtype=jnp.dtype(dtype), chunk_size=None)
+    callables = {name: NAMED_ACTIVATIONS[kw.get(name, "softmax")] for name in ("write_activation", "read_activation")}
+    fused, separate = layer(seed, **kw), layer(seed, **{**kw, **callables})
+    assert fused.fused_decode() and not separate.fused_decode()
+    fused.eval(), separate.eval()
+    x = inputs(seed + 1, B=3, T=1).astype(dtype)
+    K = fused.slots_per_head
+    state = (fused.init_state(3) + 0.3 * jax.random.normal(jax.random.key(seed + 2), (3, 2, K, 8))).astype(dtype)
+    step = nnx.jit(lambda m, x, s: m.decode(x, s))
+    y_f, bank_f = step(fused, x, state)
+    y_s, bank_s = step(separate, x, state)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    assert rel_err(y_f, y_s) < tol and rel_err(bank_f, bank_s) < tol
+    # Bitwise the same on a second call.
+    y_again, bank_again = step(fused, x, state)
+    assert np.array_equal(np.asarray(y_again), np.asarray(y_f))
+    assert np.array_equal(np.asarray(bank_again), np.asarray(bank_f))
+
+
+@pytest.mark.skipif(not jax_sdm.lowering.is_registered("sdm_layer_decode_step", jax.default_backend()),
+                    reason="no sdm_layer_decode_step kernel on this backend")
+def test_fused_decode_step_maps_parameter_groups_and_checks_its_arguments():
+    """Under vmap every operand, the parameters too, gains a leading axis: the kernel takes each group's heads'
+    parameters for that group's streams (the same bits as one call per group). Bad offsets and shapes fail."""
+    from jax_sdm import ffi_ops
+    rng = np.random.default_rng(fresh_seed())
+    G, B, H, K, D, k, width = 2, 3, 2, 40, 8, 5, 30
+    bank = jnp.asarray(0.1 * rng.standard_normal((G, B, H, K, D)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, K, (G, B, H, 2, k)), jnp.int32)
+    scores = jnp.asarray(rng.standard_normal((G, B, H, 2, k)), jnp.float32)
+    proj = jnp.asarray(rng.standard_normal((G, B, H, width)), jnp.float32)
+    gates = jnp.asarray(np.stack([-np.exp(rng.standard_normal((G, H))), rng.standard_normal((G, H))], -1),
+                        jnp.float32)
+    norm = jnp.asarray(1 + 0.2 * rng.standard_normal((G, 2, D)), jnp.float32)
+    opts = dict(num_writes=4, num_reads=3, v_offset=2, b_offset=10, a_offset=11, og_offset=12,
+                write_activation="softmax", read_activation="l2_normalize", per_write_gates=False,
+                readout_norm="layer", write_scale=0.5, read_scale=2.0, norm_eps=1e-5)
+    step = jax.jit(lambda *a: ffi_ops.layer_decode_step_ffi(*a, **opts))
+    banks, outs = jax.vmap(step)(bank, ids, scores, proj, gates, norm)
+    for g in range(G):
+        bank_g, out_g = step(bank[g], ids[g], scores[g], proj[g], gates[g], norm[g])
+        assert np.array_equal(np.asarray(banks[g]), np.asarray(bank_g))
+        assert np.array_equal(np.asarray(outs[g]), np.asarray(out_g))
+    assert not np.array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+    args = (bank[0], ids[0], scores[0], proj[0], gates[0], norm[0])
+    with pytest.raises(Exception, match="offsets of v, b, a and the output gate"):
+        jax.block_until_ready(ffi_ops.layer_decode_step_ffi(*args, **{**opts, "og_offset": width - D + 1}))
+    with pytest.raises(Exception, match="num_writes, num_reads <= k"):
+        jax.block_until_ready(ffi_ops.layer_decode_step_ffi(*args, **{**opts, "num_writes": k + 1}))
+    with pytest.raises(Exception, match="gates must be"):
+        jax.block_until_ready(ffi_ops.layer_decode_step_ffi(*args[:4], jnp.zeros((4, 2)), norm[0], **opts))  # 4 heads
+
+
 def test_decode_loop_unrolled_equals_one_call():
     seed = fresh_seed()
     model = layer(seed, **VARIANTS["product_key"])

@@ -2,6 +2,7 @@
 learned initial bank, decode state), and its jitted decode loop."""
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,8 @@ import numpy as np
 from flax import nnx
 
 import jax_sdm
+from jax_sdm import ffi_ops, lowering
+from jax_sdm.step import INFERENCE_ONLY
 
 from .addressing import balanced_factors, topk_slots
 
@@ -51,6 +54,16 @@ def _gate_params(rng, num_heads, A_init_range, param_dtype):
     dt = jnp.maximum(dt, 1e-4)
     dt_bias = dt + jnp.log(-jnp.expm1(-dt))  # the inverse of softplus
     return jnp.log(A).astype(param_dtype), dt_bias.astype(param_dtype)
+
+
+class DecodeWeights(NamedTuple):
+    """The parameters a decode step reads (`SparseDeltaMemory.projection_weights`)."""
+    kernel: jax.Array  # [d_model, H, width]: the input projections, concatenated per head (computation dtype)
+    bias: jax.Array | None  # [H, width]
+    out_kernel: jax.Array  # [H * D, d_model]
+    out_bias: jax.Array | None  # [d_model]
+    gates: jax.Array  # [H, 2] float32: -exp(A_log), dt_bias
+    norm: jax.Array  # [2, D] float32: the readout norm's scale and bias (zeros where it has none)
 
 
 class SparseDeltaMemory(nnx.Module):
@@ -181,14 +194,17 @@ class SparseDeltaMemory(nnx.Module):
             factors = (slots_per_head,)
         if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
             raise TypeError(f"SparseDeltaMemory: `dtype` must be float32 or bfloat16 (the bank's), got {dtype}")
-        activations = {}
+        activations, activation_names = {}, []
         for name, act in (("write_activation", write_activation), ("read_activation", read_activation)):
             if isinstance(act, str):
                 if act.lower() not in ACTIVATIONS:
                     fail(f"`{name}` must be a callable or one of {tuple(ACTIVATIONS)}, got {act!r}")
+                activation_names.append(act.lower())
                 act = ACTIVATIONS[act.lower()]
             elif not callable(act):
                 fail(f"`{name}` must be a callable or one of {tuple(ACTIVATIONS)}, got {act!r}")
+            else:
+                activation_names.append(None)
             activations[name] = act
 
         self.d_model, self.num_heads, self.head_dim = d_model, num_heads, head_dim
@@ -200,6 +216,7 @@ class SparseDeltaMemory(nnx.Module):
         self.read_scale = default_scale if read_scale is None else float(read_scale)
         self.write_activation = activations["write_activation"]
         self.read_activation = activations["read_activation"]
+        self.activation_names = tuple(activation_names)  # None for a callable
         self.gate = gate
         self.chunk_size, self.impl = chunk_size, impl
         jax_sdm.ops.snapshot_code(snapshot_dtype, dtype)  # a bad value fails here, not at the first call
@@ -256,14 +273,14 @@ class SparseDeltaMemory(nnx.Module):
         return mods + ([self.output_gate] if self.output_gate is not None else [])
 
     def projection_weights(self):
-        """The weights of the layer's matmuls in the computation dtype: `(kernel [d_model, H, width], bias
-        [H, width] or None, out_kernel [H * D, d_model], out_bias [d_model] or None)`, the input projections
-        concatenated per head in the column order of `project`, then `out_proj`'s. A decode loop makes them once,
-        outside its scan (`decode_loop`): they grow with `sqrt(K)` for direct factor scores, and remaking them every
-        step costs more than the step itself at large `K`."""
-        H = self.num_heads
+        """The parameters a decode step reads, in the forms its operations take (`DecodeWeights`): the weights of
+        the layer's matmuls in the computation dtype, the input projections concatenated per head in the column
+        order of `project`, then `out_proj`'s; the gates' and the readout norm's parameters in float32. A decode
+        loop makes them once, outside its scan (`decode_loop`): they grow with `sqrt(K)` for direct factor scores,
+        and remaking them every step costs more than the step itself at large `K`."""
+        H, D = self.num_heads, self.head_dim
         mods = self._input_projections()
-        widths = [m.out_features // H for m in mods]
+        widths = self._projection_widths()
         kernel = jnp.concatenate([m.kernel[...].astype(self.dtype).reshape(self.d_model, H, w)
                                   for m, w in zip(mods, widths)], axis=2)
         bias = None
@@ -271,19 +288,34 @@ class SparseDeltaMemory(nnx.Module):
             bias = jnp.concatenate([m.bias[...].astype(self.dtype).reshape(H, w) for m, w in zip(mods, widths)],
                                    axis=1)
         out_bias = None if self.out_proj.bias is None else self.out_proj.bias[...].astype(self.dtype)
-        return kernel, bias, self.out_proj.kernel[...].astype(self.dtype), out_bias
+        f32 = jnp.float32
+        gates = jnp.stack([-jnp.exp(self.A_log[...].astype(f32)), self.dt_bias[...].astype(f32)], axis=-1)
+        norm = jnp.zeros((2, D), f32)
+        if self.norm is not None:
+            norm = norm.at[0].set(self.norm.scale[...].astype(f32))
+            if getattr(self.norm, "bias", None) is not None:
+                norm = norm.at[1].set(self.norm.bias[...].astype(f32))
+        return DecodeWeights(kernel, bias, self.out_proj.kernel[...].astype(self.dtype), out_bias, gates, norm)
+
+    def _projection_widths(self):
+        """The columns per head of each input projection, in the order of `project`."""
+        return [m.out_features // self.num_heads for m in self._input_projections()]
+
+    def _projection(self, x, weights=None):
+        """Every input projection of `x [B, T, d_model]` as one matmul: `[B, T, H, width]`, the columns of each head
+        in the order of `project`."""
+        weights = self.projection_weights() if weights is None else weights
+        kernel, bias = weights.kernel, weights.bias
+        out = jnp.einsum("btd,dhw->bthw", x.astype(self.dtype), kernel)
+        return out if bias is None else out + bias
 
     def project(self, x, weights=None):
         """`x [B, T, d_model]` -> `(write_address [B, T, H, address_width], read_address, value [B, T, H, D],
         b [B, T, H], a [B, T, H], output_gate [B, T, H, D] or None)`: every projection of `x` as one matmul in the
         computation dtype, the kernels concatenated per head (so that a head-sharded layer stays head-sharded).
         `weights`: `projection_weights()`, when the caller has made them already."""
-        kernel, bias = (self.projection_weights() if weights is None else weights)[:2]
-        widths = [m.out_features // self.num_heads for m in self._input_projections()]
-        out = jnp.einsum("btd,dhw->bthw", x.astype(self.dtype), kernel)
-        if bias is not None:
-            out = out + bias
-        parts = jnp.split(out, np.cumsum(widths)[:-1], axis=-1)
+        out = self._projection(x, weights)
+        parts = jnp.split(out, np.cumsum(self._projection_widths())[:-1], axis=-1)
         parts[3], parts[4] = parts[3][..., 0], parts[4][..., 0]  # b, a: one column per head
         return tuple(parts) + ((None,) if self.output_gate is None else ())
 
@@ -292,29 +324,33 @@ class SparseDeltaMemory(nnx.Module):
         q_val)`, ids `[B, T, H, W]` / `[B, T, H, R]` int32 and weights `activation(scale * scores)` of the selected
         slots. Writes and reads are ranked in one search (`max(W, R)` slots each; the best `R` are the first `R`
         of the best `max(W, R)`), so that a decode step launches few kernels."""
-        B, T, H = write_address.shape[:3]
-        F = len(self.factors)
-        projection = jnp.stack([write_address, read_address])  # [2, B, T, H, address_width]
-        if self.factor_scores == "direct":
-            scores = projection  # the factors' scores side by side
-        else:
-            query = projection.reshape(2, B, T, H, F, self.key_dim)
-            keys = jnp.split(self.slot_keys[...].astype(query.dtype), np.cumsum(self.factors)[:-1], axis=1)
-            scores = jnp.concatenate([jnp.einsum("abthd,hnd->abthn", query[..., f, :], keys[f]) for f in range(F)],
-                                     axis=-1)
-        k = max(self.num_writes, self.num_reads)
-        if self.addressing == "product_key":
-            topk_impl = "xla" if self.impl in ("xla", "reference") else self.impl
-            scores, ids = jax_sdm.product_key_topk(scores, self.factors, k, impl=topk_impl)
-        else:
-            scores, ids = topk_slots(scores, k)
-        scores = scores.astype(jnp.float32)
+        scores, ids = self._rank(write_address, read_address, axis=0)
         W, R = self.num_writes, self.num_reads
         # The activations run on both halves and are then split: a split of the top-k's scores themselves lets
         # XLA move the slice into the top-k, which then compiles to a full sort of every row.
         k_val = self.write_activation(scores[..., :W] * self.write_scale)[0].astype(self.dtype)
         q_val = self.read_activation(scores[..., :R] * self.read_scale)[1].astype(self.dtype)
         return ids[0, ..., :W], k_val, ids[1, ..., :R], q_val
+
+    def _rank(self, write_address, read_address, axis):
+        """The best `max(W, R)` slots of the write and the read address projections `[B, T, H, address_width]`,
+        stacked along `axis` (0: `[2, B, T, H, k]`; 3: `[B, T, H, 2, k]`): `(scores float32, slot ids int32)`."""
+        F = len(self.factors)
+        projection = jnp.stack([write_address, read_address], axis=axis)
+        if self.factor_scores == "direct":
+            scores = projection  # the factors' scores side by side
+        else:
+            query = projection.reshape(projection.shape[:-1] + (F, self.key_dim))
+            keys = jnp.split(self.slot_keys[...].astype(query.dtype), np.cumsum(self.factors)[:-1], axis=1)
+            spec = "abthd,hnd->abthn" if axis == 0 else "bthad,hnd->bthan"
+            scores = jnp.concatenate([jnp.einsum(spec, query[..., f, :], keys[f]) for f in range(F)], axis=-1)
+        k = max(self.num_writes, self.num_reads)
+        if self.addressing == "product_key":
+            topk_impl = "xla" if self.impl in ("xla", "reference") else self.impl
+            scores, ids = jax_sdm.product_key_topk(scores, self.factors, k, impl=topk_impl)
+        else:
+            scores, ids = topk_slots(scores, k)
+        return scores.astype(jnp.float32), ids
 
     def _gates(self, b, a, k_val):
         """`beta [B, T, H]` and `g` (`[B, T, H]`, or `[B, T, H, W]` key-weighted) in float32."""
@@ -333,16 +369,22 @@ class SparseDeltaMemory(nnx.Module):
         with jax.named_scope("project"):
             write_address, read_address, v, b, a, gate_in = self.project(x, weights)
         with jax.named_scope("address"):
-            if self.write_norm is not None:
-                shape = (B, T, H * self.address_width)
-                mask = None if segment_ids is None else jnp.broadcast_to((segment_ids >= 0)[..., None], shape)
-                normed = lambda norm, z: norm(z.reshape(shape), use_running_average, mask=mask).reshape(z.shape)
-                write_address = normed(self.write_norm, write_address)
-                read_address = normed(self.read_norm, read_address)
+            write_address, read_address = self._query_batchnorm(write_address, read_address, use_running_average,
+                                                                segment_ids)
             k_idx, k_val, q_idx, q_val = self.address(write_address, read_address)
         with jax.named_scope("project"):
             beta, g = self._gates(b, a, k_val)
         return (k_idx, k_val, v, beta, g, q_idx, q_val), gate_in
+
+    def _query_batchnorm(self, write_address, read_address, use_running_average, segment_ids=None):
+        """The address projections `[B, T, H, address_width]` batch-normalised (`query_batchnorm`), or as they are."""
+        if self.write_norm is None:
+            return write_address, read_address
+        B, T, H = write_address.shape[:3]
+        shape = (B, T, H * self.address_width)
+        mask = None if segment_ids is None else jnp.broadcast_to((segment_ids >= 0)[..., None], shape)
+        normed = lambda norm, z: norm(z.reshape(shape), use_running_average, mask=mask).reshape(z.shape)
+        return normed(self.write_norm, write_address), normed(self.read_norm, read_address)
 
     def memory_inputs(self, x, segment_ids=None):
         """The op's per-token arguments for `x [B, T, d_model]`: `(k_idx, k_val, v, beta, g, q_idx, q_val)`
@@ -356,17 +398,21 @@ class SparseDeltaMemory(nnx.Module):
     def _readout(self, y, gate_in, weights=None):
         """`readout` with the output gate's projection of `x` given (`[B, T, H * D]`, from `project`), and
         optionally `projection_weights()`."""
-        B, T = y.shape[:2]
         if self.norm is not None:
             y = self.norm(y)
         if gate_in is not None:
             y = y * jax.nn.sigmoid(gate_in.reshape(y.shape)).astype(y.dtype)
+        return self._out_projection(y, weights)
+
+    def _out_projection(self, y, weights=None):
+        """`out_proj` of the readings `[B, T, H, D]` (normed and gated), with `projection_weights()` if given."""
+        B, T = y.shape[:2]
         y = y.reshape(B, T, self.num_heads * self.head_dim).astype(self.dtype)
         if weights is None:
             return self.out_proj(y)
-        _, _, out_kernel, out_bias = weights  # what out_proj computes, with its kernel cast beforehand
-        out = jax.lax.dot_general(y, out_kernel, (((y.ndim - 1,), (0,)), ((), ())))
-        return out if out_bias is None else out + out_bias
+        # What out_proj computes, with its kernel cast beforehand.
+        out = jax.lax.dot_general(y, weights.out_kernel, (((y.ndim - 1,), (0,)), ((), ())))
+        return out if weights.out_bias is None else out + weights.out_bias
 
     def initial_bank(self):
         """The bank every sequence starts from, `[H, K, D]` in the layer's dtype."""
@@ -421,7 +467,41 @@ class SparseDeltaMemory(nnx.Module):
         with jax.named_scope("readout"):
             return self._readout(y, gate_in), bank
 
-    def _decode(self, x, state, use_running_average, weights=None):
+    def fused_decode(self):
+        """Whether a decode step runs its addressing's activations, gates, memory step, readout norm and output gate
+        as one kernel call (`sdm_layer_decode_step`): with `impl` "auto" or "ffi", named activations, and the
+        kernels on this backend. Otherwise `decode` runs them as separate operations (the same values up to
+        rounding)."""
+        return (self.impl in ("auto", "ffi") and None not in self.activation_names
+                and lowering.is_registered("sdm_layer_decode_step", jax.default_backend()))
+
+    def _decode_fused(self, x, state, use_running_average, weights=None):
+        """The decode step as one kernel call after the projection and the top-k (see `fused_decode`)."""
+        aw = self.address_width
+        weights = self.projection_weights() if weights is None else weights
+        with jax.named_scope("project"):
+            proj = self._projection(x, weights)[:, 0]  # [B, H, width]
+        with jax.named_scope("address"):
+            write_address, read_address = self._query_batchnorm(proj[:, None, :, :aw], proj[:, None, :, aw:2 * aw],
+                                                                use_running_average)
+            scores, ids = self._rank(write_address, read_address, axis=3)  # [B, 1, H, 2, k]
+        columns = np.cumsum([0] + self._projection_widths())  # write, read, v, b, a, output gate
+        options = dict(num_writes=self.num_writes, num_reads=self.num_reads, v_offset=int(columns[2]),
+                       b_offset=int(columns[3]), a_offset=int(columns[4]),
+                       og_offset=int(columns[5]) if self.output_gate is not None else -1,
+                       write_activation=self.activation_names[0], read_activation=self.activation_names[1],
+                       per_write_gates=self.gate == "write", readout_norm=self.readout_norm_kind,
+                       write_scale=self.write_scale, read_scale=self.read_scale,
+                       norm_eps=0.0 if self.norm is None else float(self.norm.epsilon))
+        with jax.named_scope("memory"):
+            bank, out = _layer_decode_step(tuple(options.items()), state.astype(self.dtype), ids[:, 0], scores[:, 0],
+                                           proj, weights.gates, weights.norm)
+        with jax.named_scope("readout"):
+            return self._out_projection(out[:, None], weights), bank
+
+    def _decode(self, x, state, use_running_average, weights=None, fused=None):
+        if self.fused_decode() if fused is None else fused:
+            return self._decode_fused(x, state, use_running_average, weights)
         args, gate_in = self._memory_inputs(x, use_running_average=use_running_average, weights=weights)
         with jax.named_scope("memory"):
             y, bank = jax_sdm.sdm_step(state.astype(self.dtype), *(a[:, 0] for a in args), impl=self.impl)
@@ -442,6 +522,18 @@ class SparseDeltaMemory(nnx.Module):
         self._check_state(state, x.shape[0])
         y, state = self._decode(x, state, use_running_average=True, weights=weights)
         return (y[:, 0] if squeeze else y), state
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _layer_decode_step(options, *arrays):
+    """`ffi_ops.layer_decode_step_ffi(*arrays, **dict(options))`, inference only like `sdm_step`."""
+    return ffi_ops.layer_decode_step_ffi(*arrays, **dict(options))
+
+
+@_layer_decode_step.defjvp
+def _layer_decode_step_jvp(options, primals, tangents):
+    raise TypeError(INFERENCE_ONLY + " (the layer's decode step, a call with one token and a state, "
+                    "runs it; to train, call the layer on sequences)")
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=3)

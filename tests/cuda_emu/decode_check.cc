@@ -1,7 +1,8 @@
 // The CUDA decode step (kernels/decode_step_cuda.cu, rewritten for the host by transform.py) against the CPU one
 // (kernels/decode_step_cpu.cc) on random tokens: float32 and bfloat16 banks, per-token and per-write gates,
-// repeated and out-of-range slot ids, and widths D that leave a partial column tile. Both round every multiply and
-// add separately (the CUDA kernel is built with -fmad=false), so the readings and the bank must agree bitwise.
+// repeated and out-of-range slot ids, and widths D that leave a partial column tile; then the layer's step
+// (run_layer). Both round every multiply and add separately (the CUDA kernel is built with -fmad=false), so the
+// readings and the bank must agree bitwise.
 #include "decode_emu.inc"
 
 #include <cstdio>
@@ -48,6 +49,75 @@ bool run(const DecodeDims& dm, unsigned seed) {
   return ok;
 }
 
+// The layer's step (layer_decode_step_cuda against layer_decode_step_cpu) on random top lists, projections and
+// parameters: every activation and norm, with and without the output gate, per-token and per-write gates, one and
+// two parameter groups, and widths D of several column batches.
+bool run_layer(LayerDecodeDims dm, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::uniform_int_distribution<int32_t> slot(-2, static_cast<int32_t>(dm.K) + 1);
+  std::uniform_int_distribution<int32_t> in_range(0, static_cast<int32_t>(dm.K) - 1);
+  const int64_t S = dm.S, K = dm.K, D = dm.D, k = dm.k;
+  // The projection row: v, b, a, then the output gate's columns, after a few unused ones.
+  dm.v_off = 3;
+  dm.b_off = dm.v_off + D;
+  dm.a_off = dm.b_off + 1;
+  const int64_t og = dm.a_off + 1;
+  dm.width = og + D;
+  if (dm.og_off >= 0) dm.og_off = og;
+  std::vector<int32_t> ids(S * 2 * k);
+  for (int64_t s = 0; s < S; ++s) {
+    int32_t* w = ids.data() + 2 * s * k;
+    for (int64_t n = 0; n < k; ++n) w[n] = rng() % 5 == 0 ? slot(rng) : in_range(rng);
+    for (int64_t m = 0; m < k; ++m) w[k + m] = rng() % 2 ? w[rng() % dm.W] : slot(rng);  // reads of written rows
+  }
+  std::vector<float> scores(S * 2 * k), gates(dm.G * dm.H * 2), norm(dm.G * 2 * D);
+  for (auto& x : scores) x = 2.0f * normal(rng);
+  for (int64_t i = 0; i < dm.G * dm.H; ++i) {
+    gates[2 * i] = -std::exp(normal(rng));
+    gates[2 * i + 1] = normal(rng);
+  }
+  for (auto& x : norm) x = 1.0f + 0.3f * normal(rng);
+  const size_t value_bytes = dm.bf16 ? 2 : 4;
+  auto values = [&](int64_t n, float scale) {
+    std::vector<unsigned char> out(n * value_bytes);
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = scale * normal(rng);
+      if (dm.bf16) {
+        const uint16_t b = bf16_bits_of(x);
+        std::memcpy(out.data() + 2 * i, &b, 2);
+      } else {
+        std::memcpy(out.data() + 4 * i, &x, 4);
+      }
+    }
+    return out;
+  };
+  const std::vector<unsigned char> proj = values(S * dm.width, 1.0f), bank = values(S * K * D, 0.1f);
+  std::vector<unsigned char> bank_cpu = bank, bank_cuda = bank, out_cpu(S * D * value_bytes),
+                             out_cuda(S * D * value_bytes, 0xab);
+  LayerDecodeInputs in{ids.data(), scores.data(), proj.data(), gates.data(), norm.data(), out_cpu.data()};
+  layer_decode_step_cpu(dm, in, bank_cpu.data());
+  in.out = out_cuda.data();
+  const int rc = layer_decode_step_cuda(dm, in, bank_cuda.data(), nullptr);
+  const bool ok = rc == 0 && out_cpu == out_cuda && bank_cpu == bank_cuda;
+  std::printf("%s layer S%lld G%lld H%lld K%lld D%lld W%lld R%lld k%lld %s act %d/%d norm %d og %s gates=%s rc=%d\n",
+              ok ? "ok  " : "FAIL", (long long)S, (long long)dm.G, (long long)dm.H, (long long)K, (long long)D,
+              (long long)dm.W, (long long)dm.R, (long long)k, dm.bf16 ? "bf16" : "f32", dm.write_act, dm.read_act,
+              dm.norm, dm.og_off >= 0 ? "yes" : "no", dm.per_write_gates ? "write" : "token", rc);
+  return ok;
+}
+
+LayerDecodeDims layer_case(int64_t S, int64_t G, int64_t H, int64_t K, int64_t D, int64_t W, int64_t R, int64_t k,
+                           int32_t write_act, int32_t read_act, int32_t norm, bool gate, bool per_write, bool bf16) {
+  LayerDecodeDims dm{};
+  dm.S = S, dm.K = K, dm.D = D, dm.W = W, dm.R = R, dm.G = G, dm.H = H, dm.k = k;
+  dm.og_off = gate ? 0 : -1;
+  dm.write_act = write_act, dm.read_act = read_act, dm.norm = norm;
+  dm.write_scale = 0.7f, dm.read_scale = 1.3f, dm.eps = 1e-5f;
+  dm.per_write_gates = per_write, dm.bf16 = bf16;
+  return dm;
+}
+
 }  // namespace
 
 int main() {
@@ -60,6 +130,19 @@ int main() {
     failing += !run<float>(dm, seed++);
     failing += !run<bf16>(dm, seed++);
   }
+  // {S, G, H, K, D, W, R, k, activations, norm, output gate, per-write gates}
+  for (int32_t act = 0; act < kNumLaneActivations; ++act) {
+    const bool bf16 = act % 2;
+    failing += !run_layer(layer_case(8, 1, 4, 64, 40, 4, 3, 5, act, (act + 4) % kNumLaneActivations, act % 3,
+                                     act % 2 == 0, act % 3 == 1, bf16),
+                          seed++);
+  }
+  failing += !run_layer(layer_case(12, 2, 3, 300, 300, 9, 16, 16, kSoftmax, kSoftmax, kRmsNorm, true, false, true),
+                        seed++);
+  failing += !run_layer(layer_case(4, 1, 2, 5, 16, 1, 1, 2, kSoftmax, kL2Normalize, kLayerNorm, true, true, false),
+                        seed++);
+  failing += !run_layer(layer_case(2, 2, 1, 1000, 130, 20, 12, 20, kGelu, kSoftmax, kNoNorm, false, true, true),
+                        seed++);
   std::printf("%d failing cases\n", failing);
   return failing != 0;
 }
