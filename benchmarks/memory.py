@@ -25,7 +25,8 @@ def abstract_inputs(shape):
     return args, S(args[3].shape, dt), S(args[0].shape, dt)  # the cotangents: arguments of the grad (bench.py)
 
 
-def main(argv=None):
+def main(argv=None, place=None):
+    """`place`: a function that places the abstract arguments on a device (deviceless.py: the H200 described)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="flagship", choices=sorted(SHAPES))
     ap.add_argument("--chunk", type=int)
@@ -43,9 +44,12 @@ def main(argv=None):
         shape["T"] = a.T
     chunk = a.chunk or shape["chunk"]
     args, dy, dbank = abstract_inputs(shape)
+    if place is not None:
+        args, dy, dbank = place((args, dy, dbank))
     fwd, grad = make_functions(a.impl, chunk, dy, None if a.loss == "y" else dbank, a.snapshot_dtype)
     gib = 2.0**30
-    print(f"{a.impl} {a.shape} T {shape['T']} chunk {chunk} on {jax.devices()[0].platform}, loss {a.loss}, "
+    where = jax.devices()[0].platform if place is None else "the H200 described by deviceless.py"
+    print(f"{a.impl} {a.shape} T {shape['T']} chunk {chunk} on {where}, loss {a.loss}, "
           f"snapshot {a.snapshot_dtype or 'the bank dtype'}")
     for name, fn in (("no-grad fwd", fwd), ("fwd+bwd (one jit)", grad))[:1 if a.nograd_only else 2]:
         compiled = fn.lower(*args).compile()

@@ -122,7 +122,7 @@ SDM_HOST_DEVICE inline float rounded_value(float x, bool is_bf16) {
 SDM_HOST_DEVICE inline float sigmoid_of(float x) { return 1.0f / (1.0f + expf(-x)); }
 SDM_HOST_DEVICE inline float softplus_of(float x) { return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))); }
 
-// w[i] = V(act(scale * s[i])) for i < n (jax_sdm.nn ACTIVATIONS; gelu exact).
+// w[i] = V(act(scale * s[i])) for i < n (jax_sdm.nn ACTIVATIONS; gelu exact); w may be s.
 SDM_HOST_DEVICE inline void lane_weights(const float* s, int64_t n, int32_t act, float scale, bool is_bf16,
                                          float* w) {
   float total = 0.0f, top = -INFINITY;
@@ -153,19 +153,22 @@ SDM_HOST_DEVICE inline void lane_weights(const float* s, int64_t n, int32_t act,
   for (int64_t i = 0; i < n; ++i) w[i] = rounded_value(w[i], is_bf16);
 }
 
-// Stream s's lanes (slot ids, weights), log-gates (W with per-write gates, else one) and beta.
-SDM_HOST_DEVICE inline void layer_lanes(const LayerDecodeDims& dm, const LayerDecodeInputs& in, int64_t s,
-                                        int32_t* k_idx, float* k_val, int32_t* q_idx, float* q_val, float* x,
-                                        float* beta) {
-  const int64_t w_list = 2 * s * dm.k, r_list = w_list + dm.k;
-  for (int64_t n = 0; n < dm.W; ++n) k_idx[n] = in.ids[w_list + n];
-  for (int64_t m = 0; m < dm.R; ++m) q_idx[m] = in.ids[r_list + m];
-  lane_weights(in.scores + w_list, dm.W, dm.write_act, dm.write_scale, dm.bf16, k_val);
-  lane_weights(in.scores + r_list, dm.R, dm.read_act, dm.read_scale, dm.bf16, q_val);
-  const int64_t row = s * dm.width;
-  *beta = sigmoid_of(value_at(in.proj, row + dm.b_off, dm.bf16));
-  const float* gates = in.gates + 2 * ((s / (dm.S / dm.G)) * dm.H + s % dm.H);
-  const float g = gates[0] * softplus_of(value_at(in.proj, row + dm.a_off, dm.bf16) + gates[1]);
+// Where stream s's inputs are: its write list (its read list follows, k further), its projection row, and its
+// head's gate parameters (-exp(A_log), dt_bias).
+SDM_HOST_DEVICE inline int64_t write_list(const LayerDecodeDims& dm, int64_t s) { return 2 * s * dm.k; }
+SDM_HOST_DEVICE inline int64_t proj_row(const LayerDecodeDims& dm, int64_t s) { return s * dm.width; }
+SDM_HOST_DEVICE inline int64_t gate_params(const LayerDecodeDims& dm, int64_t s) {
+  return 2 * ((s / (dm.S / dm.G)) * dm.H + s % dm.H);
+}
+
+// A stream's weights, log-gates (W with per-write gates, else one) and beta from its lists' scores (k_val and
+// q_val hold the W and R scores on entry), its pre-gate columns b and a, and its head's gate parameters.
+SDM_HOST_DEVICE inline void lane_values(const LayerDecodeDims& dm, const float* gates, float b, float a,
+                                        float* k_val, float* q_val, float* x, float* beta) {
+  lane_weights(k_val, dm.W, dm.write_act, dm.write_scale, dm.bf16, k_val);
+  lane_weights(q_val, dm.R, dm.read_act, dm.read_scale, dm.bf16, q_val);
+  *beta = sigmoid_of(b);
+  const float g = gates[0] * softplus_of(a + gates[1]);
   if (dm.per_write_gates) {
     for (int64_t n = 0; n < dm.W; ++n) x[n] = g * fabsf(k_val[n]);
   } else {

@@ -54,14 +54,24 @@ void layer_decode_step_typed(const LayerDecodeDims& dm, const LayerDecodeInputs&
         v(static_cast<size_t>(D)), cur(static_cast<size_t>(W * D)), delta(static_cast<size_t>(D)),
         reading(static_cast<size_t>(D));
     for (int64_t s = begin; s < end; ++s) {
+      const int64_t list = write_list(dm, s), row = proj_row(dm, s);
+      for (int64_t n = 0; n < W; ++n) {
+        k_idx[n] = in.ids[list + n];
+        k_val[n] = in.scores[list + n];
+      }
+      for (int64_t m = 0; m < R; ++m) {
+        q_idx[m] = in.ids[list + dm.k + m];
+        q_val[m] = in.scores[list + dm.k + m];
+      }
       float beta;
-      layer_lanes(dm, in, s, k_idx.data(), k_val.data(), q_idx.data(), q_val.data(), x.data(), &beta);
+      lane_values(dm, in.gates + gate_params(dm, s), value_at(in.proj, row + dm.b_off, dm.bf16),
+                  value_at(in.proj, row + dm.a_off, dm.bf16), k_val.data(), q_val.data(), x.data(), &beta);
       BankT* rows = bank + s * K * D;
       prefetch_rows(rows, k_idx.data(), W, K, D);
       prefetch_rows(rows, q_idx.data(), R, K, D);
       for (int64_t n = 0; n < W; ++n) first[n] = first_write_lane(k_idx.data(), W, K, k_idx[n]);
       for (int64_t m = 0; m < R; ++m) read_lane[m] = first_write_lane(k_idx.data(), W, K, q_idx[m]);
-      for (int64_t j = 0; j < D; ++j) v[j] = value_at(in.proj, s * dm.width + dm.v_off + j, dm.bf16);
+      for (int64_t j = 0; j < D; ++j) v[j] = value_at(in.proj, row + dm.v_off + j, dm.bf16);
       const TokenRows<BankT, float> token{K, D, W, R, k_idx.data(), k_val.data(), x.data(),
                                           dm.per_write_gates ? 1 : 0, v.data(), beta, q_idx.data(), q_val.data(),
                                           first.data(), read_lane.data(), rows};

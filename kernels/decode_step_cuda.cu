@@ -52,9 +52,10 @@ __device__ inline LaneShared lane_shared(float* base, int64_t W, int64_t R) {
   return ln;
 }
 int64_t shared_bytes(const DecodeDims& dm, int threads) { return 4 * (dm.W * threads + lane_floats(dm.W, dm.R)); }
-// The layer's kernel adds beta, the readings y [D] and the norm's two statistics.
+// The layer's kernel adds beta, the readings y [D] and four scalars (b, a and the head's gate parameters, then
+// the norm's statistics).
 int64_t shared_bytes(const LayerDecodeDims& dm, int threads) {
-  return 4 * (dm.W * threads + lane_floats(dm.W, dm.R) + 1 + dm.D + 2);
+  return 4 * (dm.W * threads + lane_floats(dm.W, dm.R) + 1 + dm.D + 4);
 }
 
 // Bank rows a thread loads before using the first (one per lane): the step is a short chain of dependent loads,
@@ -138,8 +139,8 @@ __global__ void decode_step_kernel(DecodeDims dm, DecodeToken<T> tok, T* __restr
   tok.y[s * D + j] = from_f(y, tok.y);
 }
 
-// The layer's step: a block per stream, its columns in batches of the block's width. Thread 0 makes the lanes
-// (layer_lanes), the block runs the step on every column, keeps the rounded readings in shared memory, warp 0 sums
+// The layer's step: a block per stream, its columns in batches of the block's width. The block loads the lanes,
+// thread 0 makes their weights and gates (lane_values), the block runs the step on every column, keeps the rounded readings in shared memory, warp 0 sums
 // them for the norm (warp_order_sums' order), then every thread writes the outputs of its columns.
 template <typename T>
 __global__ void layer_decode_step_kernel(LayerDecodeDims dm, LayerDecodeInputs in, T* __restrict__ bank) {
@@ -149,8 +150,25 @@ __global__ void layer_decode_step_kernel(LayerDecodeDims dm, LayerDecodeInputs i
   const LaneShared ln = lane_shared(shared + W * blockDim.x, W, R);
   float* beta = ln.end;
   float* y = beta + 1;   // [D]
-  float* stats = y + D;  // the norm's shift and multiplier
-  if (threadIdx.x == 0) layer_lanes(dm, in, s, ln.k_idx, ln.k_val, ln.q_idx, ln.q_val, ln.x, beta);
+  float* stats = y + D;  // b, a and the gate parameters, then the norm's shift and multiplier
+  // The lists' ids and scores, b, a and the gate parameters in one round of loads across the block; then thread 0
+  // makes the weights and gates from the copies in shared memory.
+  const int64_t list = write_list(dm, s), row = proj_row(dm, s);
+  for (int64_t n = threadIdx.x; n < W; n += blockDim.x) {
+    ln.k_idx[n] = in.ids[list + n];
+    ln.k_val[n] = in.scores[list + n];
+  }
+  for (int64_t m = threadIdx.x; m < R; m += blockDim.x) {
+    ln.q_idx[m] = in.ids[list + dm.k + m];
+    ln.q_val[m] = in.scores[list + dm.k + m];
+  }
+  const int last = blockDim.x - 1;  // threads that load one list entry less (W, R <= the block's width, mostly)
+  if (threadIdx.x == last) stats[0] = value_at(in.proj, row + dm.b_off, dm.bf16);
+  if (threadIdx.x == last - 1) stats[1] = value_at(in.proj, row + dm.a_off, dm.bf16);
+  if (threadIdx.x == last - 2) stats[2] = in.gates[gate_params(dm, s)];
+  if (threadIdx.x == last - 3) stats[3] = in.gates[gate_params(dm, s) + 1];
+  __syncthreads();
+  if (threadIdx.x == 0) lane_values(dm, stats + 2, stats[0], stats[1], ln.k_val, ln.q_val, ln.x, beta);
   __syncthreads();
   for (int64_t n = threadIdx.x; n < W; n += blockDim.x) ln.first[n] = first_write_lane(ln.k_idx, W, K, ln.k_idx[n]);
   for (int64_t m = threadIdx.x; m < R; m += blockDim.x)
@@ -158,7 +176,7 @@ __global__ void layer_decode_step_kernel(LayerDecodeDims dm, LayerDecodeInputs i
   __syncthreads();
   T* rows = bank + s * K * D;
   for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
-    const float v = value_at(in.proj, s * dm.width + dm.v_off + j, dm.bf16);
+    const float v = value_at(in.proj, row + dm.v_off + j, dm.bf16);
     y[j] = rounded_value(step_column(ln, shared + threadIdx.x, blockDim.x, rows + j, W, R, K, D,
                                      dm.per_write_gates ? 1 : 0, *beta, v),
                          dm.bf16);
