@@ -165,9 +165,20 @@ if has decode_trace; then
 fi
 pack
 if has decode_profile; then
-  # Where a layer decode step's time goes: the top-k kernels' stalls per SASS instruction at the decode shapes
-  # (ncu's sampled stalls at its highest rate, benchmarks/ncu_source_summary.py). The decode loop against K and
-  # its timelines are the stage decode_trace.
+  # Where a layer decode step's time goes: ncu's full set of the layer's decode step kernel and of the op's at
+  # K 2^12 and 2^20 (the op's step was about 15 us of device time for a few rows a stream: a chain of latencies),
+  # then the top-k kernels' stalls per SASS instruction at the decode shapes (ncu's sampled stalls at its highest
+  # rate, benchmarks/ncu_source_summary.py). The decode loop against K and its timelines are the stage decode_trace.
+  for log_k in 12 20; do
+    for kernel in layer_decode_step_kernel decode_step_kernel; do
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 ncu --clock-control none --set full -k "regex:^$kernel" -c 2 \
+        python3 "$REPO/benchmarks/bench_layer.py" --layer-decode --min-log-k $log_k --max-log-k $log_k \
+        --decode-steps 4 --repeats 1 > "$OUT/ncu_${kernel}_k$log_k.txt" 2>> "$OUT/ncu_err.log"
+      summary "ncu $kernel K 2^$log_k rc=$?"
+      grep -E "^  [a-z_]+.*\(|Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|Stall" \
+        "$OUT/ncu_${kernel}_k$log_k.txt" | head -20
+    done
+  done
   for shape in "1024,1024" "64,64"; do
     name=ncu_topk_source_${shape/,/x}
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none --section SourceCounters \

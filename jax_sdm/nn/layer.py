@@ -133,8 +133,8 @@ class SparseDeltaMemory(nnx.Module):
     Call: `y, state = layer(x, state=None, segment_ids=None)`. Without a state the sequence starts from the
     initial bank; `state` (from `init_state` or a previous call) is the bank `[B, H, K, D]` to continue from, and
     the returned state is the bank after the last token. A call with one token (`T == 1`) and a state is a decode
-    step: it runs `jax_sdm.sdm_step` (inference only: not differentiable); `decode` and `decode_loop` are the
-    decode interface. `segment_ids [B, T]` (packed and padded sequences: a new id starts again from the initial
+    step (inference only: not differentiable, as `jax_sdm.sdm_step`); `decode` and `decode_loop` are the decode
+    interface. `segment_ids [B, T]` (packed and padded sequences: a new id starts again from the initial
     bank or `state`, a negative id pads) go to `sdm_write_read`, with the `impl`s that serve them.
 
     Parameters: `write_query`, `read_query`, `value_proj`, `beta_proj`, `gate_proj`, `output_gate` (each an
@@ -510,8 +510,10 @@ class SparseDeltaMemory(nnx.Module):
 
     def decode(self, x_t, state, *, weights=None):
         """One decode step: `x_t [B, d_model]` (or `[B, 1, d_model]`) and the state `[B, H, K, D]` ->
-        `(y_t, state)`, `y_t` shaped like `x_t`. Runs `jax_sdm.sdm_step` (inference only) with the batch-norm
-        running statistics. Under `jax.jit` with the state donated (`decode_loop` does that) the bank is
+        `(y_t, state)`, `y_t` shaped like `x_t`, with the batch-norm running statistics; inference only. After the
+        projection and the address top-k, one kernel call makes the lanes' weights and gates, runs the memory step
+        and the readout norm and gate (`fused_decode()`; with a callable activation, `jax_sdm.sdm_step` and
+        separate operations, the same values up to rounding). Under `jax.jit` with the state donated (`decode_loop` does that) the bank is
         updated in place; an undonated state is copied every step. In a loop of steps, pass
         `weights=layer.projection_weights()` made once before the loop (XLA does not hoist them out of a scan)."""
         squeeze = x_t.ndim == 2
