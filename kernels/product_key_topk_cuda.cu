@@ -812,9 +812,8 @@ __global__ void __launch_bounds__(kBwdThreadRows, kTop == 32 ? 6 : 3)
     }
   }
   constexpr int kVec = 16 / sizeof(T);  // elements a 16-byte store
-  // The group walk for the lists of 32 only: with lists of 64 (factors of up to 256 entries, 12 warps an SM) its
-  // selects at every run's end cost more than the sectors it saves (H200, 2026-12-05: config a's backward 72 ->
-  // 90 us in the layer with it).
+  // The group walk for the lists of 32 only: with lists of 64 (12 warps an SM) its selects at every run's end cost
+  // more than the sectors it saves.
   const bool vec_out = kTop <= 32 && (reinterpret_cast<uintptr_t>(out) & 15u) == 0 && d.width == d.n[0] + d.n[1] &&
                        d.x_offset[1] == d.n[0] && d.n[0] % kVec == 0 && d.n[1] % kVec == 0;
   if (!vec_out) {
