@@ -1,5 +1,5 @@
-"""The CUDA decode step (`sdm_step` on the GPU) against the token loop and the CPU kernel (GPU only; skipped
-elsewhere)."""
+"""The CUDA decode step (`sdm_step` on the GPU) against the token loop and the CPU kernel, and the layer's decode
+step (`sdm_layer_decode_step`) against the CPU kernel (GPU only; skipped elsewhere)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,3 +90,49 @@ def test_gpu_step_updates_in_place():
     hlo = jax.jit(lambda *a: sdm_step(*a), donate_argnums=0).lower(*args).compile().as_text()
     ops = entry_ops_of_shape(hlo, args[0].shape)
     assert ops and not {"copy", "copy-start"} & set(ops), ops
+
+
+LAYER_CASES = [
+    dict(),  # softmax, RMS norm, output gate
+    dict(head_dim=300, num_writes=9, num_reads=7, readout_norm="layer", gate="write"),  # columns in three batches
+    dict(num_writes=64, num_reads=40, write_activation="l2_normalize", read_activation="gelu", output_gate=False,
+         readout_norm=None),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", range(len(LAYER_CASES)))
+def test_gpu_layer_decode_step_matches_cpu_kernel(case, dtype):
+    """The layer's decode step (`sdm_layer_decode_step`) on the GPU against the same call on the CPU kernel, the
+    bank updated in place, and bitwise the same on a second call."""
+    nnx = pytest.importorskip("flax.nnx")
+    from jax_sdm.nn import SparseDeltaMemory
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    kw = dict(num_heads=4, slots_per_head=4096, num_writes=16, num_reads=16, head_dim=128)
+    kw.update(LAYER_CASES[case])
+    layer = SparseDeltaMemory(256, **kw, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))
+    layer.eval()
+    assert layer.fused_decode()
+    graphdef, params = nnx.split(layer)
+    B, H, K, D = 3, kw["num_heads"], kw["slots_per_head"], kw["head_dim"]
+    rng = np.random.default_rng(seed)
+    # Host arrays in the layer's dtype: each device_put makes a buffer of its own to donate.
+    x = np.asarray(rng.standard_normal((B, 256)), jnp.dtype(dtype))
+    state = np.asarray(0.3 * rng.standard_normal((B, H, K, D)), jnp.dtype(dtype))
+    step = jax.jit(lambda p, x, s: nnx.merge(graphdef, p).decode(x, s), donate_argnums=2)
+    out = {}
+    for device in (jax.devices()[0], jax.devices("cpu")[0]):
+        put = lambda a: jax.device_put(a, device)
+        out[device.platform] = step(jax.tree.map(put, params), put(x), put(state))
+    tol = 1e-2 if dtype == "bfloat16" else 1e-5
+    for name, a, b in zip(("y", "bank"), out["gpu"], out["cpu"]):
+        assert np.all(np.isfinite(np.asarray(a, np.float32))), name
+        assert rel_err(a, b) < tol, (name, rel_err(a, b))
+    gpu = jax.devices()[0]
+    again = step(jax.tree.map(lambda a: jax.device_put(a, gpu), params), jax.device_put(x, gpu),
+                 jax.device_put(state, gpu))
+    for a, b in zip(again, out["gpu"]):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    hlo = step.lower(params, x, state).compile().as_text()
+    ops = entry_ops_of_shape(hlo, (B, H, K, D))
+    assert not {"copy", "copy-start"} & set(ops), ops
