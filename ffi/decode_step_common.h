@@ -7,6 +7,7 @@
 #include <string>
 
 #include "ffi/common.h"
+#include "ffi/product_key_topk_common.h"
 #include "kernels/decode_step.h"
 
 // The buffers of `sdm_decode_step`, in order (docs/DESIGN.md "Decode step"; ffi/common.h SDM_FFI_PARAMS), shared
@@ -30,6 +31,20 @@
   X(Arg, ::sdm_ffi::F32, norm) SEP() X(Attr, int64_t, num_writes) SEP() X(Attr, int64_t, num_reads) SEP()       \
   X(Attr, int64_t, v_offset) SEP() X(Attr, int64_t, b_offset) SEP() X(Attr, int64_t, a_offset) SEP()            \
   X(Attr, int64_t, og_offset) SEP() X(Attr, int64_t, write_activation) SEP()                                   \
+  X(Attr, int64_t, read_activation) SEP() X(Attr, int64_t, per_write_gates) SEP()                               \
+  X(Attr, int64_t, readout_norm) SEP() X(Attr, float, write_scale) SEP() X(Attr, float, read_scale) SEP()       \
+  X(Attr, float, norm_eps) SEP() X(Ret, ::sdm_ffi::AnyBuffer, bank_out) SEP() X(Ret, ::sdm_ffi::AnyBuffer, out)
+
+// `sdm_layer_decode_rank_step`: the same with the lists ranked in the call (kernels/decode_step.h): in place of
+// ids and scores, the product-key top-k's candidate table [..., F, C] and the attributes `factors`, `k` and the
+// address rows' columns `write_rank_offset`, `read_rank_offset`.
+#define SDM_LAYER_DECODE_RANK_BUFFERS(X, SEP)                                                                   \
+  X(Arg, ::sdm_ffi::AnyBuffer, bank) SEP() X(Arg, ::sdm_ffi::AnyBuffer, proj) SEP()                             \
+  X(Arg, ::sdm_ffi::S32, table) SEP() X(Arg, ::sdm_ffi::F32, gates) SEP() X(Arg, ::sdm_ffi::F32, norm) SEP()   \
+  X(Attr, ::sdm_ffi::Factors, factors) SEP() X(Attr, int64_t, k) SEP() X(Attr, int64_t, write_rank_offset)     \
+  SEP() X(Attr, int64_t, read_rank_offset) SEP() X(Attr, int64_t, num_writes) SEP()                             \
+  X(Attr, int64_t, num_reads) SEP() X(Attr, int64_t, v_offset) SEP() X(Attr, int64_t, b_offset) SEP()          \
+  X(Attr, int64_t, a_offset) SEP() X(Attr, int64_t, og_offset) SEP() X(Attr, int64_t, write_activation) SEP() \
   X(Attr, int64_t, read_activation) SEP() X(Attr, int64_t, per_write_gates) SEP()                               \
   X(Attr, int64_t, readout_norm) SEP() X(Attr, float, write_scale) SEP() X(Attr, float, read_scale) SEP()       \
   X(Attr, float, norm_eps) SEP() X(Ret, ::sdm_ffi::AnyBuffer, bank_out) SEP() X(Ret, ::sdm_ffi::AnyBuffer, out)
@@ -118,12 +133,16 @@ struct LayerDecodeCall {
   size_t bank_bytes;
 };
 
-inline ffi::Error PrepareLayerDecodeStep(const char* op, SDM_FFI_PARAMS(SDM_LAYER_DECODE_BUFFERS),
-                                         LayerDecodeCall* call) {
+// The checks both layer targets share: everything but the lists (k: their length).
+inline ffi::Error PrepareLayerCommon(const char* op, const ffi::AnyBuffer& bank, int64_t k, const ffi::AnyBuffer& proj,
+                                     const F32& gates, const F32& norm, int64_t num_writes, int64_t num_reads,
+                                     int64_t v_offset, int64_t b_offset, int64_t a_offset, int64_t og_offset,
+                                     int64_t write_activation, int64_t read_activation, int64_t per_write_gates,
+                                     int64_t readout_norm, float write_scale, float read_scale, float norm_eps,
+                                     ffi::Result<ffi::AnyBuffer>& bank_out, ffi::Result<ffi::AnyBuffer>& out,
+                                     LayerDecodeCall* call) {
   auto bd = bank.dimensions();
-  auto id = ids.dimensions();
-  if (bd.size() < 2 || id.size() < 2)
-    return ffi::Error::InvalidArgument(std::string(op) + ": bank must be [..., K, D] and ids [..., 2, k]");
+  if (bd.size() < 2) return ffi::Error::InvalidArgument(std::string(op) + ": bank must be [..., K, D]");
   const ffi::DataType type = bank.element_type();
   if (type != ffi::DataType::F32 && type != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument(std::string(op) + ": the bank must be float32 or bfloat16");
@@ -133,7 +152,7 @@ inline ffi::Error PrepareLayerDecodeStep(const char* op, SDM_FFI_PARAMS(SDM_LAYE
   dm.D = bd.back();
   dm.W = num_writes;
   dm.R = num_reads;
-  dm.k = id.back();
+  dm.k = k;
   dm.width = proj.dimensions().size() == 0 ? -1 : proj.dimensions().back();
   dm.v_off = v_offset;
   dm.b_off = b_offset;
@@ -160,8 +179,6 @@ inline ffi::Error PrepareLayerDecodeStep(const char* op, SDM_FFI_PARAMS(SDM_LAYE
   if (write_activation < 0 || write_activation >= sdm::kNumLaneActivations || read_activation < 0 ||
       read_activation >= sdm::kNumLaneActivations || readout_norm < 0 || readout_norm >= sdm::kNumReadoutNorms)
     return ffi::Error::InvalidArgument(o + ": unknown activation or readout norm code");
-  SDM_RETURN_IF_ERROR(CheckShape(op, "ids", ids, dm.S, {2, dm.k}));
-  SDM_RETURN_IF_ERROR(CheckShape(op, "scores", scores, dm.S, {2, dm.k}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "proj", proj, dm.S, {dm.width}));
   auto gd = gates.dimensions();
   dm.G = LeadingProduct(gd, 2);
@@ -177,11 +194,63 @@ inline ffi::Error PrepareLayerDecodeStep(const char* op, SDM_FFI_PARAMS(SDM_LAYE
                          {"out (result)", &*out}}) {
     SDM_RETURN_IF_ERROR(CheckValueType(op, name, *a, type));
   }
-  call->in = sdm::LayerDecodeInputs{ids.typed_data(), scores.typed_data(), proj.untyped_data(), gates.typed_data(),
-                                    norm.typed_data(), out->untyped_data()};
+  call->in = sdm::LayerDecodeInputs{nullptr, nullptr, proj.untyped_data(), gates.typed_data(), norm.typed_data(),
+                                    out->untyped_data()};
   call->bank_in = bank.untyped_data();
   call->bank = bank_out->untyped_data();
   call->bank_bytes = bank.size_bytes();
+  return ffi::Error::Success();
+}
+
+inline ffi::Error PrepareLayerDecodeStep(const char* op, SDM_FFI_PARAMS(SDM_LAYER_DECODE_BUFFERS),
+                                         LayerDecodeCall* call) {
+  auto id = ids.dimensions();
+  if (id.size() < 2) return ffi::Error::InvalidArgument(std::string(op) + ": ids must be [..., 2, k]");
+  SDM_RETURN_IF_ERROR(PrepareLayerCommon(op, bank, id.back(), proj, gates, norm, num_writes, num_reads, v_offset,
+                                         b_offset, a_offset, og_offset, write_activation, read_activation,
+                                         per_write_gates, readout_norm, write_scale, read_scale, norm_eps, bank_out,
+                                         out, call));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "ids", ids, call->dm.S, {2, call->dm.k}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "scores", scores, call->dm.S, {2, call->dm.k}));
+  call->in.ids = ids.typed_data();
+  call->in.scores = scores.typed_data();
+  return ffi::Error::Success();
+}
+
+// A checked call of `sdm_layer_decode_rank_step`: the layer's call, and the top-k's dims of one row and its table.
+struct LayerDecodeRankCall {
+  LayerDecodeCall layer;
+  sdm::ProductKeyDims pk;
+  const int32_t* table;
+};
+
+inline ffi::Error PrepareLayerDecodeRankStep(const char* op, SDM_FFI_PARAMS(SDM_LAYER_DECODE_RANK_BUFFERS),
+                                             LayerDecodeRankCall* call) {
+  auto td = table.dimensions();
+  if (td.size() < 2) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": the candidate table must be [..., F, C], got shape " +
+                                       DimsToString(td));
+  }
+  SDM_RETURN_IF_ERROR(ReadProductKeyDims(op, 1, factors, k, td.back(), &call->pk));
+  if (td[td.size() - 2] != call->pk.F) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": the candidate table has shape " + DimsToString(td) +
+                                       ", expected [..., F=" + std::to_string(call->pk.F) + ", C]");
+  }
+  SDM_RETURN_IF_ERROR(PrepareLayerCommon(op, bank, k, proj, gates, norm, num_writes, num_reads, v_offset, b_offset,
+                                         a_offset, og_offset, write_activation, read_activation, per_write_gates,
+                                         readout_norm, write_scale, read_scale, norm_eps, bank_out, out,
+                                         &call->layer));
+  sdm::LayerDecodeDims& dm = call->layer.dm;
+  for (int64_t off : {write_rank_offset, read_rank_offset}) {
+    if (off < 0 || off + call->pk.width > dm.width) {
+      return ffi::Error::InvalidArgument(std::string(op) + ": an address row of " +
+                                         std::to_string(call->pk.width) + " columns at " + std::to_string(off) +
+                                         " lies outside the projection row of " + std::to_string(dm.width));
+    }
+  }
+  dm.rank_off[0] = write_rank_offset;
+  dm.rank_off[1] = read_rank_offset;
+  call->table = table.typed_data();
   return ffi::Error::Success();
 }
 

@@ -1,4 +1,4 @@
-// XLA FFI handlers `sdm_decode_step` and `sdm_layer_decode_step` (platform cpu): check
+// XLA FFI handlers `sdm_decode_step`, `sdm_layer_decode_step` and `sdm_layer_decode_rank_step` (platform cpu): check
 // (ffi/decode_step_common.h), then one token of every stream (kernels/decode_step_cpu.cc). The bank arrives aliased to the first result (input_output_aliases) and
 // only its written rows are touched.
 #include <cstring>
@@ -32,8 +32,21 @@ ffi::Error LayerDecodeStepCpu(SDM_FFI_PARAMS(SDM_LAYER_DECODE_BUFFERS)) {
   return sdm_ffi::RunCatching(op, [&] { sdm::layer_decode_step_cpu(call.dm, call.in, call.bank); });
 }
 
+ffi::Error LayerDecodeRankStepCpu(SDM_FFI_PARAMS(SDM_LAYER_DECODE_RANK_BUFFERS)) {
+  constexpr const char* op = "sdm_layer_decode_rank_step";
+  sdm_ffi::LayerDecodeRankCall call;
+  SDM_RETURN_IF_ERROR(
+      sdm_ffi::PrepareLayerDecodeRankStep(op, SDM_FFI_NAMES(SDM_LAYER_DECODE_RANK_BUFFERS), &call));
+  if (call.layer.bank_in != call.layer.bank) std::memcpy(call.layer.bank, call.layer.bank_in, call.layer.bank_bytes);
+  return sdm_ffi::RunCatching(op, [&] {
+    sdm::layer_decode_rank_step_cpu(call.layer.dm, call.pk, call.table, call.layer.in, call.layer.bank);
+  });
+}
+
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmLayerDecodeRankStepCpu, LayerDecodeRankStepCpu,
+                              ffi::Ffi::Bind() SDM_FFI_BINDING(SDM_LAYER_DECODE_RANK_BUFFERS));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmLayerDecodeStepCpu, LayerDecodeStepCpu,
                               ffi::Ffi::Bind() SDM_FFI_BINDING(SDM_LAYER_DECODE_BUFFERS));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmDecodeStepCpu, DecodeStepCpu,

@@ -1,4 +1,4 @@
-// XLA FFI handlers `sdm_decode_step` and `sdm_layer_decode_step` (platform CUDA): the CPU handler's checks (ffi/decode_step_common.h), then one
+// XLA FFI handlers `sdm_decode_step`, `sdm_layer_decode_step` and `sdm_layer_decode_rank_step` (platform CUDA): the CPU handler's checks (ffi/decode_step_common.h), then one
 // launch of kernels/decode_step_cuda.cu on XLA's stream. No allocation, no host synchronisation, the launch
 // configuration from the shapes only: the handler can be captured in CUDA graphs (kCmdBufferCompatible). The bank
 // arrives aliased to the first result (input_output_aliases) and only its written rows are touched.
@@ -49,7 +49,25 @@ ffi::Error LayerDecodeStepCuda(cudaStream_t stream, SDM_FFI_PARAMS(SDM_LAYER_DEC
                    [&] { return sdm::layer_decode_step_cuda(call.dm, call.in, call.bank, stream); });
 }
 
+ffi::Error LayerDecodeRankStepCuda(cudaStream_t stream, SDM_FFI_PARAMS(SDM_LAYER_DECODE_RANK_BUFFERS)) {
+  constexpr const char* op = "sdm_layer_decode_rank_step (CUDA)";
+  sdm_ffi::LayerDecodeRankCall call;
+  SDM_RETURN_IF_ERROR(
+      sdm_ffi::PrepareLayerDecodeRankStep(op, SDM_FFI_NAMES(SDM_LAYER_DECODE_RANK_BUFFERS), &call));
+  if (call.pk.F > sdm::kLayerRankMaxFactors || call.pk.k > sdm::kLayerRankMaxK) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": ranks at most " +
+                                       std::to_string(sdm::kLayerRankMaxFactors) + " factors and k <= " +
+                                       std::to_string(sdm::kLayerRankMaxK) + ", got " + std::to_string(call.pk.F) +
+                                       " and " + std::to_string(call.pk.k));
+  }
+  const sdm_ffi::LayerDecodeCall& c = call.layer;
+  return RunDecode(stream, op, c.dm.W, c.dm.R, c.bank_in, c.bank, c.bank_bytes, [&] {
+    return sdm::layer_decode_rank_step_cuda(c.dm, call.pk, call.table, c.in, c.bank, stream);
+  });
+}
+
 }  // namespace
 
+SDM_CUDA_HANDLER(SdmLayerDecodeRankStepCuda, LayerDecodeRankStepCuda, SDM_LAYER_DECODE_RANK_BUFFERS);
 SDM_CUDA_HANDLER(SdmLayerDecodeStepCuda, LayerDecodeStepCuda, SDM_LAYER_DECODE_BUFFERS);
 SDM_CUDA_HANDLER(SdmDecodeStepCuda, DecodeStepCuda, SDM_DECODE_BUFFERS);

@@ -18,6 +18,7 @@
 #include "ffi/solve_common.h"
 #include "ffi/token_recurrence_common.h"
 #include "kernels/chunk_steps.h"
+#include "kernels/decode_step.h"
 #include "kernels/phase1.h"
 
 // X(P, name, stem, LIST) for every target, P passed through (the platform's symbol suffix).
@@ -31,6 +32,7 @@
   X(P, "sdm_backward_packed", BackwardPacked, SDM_BACKWARD_PACKED_BUFFERS) \
   X(P, "sdm_decode_step", DecodeStep, SDM_DECODE_BUFFERS)                  \
   X(P, "sdm_layer_decode_step", LayerDecodeStep, SDM_LAYER_DECODE_BUFFERS) \
+  X(P, "sdm_layer_decode_rank_step", LayerDecodeRankStep, SDM_LAYER_DECODE_RANK_BUFFERS) \
   X(P, "sdm_product_key_topk", ProductKeyTopk, SDM_PKTOPK_BUFFERS)         \
   X(P, "sdm_product_key_topk_bwd", ProductKeyTopkBwd, SDM_PKTOPK_BWD_BUFFERS)
 
@@ -87,6 +89,9 @@ inline void DefineInterfaces(nanobind::module_& m) {
       },
       "Returns {target name: ((kind, name), ...)}: each target's operands (Arg), attributes (Attr), results (Ret) "
       "and optional remaining results (Rest), in the handler's order.");
+  // The layer's decode step ranks its lists in its CUDA kernel up to these (kernels/decode_step.h).
+  m.attr("layer_decode_rank_max_factors") = sdm::kLayerRankMaxFactors;
+  m.attr("layer_decode_rank_max_k") = sdm::kLayerRankMaxK;
   m.def("phase1_workspace_bytes", &sdm::phase1_cuda_workspace_bytes, nb::arg("N"), nb::arg("C"), nb::arg("W"),
         nb::arg("R"), nb::arg("backward"),
         "Bytes of the workspace result of sdm_phase1 / sdm_phase1_bwd for N units (0 when the CUDA kernels' scratch "

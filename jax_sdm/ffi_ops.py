@@ -389,6 +389,7 @@ def decode_step_ffi(bank, k_idx, k_val, x, v, beta, q_idx, q_val):
 # The codes of the layer's weight activations and readout norms (kernels/decode_step.h LaneActivation, ReadoutNorm).
 LANE_ACTIVATIONS = ("softmax", "l2_normalize", "identity", "sigmoid", "tanh", "relu", "gelu", "silu", "softplus")
 READOUT_NORMS = (None, "rms", "layer")
+_LAYER_DECODE_COLUMNS = ("num_writes", "num_reads", "v_offset", "b_offset", "a_offset", "og_offset")
 
 
 def layer_decode_step_ffi(bank, ids, scores, proj, gates, norm, *, num_writes, num_reads, v_offset, b_offset,
@@ -412,18 +413,44 @@ def layer_decode_step_ffi(bank, ids, scores, proj, gates, norm, *, num_writes, n
       `(new_bank, out [..., D])`, in the bank's dtype.
     """
     f32 = jnp.float32
+    options = dict(num_writes=num_writes, num_reads=num_reads, v_offset=v_offset, b_offset=b_offset,
+                   a_offset=a_offset, og_offset=og_offset, write_activation=write_activation,
+                   read_activation=read_activation, per_write_gates=per_write_gates, readout_norm=readout_norm,
+                   write_scale=write_scale, read_scale=read_scale, norm_eps=norm_eps)
     outs = _call("sdm_layer_decode_step",
                  dict(bank_out=jax.ShapeDtypeStruct(bank.shape, bank.dtype),
                       out=jax.ShapeDtypeStruct(bank.shape[:-2] + bank.shape[-1:], bank.dtype)),
                  aliases=dict(bank="bank_out"), bank=bank, ids=ids.astype(jnp.int32), scores=scores.astype(f32),
-                 proj=proj, gates=gates.astype(f32), norm=norm.astype(f32), num_writes=np.int64(num_writes),
-                 num_reads=np.int64(num_reads), v_offset=np.int64(v_offset), b_offset=np.int64(b_offset),
-                 a_offset=np.int64(a_offset), og_offset=np.int64(og_offset),
-                 write_activation=np.int64(LANE_ACTIVATIONS.index(write_activation)),
-                 read_activation=np.int64(LANE_ACTIVATIONS.index(read_activation)),
-                 per_write_gates=np.int64(bool(per_write_gates)), readout_norm=np.int64(READOUT_NORMS.index(readout_norm)),
-                 write_scale=np.float32(write_scale), read_scale=np.float32(read_scale), norm_eps=np.float32(norm_eps))
+                 proj=proj, gates=gates.astype(f32), norm=norm.astype(f32), **_layer_decode_attributes(options))
     return outs["bank_out"], outs["out"]
+
+
+def layer_decode_rank_step_ffi(bank, proj, table, gates, norm, *, factors, k, write_rank_offset, read_rank_offset,
+                               **options):
+    """`layer_decode_step_ffi` with the lists ranked in the call: the product-key top-k (`factors`, `k`, the
+    candidate table `[F, C]`) of each stream's address rows, the projection's columns from `write_rank_offset` and
+    `read_rank_offset` (`sum(factors)` each); `options` as there."""
+    f32 = jnp.float32
+    outs = _call("sdm_layer_decode_rank_step",
+                 dict(bank_out=jax.ShapeDtypeStruct(bank.shape, bank.dtype),
+                      out=jax.ShapeDtypeStruct(bank.shape[:-2] + bank.shape[-1:], bank.dtype)),
+                 aliases=dict(bank="bank_out"), bank=bank, proj=proj, table=jnp.asarray(table, jnp.int32),
+                 gates=gates.astype(f32), norm=norm.astype(f32), factors=np.asarray(factors, np.int64),
+                 k=np.int64(k), write_rank_offset=np.int64(write_rank_offset),
+                 read_rank_offset=np.int64(read_rank_offset), **_layer_decode_attributes(options))
+    return outs["bank_out"], outs["out"]
+
+
+def _layer_decode_attributes(options):
+    """The layer decode targets' attributes from `layer_decode_step_ffi`'s keyword arguments."""
+    attrs = {n: np.int64(options[n]) for n in _LAYER_DECODE_COLUMNS}
+    attrs.update(write_activation=np.int64(LANE_ACTIVATIONS.index(options["write_activation"])),
+                 read_activation=np.int64(LANE_ACTIVATIONS.index(options["read_activation"])),
+                 per_write_gates=np.int64(bool(options["per_write_gates"])),
+                 readout_norm=np.int64(READOUT_NORMS.index(options["readout_norm"])),
+                 write_scale=np.float32(options["write_scale"]), read_scale=np.float32(options["read_scale"]),
+                 norm_eps=np.float32(options["norm_eps"]))
+    return attrs
 
 
 def token_recurrence_ffi(bank, k_idx, k_val, x, v, beta, q_idx, q_val, in_place=False):

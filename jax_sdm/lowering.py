@@ -126,6 +126,14 @@ def register() -> None:
             _registered[platform] = frozenset(names)
 
 
+def layer_decode_rank_limits() -> tuple[int, int]:
+    """(factors, k) at most that the layer's decode step ranks in its own kernel call (`sdm_layer_decode_rank_step`;
+    kernels/decode_step.h); (0, 0) without a built module."""
+    if _DESCRIBED_BY is None:
+        return 0, 0
+    return int(_DESCRIBED_BY.layer_decode_rank_max_factors), int(_DESCRIBED_BY.layer_decode_rank_max_k)
+
+
 def is_registered(name: str, platform: str = "cpu") -> bool:
     """Whether FFI target ``name`` is registered for ``platform``.
 

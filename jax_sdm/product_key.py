@@ -122,7 +122,7 @@ def _canonical_nan(scores):
     return jnp.where(jnp.isnan(scores), jnp.float32(np.nan), scores)
 
 
-def _table(factors, k):
+def candidate_table(factors, k):
     """The kernels' candidate table `[F, C]` (for one factor, its unused ranks `0..k-1`)."""
     if len(factors) == 1:
         return np.arange(k, dtype=np.int32)[None]
@@ -132,7 +132,7 @@ def _table(factors, k):
 def _forward_ffi(x, factors, k):
     """The kernels (C++ on CPU, CUDA on GPU), one call, row-partitioned under SPMD (`sharding.rowwise`: each device
     ranks its own rows; an FFI call alone would make XLA gather every row onto every device)."""
-    return sharding.rowwise(_forward_ffi_local, (factors, k), (x, jnp.asarray(_table(factors, k))),
+    return sharding.rowwise(_forward_ffi_local, (factors, k), (x, jnp.asarray(candidate_table(factors, k))),
                             replicated=(1,))
 
 

@@ -27,6 +27,7 @@ struct CUstream_st;  // cudaStream_t, declared so that this header needs no CUDA
 
 #include "kernels/bf16.h"
 #include "kernels/host_device.h"
+#include "kernels/product_key_topk.h"
 
 namespace sdm {
 
@@ -98,6 +99,7 @@ struct LayerDecodeDims {
   int64_t k;                            // entries per top list (at least W and R)
   int64_t width;                        // columns of a stream's projection row
   int64_t v_off, b_off, a_off, og_off;  // og_off < 0: no output gate
+  int64_t rank_off[2];                  // the write and read address rows (the steps that rank their lists)
   int32_t write_act, read_act, norm;
   float write_scale, read_scale, eps;
   bool per_write_gates;
@@ -238,6 +240,18 @@ SDM_HOST_DEVICE inline float layer_out(const LayerDecodeDims& dm, const LayerDec
 void layer_decode_step_cpu(const LayerDecodeDims& dims, const LayerDecodeInputs& in, void* bank);
 int layer_decode_step_cuda(const LayerDecodeDims& dims, const LayerDecodeInputs& in, void* bank,
                            CUstream_st* stream);
+
+// The same with the lists ranked in the call: the product-key top-k (kernels/product_key_topk.h; `pk` the dims of
+// one row of the factors' scores, `table` its candidates [F, C], k = pk.k) of each stream's projection columns
+// from rank_off[0] (the write row) and rank_off[1] (the read row); in.ids and in.scores are not read. The CUDA
+// kernel ranks both rows in the block that runs the step (a warp per row and factor), for at most
+// kLayerRankMaxFactors factors and k, W, R <= kLayerRankMaxK.
+constexpr int kLayerRankMaxFactors = 4;
+constexpr int64_t kLayerRankMaxK = 64;
+void layer_decode_rank_step_cpu(const LayerDecodeDims& dims, const ProductKeyDims& pk, const int32_t* table,
+                                const LayerDecodeInputs& in, void* bank);
+int layer_decode_rank_step_cuda(const LayerDecodeDims& dims, const ProductKeyDims& pk, const int32_t* table,
+                                const LayerDecodeInputs& in, void* bank, CUstream_st* stream);
 
 // Largest W and R of the CUDA kernel (a warp's working rows fit the default shared memory).
 constexpr int64_t kDecodeCudaMaxLanes = 256;

@@ -43,25 +43,39 @@ void decode_step_cpu(const DecodeDims& dm, const DecodeToken<BankT>& tok, BankT*
 
 namespace {
 
+// `pk` null: the lists are in.ids and in.scores; else the product-key top-k of the projection's address rows.
 template <typename BankT>
-void layer_decode_step_typed(const LayerDecodeDims& dm, const LayerDecodeInputs& in, BankT* bank) {
+void layer_decode_step_typed(const LayerDecodeDims& dm, const LayerDecodeInputs& in, BankT* bank,
+                             const ProductKeyDims* pk, const int32_t* table) {
   const int64_t K = dm.K, D = dm.D, W = dm.W, R = dm.R;
   const int64_t per_stream = (W + R + 2) * D;
   parallel_blocks(dm.S, std::max<int64_t>(1, (int64_t{1} << 20) / per_stream), [&](int64_t begin, int64_t end) {
     std::vector<int32_t> k_idx(static_cast<size_t>(W)), q_idx(static_cast<size_t>(R)), first(static_cast<size_t>(W)),
         read_lane(static_cast<size_t>(R));
+    std::vector<int32_t> ranked_ids(pk ? 2 * dm.k : 0);
+    std::vector<float> ranked_scores(pk ? 2 * dm.k : 0);
     std::vector<float> k_val(static_cast<size_t>(W)), q_val(static_cast<size_t>(R)), x(static_cast<size_t>(W)),
         v(static_cast<size_t>(D)), cur(static_cast<size_t>(W * D)), delta(static_cast<size_t>(D)),
         reading(static_cast<size_t>(D));
     for (int64_t s = begin; s < end; ++s) {
-      const int64_t list = write_list(dm, s), row = proj_row(dm, s);
+      const int64_t row = proj_row(dm, s);
+      const int32_t* ids = in.ids + write_list(dm, s);
+      const float* scores = in.scores + write_list(dm, s);
+      if (pk) {
+        for (int q = 0; q < 2; ++q) {
+          product_key_topk_cpu(*pk, static_cast<const BankT*>(in.proj) + row + dm.rank_off[q], table,
+                               ranked_scores.data() + q * dm.k, ranked_ids.data() + q * dm.k);
+        }
+        ids = ranked_ids.data();
+        scores = ranked_scores.data();
+      }
       for (int64_t n = 0; n < W; ++n) {
-        k_idx[n] = in.ids[list + n];
-        k_val[n] = in.scores[list + n];
+        k_idx[n] = ids[n];
+        k_val[n] = scores[n];
       }
       for (int64_t m = 0; m < R; ++m) {
-        q_idx[m] = in.ids[list + dm.k + m];
-        q_val[m] = in.scores[list + dm.k + m];
+        q_idx[m] = ids[dm.k + m];
+        q_val[m] = scores[dm.k + m];
       }
       float beta;
       lane_values(dm, in.gates + gate_params(dm, s), value_at(in.proj, row + dm.b_off, dm.bf16),
@@ -92,8 +106,16 @@ void layer_decode_step_typed(const LayerDecodeDims& dm, const LayerDecodeInputs&
 }  // namespace
 
 void layer_decode_step_cpu(const LayerDecodeDims& dm, const LayerDecodeInputs& in, void* bank) {
-  if (dm.bf16) layer_decode_step_typed(dm, in, static_cast<bf16*>(bank));
-  else layer_decode_step_typed(dm, in, static_cast<float*>(bank));
+  if (dm.bf16) layer_decode_step_typed(dm, in, static_cast<bf16*>(bank), nullptr, nullptr);
+  else layer_decode_step_typed(dm, in, static_cast<float*>(bank), nullptr, nullptr);
+}
+
+void layer_decode_rank_step_cpu(const LayerDecodeDims& dm, const ProductKeyDims& pk, const int32_t* table,
+                                const LayerDecodeInputs& in, void* bank) {
+  ProductKeyDims one = pk;
+  one.rows = 1;
+  if (dm.bf16) layer_decode_step_typed(dm, in, static_cast<bf16*>(bank), &one, table);
+  else layer_decode_step_typed(dm, in, static_cast<float*>(bank), &one, table);
 }
 
 template void decode_step_cpu<float>(const DecodeDims&, const DecodeToken<float>&, float*);

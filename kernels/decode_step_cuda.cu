@@ -13,6 +13,7 @@
 
 #include "kernels/bf16_cuda.cuh"
 #include "kernels/decode_step.h"
+#include "kernels/product_key_topk_warp.cuh"
 
 namespace sdm {
 namespace {
@@ -54,8 +55,14 @@ __device__ inline LaneShared lane_shared(float* base, int64_t W, int64_t R) {
 int64_t shared_bytes(const DecodeDims& dm, int threads) { return 4 * (dm.W * threads + lane_floats(dm.W, dm.R)); }
 // The layer's kernel adds beta, the readings y [D] and four scalars (b, a and the head's gate parameters, then
 // the norm's statistics).
-int64_t shared_bytes(const LayerDecodeDims& dm, int threads) {
+__host__ __device__ inline int64_t shared_bytes(const LayerDecodeDims& dm, int threads) {
   return 4 * (dm.W * threads + lane_floats(dm.W, dm.R) + 1 + dm.D + 4);
+}
+// The ranking layer kernel adds, 8-byte aligned, the two lists' scores and ids [2k] each, a sort buffer per row and
+// factor, and the two rows' top lists.
+__host__ __device__ inline int64_t rank_offset(const LayerDecodeDims& dm, int threads) { return (shared_bytes(dm, threads) + 7) / 8 * 8; }
+int64_t shared_bytes(const LayerDecodeDims& dm, const ProductKeyDims& pk, int threads) {
+  return rank_offset(dm, threads) + 16 * pk.k + 8 * (2 * pk.F * topk_warp::sort_slots(pk) + 2 * int64_t{pk.tops});
 }
 
 // Bank rows a thread loads before using the first (one per lane): the step is a short chain of dependent loads,
@@ -139,28 +146,57 @@ __global__ void decode_step_kernel(DecodeDims dm, DecodeToken<T> tok, T* __restr
   tok.y[s * D + j] = from_f(y, tok.y);
 }
 
-// The layer's step: a block per stream, its columns in batches of the block's width. The block loads the lanes,
-// thread 0 makes their weights and gates (lane_values), the block runs the step on every column, keeps the rounded readings in shared memory, warp 0 sums
-// them for the norm (warp_order_sums' order), then every thread writes the outputs of its columns.
-template <typename T>
-__global__ void layer_decode_step_kernel(LayerDecodeDims dm, LayerDecodeInputs in, T* __restrict__ bank) {
-  extern __shared__ float shared[];
+// The layer's step: a block per stream, its columns in batches of the block's width. kRank: warps 2q + f (q = 0
+// the write row, 1 the read row) select factor f's top list of row q, then warp q its top k, as the top-k's
+// block-per-row kernel does (kernels/product_key_topk_warp.cuh), into shared memory. The block loads the lanes,
+// thread 0 makes their weights and gates (lane_values), the block runs the step on every column, keeps the rounded
+// readings in shared memory, warp 0 sums them for the norm (warp_order_sums' order), then every thread writes the
+// outputs of its columns.
+constexpr int kLayerMaxThreads = 64 * kLayerRankMaxFactors;  // a warp per row and factor, or kMaxThreads columns
+template <typename T, bool kRank>
+__global__ void __launch_bounds__(kLayerMaxThreads, 1) layer_decode_step_kernel(LayerDecodeDims dm, LayerDecodeInputs in, T* __restrict__ bank,
+                                         const __grid_constant__ ProductKeyDims pk, const int32_t* __restrict__ table) {
+  extern __shared__ __align__(16) float shared[];
   const int64_t W = dm.W, R = dm.R, K = dm.K, D = dm.D;
   const int64_t s = blockIdx.x;
   const LaneShared ln = lane_shared(shared + W * blockDim.x, W, R);
   float* beta = ln.end;
   float* y = beta + 1;   // [D]
   float* stats = y + D;  // b, a and the gate parameters, then the norm's shift and multiplier
+  const int64_t row = proj_row(dm, s);
+  const int32_t* ids = in.ids + write_list(dm, s);
+  const float* scores = in.scores + write_list(dm, s);
+  if constexpr (kRank) {
+    float* list_scores = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(shared) +
+                                                  rank_offset(dm, blockDim.x));  // [2k]
+    int32_t* list_ids = reinterpret_cast<int32_t*>(list_scores + 2 * pk.k);       // [2k]
+    uint64_t* bufs = reinterpret_cast<uint64_t*>(list_ids + 2 * pk.k);            // [2F][sort slots]
+    const int64_t slots = topk_warp::sort_slots(pk);
+    topk_warp::Top* tops = reinterpret_cast<topk_warp::Top*>(bufs + 2 * pk.F * slots);  // [2][tops]
+    const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
+    if (warp < 2 * pk.F) {
+      const int q = warp / pk.F, f = warp % pk.F;
+      topk_warp::select_factor<true, 32>(pk, static_cast<const T*>(in.proj) + row + dm.rank_off[q], f,
+                                         bufs + warp * slots, tops + q * pk.tops, lane);
+    }
+    __syncthreads();
+    if (warp < 2) {
+      topk_warp::select_slots<true, 32>(pk, tops + warp * pk.tops, table, bufs + warp * pk.F * slots,
+                                        list_scores + warp * pk.k, list_ids + warp * pk.k, lane);
+    }
+    __syncthreads();
+    ids = list_ids;
+    scores = list_scores;
+  }
   // The lists' ids and scores, b, a and the gate parameters in one round of loads across the block; then thread 0
   // makes the weights and gates from the copies in shared memory.
-  const int64_t list = write_list(dm, s), row = proj_row(dm, s);
   for (int64_t n = threadIdx.x; n < W; n += blockDim.x) {
-    ln.k_idx[n] = in.ids[list + n];
-    ln.k_val[n] = in.scores[list + n];
+    ln.k_idx[n] = ids[n];
+    ln.k_val[n] = scores[n];
   }
   for (int64_t m = threadIdx.x; m < R; m += blockDim.x) {
-    ln.q_idx[m] = in.ids[list + dm.k + m];
-    ln.q_val[m] = in.scores[list + dm.k + m];
+    ln.q_idx[m] = ids[dm.k + m];
+    ln.q_val[m] = scores[dm.k + m];
   }
   const int last = blockDim.x - 1;  // threads that load one list entry less (W, R <= the block's width, mostly)
   if (threadIdx.x == last) stats[0] = value_at(in.proj, row + dm.b_off, dm.bf16);
@@ -228,8 +264,29 @@ int launch_layer(const LayerDecodeDims& dm, const LayerDecodeInputs& in, T* bank
   int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, (dm.D + 31) / 32 * 32));
   while (threads > kMinThreads && shared_bytes(dm, threads) > kSharedBytes) threads /= 2;
   if (shared_bytes(dm, threads) > kSharedBytes || dm.S > 0x7fffffff) return static_cast<int>(cudaErrorInvalidValue);
-  layer_decode_step_kernel<T><<<static_cast<unsigned>(dm.S), threads, shared_bytes(dm, threads), stream>>>(dm, in,
-                                                                                                          bank);
+  layer_decode_step_kernel<T, false><<<static_cast<unsigned>(dm.S), threads, shared_bytes(dm, threads), stream>>>(
+      dm, in, bank, ProductKeyDims{}, nullptr);
+  return static_cast<int>(cudaGetLastError());
+}
+
+// The ranking kernel: a warp per row and factor at least, its shared memory opted in beyond the default where the
+// shapes need it (within kLayerRankMaxFactors and kLayerRankMaxK, below the H100's and H200's 227 KiB).
+template <typename T>
+int launch_layer_rank(const LayerDecodeDims& dm, const ProductKeyDims& pk, const int32_t* table,
+                      const LayerDecodeInputs& in, T* bank, cudaStream_t stream) {
+  if (dm.S <= 0 || dm.D <= 0) return static_cast<int>(cudaSuccess);
+  if (pk.F < 1 || pk.F > kLayerRankMaxFactors || pk.k > kLayerRankMaxK || dm.k != pk.k || dm.S > 0x7fffffff)
+    return static_cast<int>(cudaErrorInvalidValue);
+  const int threads = static_cast<int>(
+      std::max<int64_t>(64 * pk.F, std::min<int64_t>(kMaxThreads, (dm.D + 31) / 32 * 32)));
+  const int64_t bytes = shared_bytes(dm, pk, threads);
+  const auto kernel = layer_decode_step_kernel<T, true>;
+  if (bytes > kSharedBytes) {
+    const int rc = static_cast<int>(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+    if (rc) return rc;
+  }
+  kernel<<<static_cast<unsigned>(dm.S), threads, bytes, stream>>>(dm, in, bank, pk, table);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -238,6 +295,12 @@ int launch_layer(const LayerDecodeDims& dm, const LayerDecodeInputs& in, T* bank
 int layer_decode_step_cuda(const LayerDecodeDims& dm, const LayerDecodeInputs& in, void* bank, CUstream_st* stream) {
   if (dm.bf16) return launch_layer(dm, in, static_cast<__nv_bfloat16*>(bank), stream);
   return launch_layer(dm, in, static_cast<float*>(bank), stream);
+}
+
+int layer_decode_rank_step_cuda(const LayerDecodeDims& dm, const ProductKeyDims& pk, const int32_t* table,
+                                const LayerDecodeInputs& in, void* bank, CUstream_st* stream) {
+  if (dm.bf16) return launch_layer_rank(dm, pk, table, in, static_cast<__nv_bfloat16*>(bank), stream);
+  return launch_layer_rank(dm, pk, table, in, static_cast<float*>(bank), stream);
 }
 
 template <typename BankT>

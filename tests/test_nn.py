@@ -624,6 +624,39 @@ def test_fused_decode_step_maps_parameter_groups_and_checks_its_arguments():
         jax.block_until_ready(ffi_ops.layer_decode_step_ffi(*args[:4], jnp.zeros((4, 2)), norm[0], **opts))  # 4 heads
 
 
+@pytest.mark.skipif(not jax_sdm.lowering.is_registered("sdm_layer_decode_rank_step", jax.default_backend()),
+                    reason="no sdm_layer_decode_rank_step kernel on this backend")
+@pytest.mark.parametrize("factors", [(16, 12), (6, 5, 4)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_step_that_ranks_its_lists_equals_top_k_then_step(factors, dtype):
+    """`sdm_layer_decode_rank_step` ranks each stream's address rows itself: the same bits as the product-key top-k
+    of those rows followed by `sdm_layer_decode_step`, ties among the scores included."""
+    from jax_sdm import ffi_ops
+    from jax_sdm.product_key import candidate_table
+    rng = np.random.default_rng(fresh_seed())
+    B, H, D, W, R = 3, 2, 8, 5, 7
+    K, aw, k = math.prod(factors), sum(factors), max(W, R)
+    width = 2 * aw + D + 2 + D
+    proj = np.where(rng.random((B, H, width)) < 0.3, 0.5, rng.standard_normal((B, H, width)))  # ties
+    proj = jnp.asarray(proj, dtype)
+    bank = jnp.asarray(0.1 * rng.standard_normal((B, H, K, D)), dtype)
+    gates = jnp.asarray(np.stack([-np.exp(rng.standard_normal(H)), rng.standard_normal(H)], -1), jnp.float32)
+    norm = jnp.asarray(1 + 0.2 * rng.standard_normal((2, D)), jnp.float32)
+    opts = dict(num_writes=W, num_reads=R, v_offset=2 * aw, b_offset=2 * aw + D, a_offset=2 * aw + D + 1,
+                og_offset=2 * aw + D + 2, write_activation="softmax", read_activation="tanh", per_write_gates=True,
+                readout_norm="rms", write_scale=0.8, read_scale=1.2, norm_eps=1e-6)
+    addresses = jnp.stack([proj[..., :aw], proj[..., aw:2 * aw]], axis=2)  # [B, H, 2, aw]
+    scores, ids = jax_sdm.product_key_topk(addresses, factors, k, impl="ffi")
+    want = ffi_ops.layer_decode_step_ffi(bank, ids, scores, proj, gates, norm, **opts)
+    rank = lambda **kw: ffi_ops.layer_decode_rank_step_ffi(
+        bank, proj, candidate_table(factors, k), gates, norm, factors=factors, k=k, **{
+            "write_rank_offset": 0, "read_rank_offset": aw, **opts, **kw})
+    for a, b in zip(rank(), want):
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(Exception, match="address row"):
+        jax.block_until_ready(rank(read_rank_offset=width - aw + 1))
+
+
 def test_decode_loop_unrolled_equals_one_call():
     seed = fresh_seed()
     model = layer(seed, **VARIANTS["product_key"])

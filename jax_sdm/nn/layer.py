@@ -11,6 +11,7 @@ from flax import nnx
 
 import jax_sdm
 from jax_sdm import ffi_ops, lowering
+from jax_sdm.product_key import candidate_table
 from jax_sdm.step import INFERENCE_ONLY
 
 from .addressing import balanced_factors, topk_slots
@@ -475,16 +476,20 @@ class SparseDeltaMemory(nnx.Module):
         return (self.impl in ("auto", "ffi") and None not in self.activation_names
                 and lowering.is_registered("sdm_layer_decode_step", jax.default_backend()))
 
+    def _ranks_in_decode_kernel(self):
+        """Whether the decode step's kernel call also ranks the lists (`sdm_layer_decode_rank_step`): direct
+        product-key scores, no query batch norm, and at most the factors and `k` its CUDA kernel takes."""
+        max_factors, max_k = lowering.layer_decode_rank_limits()
+        return (self.addressing == "product_key" and self.factor_scores == "direct" and self.write_norm is None
+                and len(self.factors) <= max_factors and max(self.num_writes, self.num_reads) <= max_k
+                and lowering.is_registered("sdm_layer_decode_rank_step", jax.default_backend()))
+
     def _decode_fused(self, x, state, use_running_average, weights=None):
         """The decode step as one kernel call after the projection and the top-k (see `fused_decode`)."""
         aw = self.address_width
         weights = self.projection_weights() if weights is None else weights
         with jax.named_scope("project"):
             proj = self._projection(x, weights)[:, 0]  # [B, H, width]
-        with jax.named_scope("address"):
-            write_address, read_address = self._query_batchnorm(proj[:, None, :, :aw], proj[:, None, :, aw:2 * aw],
-                                                                use_running_average)
-            scores, ids = self._rank(write_address, read_address, axis=3)  # [B, 1, H, 2, k]
         columns = np.cumsum([0] + self._projection_widths())  # write, read, v, b, a, output gate
         options = dict(num_writes=self.num_writes, num_reads=self.num_reads, v_offset=int(columns[2]),
                        b_offset=int(columns[3]), a_offset=int(columns[4]),
@@ -493,9 +498,22 @@ class SparseDeltaMemory(nnx.Module):
                        per_write_gates=self.gate == "write", readout_norm=self.readout_norm_kind,
                        write_scale=self.write_scale, read_scale=self.read_scale,
                        norm_eps=0.0 if self.norm is None else float(self.norm.epsilon))
-        with jax.named_scope("memory"):
-            bank, out = _layer_decode_step(tuple(options.items()), state.astype(self.dtype), ids[:, 0], scores[:, 0],
-                                           proj, weights.gates, weights.norm)
+        bank = state.astype(self.dtype)
+        if self._ranks_in_decode_kernel():
+            options.update(factors=self.factors, k=max(self.num_writes, self.num_reads), write_rank_offset=0,
+                           read_rank_offset=aw)
+            table = candidate_table(self.factors, options["k"])
+            with jax.named_scope("memory"):
+                bank, out = _inference_only(ffi_ops.layer_decode_rank_step_ffi, tuple(options.items()), bank, proj,
+                                            table, weights.gates, weights.norm)
+        else:
+            with jax.named_scope("address"):
+                write_address, read_address = self._query_batchnorm(proj[:, None, :, :aw],
+                                                                    proj[:, None, :, aw:2 * aw], use_running_average)
+                scores, ids = self._rank(write_address, read_address, axis=3)  # [B, 1, H, 2, k]
+            with jax.named_scope("memory"):
+                bank, out = _inference_only(ffi_ops.layer_decode_step_ffi, tuple(options.items()), bank, ids[:, 0],
+                                            scores[:, 0], proj, weights.gates, weights.norm)
         with jax.named_scope("readout"):
             return self._out_projection(out[:, None], weights), bank
 
@@ -526,14 +544,14 @@ class SparseDeltaMemory(nnx.Module):
         return (y[:, 0] if squeeze else y), state
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _layer_decode_step(options, *arrays):
-    """`ffi_ops.layer_decode_step_ffi(*arrays, **dict(options))`, inference only like `sdm_step`."""
-    return ffi_ops.layer_decode_step_ffi(*arrays, **dict(options))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _inference_only(step, options, *arrays):
+    """`step(*arrays, **dict(options))` (a layer decode step's kernel call), inference only like `sdm_step`."""
+    return step(*arrays, **dict(options))
 
 
-@_layer_decode_step.defjvp
-def _layer_decode_step_jvp(options, primals, tangents):
+@_inference_only.defjvp
+def _inference_only_jvp(step, options, primals, tangents):
     raise TypeError(INFERENCE_ONLY + " (the layer's decode step, a call with one token and a state, "
                     "runs it; to train, call the layer on sequences)")
 

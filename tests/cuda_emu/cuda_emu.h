@@ -38,6 +38,7 @@ inline dim3 blockDim, gridDim;
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define __grid_constant__
 struct CUstream_st;
 typedef CUstream_st* cudaStream_t;
 typedef int cudaError_t;

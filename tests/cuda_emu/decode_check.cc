@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "candidate_table.h"
 #include "check_values.h"
 #include "kernels/bf16.h"
 
@@ -49,6 +50,49 @@ bool run(const DecodeDims& dm, unsigned seed) {
   return ok;
 }
 
+// n random values of the layer's dtype (float32, or bfloat16 bits), a third of them 0.5 with `ties` (equal scores:
+// ties in the ranks).
+std::vector<unsigned char> random_values(std::mt19937& rng, int64_t n, float scale, bool bf16, bool ties) {
+  std::normal_distribution<float> normal;
+  std::vector<unsigned char> out(n * (bf16 ? 2 : 4));
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = ties && rng() % 3 == 0 ? 0.5f : scale * normal(rng);
+    if (bf16) {
+      const uint16_t b = bf16_bits_of(x);
+      std::memcpy(out.data() + 2 * i, &b, 2);
+    } else {
+      std::memcpy(out.data() + 4 * i, &x, 4);
+    }
+  }
+  return out;
+}
+
+// A layer step's random problem: the gate parameters [G, H, 2] (-exp(A_log), dt_bias), the readout norm's [G, 2, D],
+// the projection rows (ties among them with `ties`), the bank (a copy for each side) and both sides' outputs.
+struct LayerProblem {
+  std::vector<float> gates, norm;
+  std::vector<unsigned char> proj, bank_cpu, bank_cuda, out_cpu, out_cuda;
+
+  LayerProblem(std::mt19937& rng, const LayerDecodeDims& dm, bool ties) {
+    std::normal_distribution<float> normal;
+    gates.resize(dm.G * dm.H * 2);
+    for (int64_t i = 0; i < dm.G * dm.H; ++i) {
+      gates[2 * i] = -std::exp(normal(rng));
+      gates[2 * i + 1] = normal(rng);
+    }
+    norm.resize(dm.G * 2 * dm.D);
+    for (auto& x : norm) x = 1.0f + 0.3f * normal(rng);
+    proj = random_values(rng, dm.S * dm.width, 1.0f, dm.bf16, ties);
+    bank_cpu = bank_cuda = random_values(rng, dm.S * dm.K * dm.D, 0.1f, dm.bf16, false);
+    out_cpu.assign(dm.S * dm.D * (dm.bf16 ? 2 : 4), 0xab);
+    out_cuda = out_cpu;
+  }
+  LayerDecodeInputs inputs(const int32_t* ids, const float* scores, bool cuda) {
+    return {ids, scores, proj.data(), gates.data(), norm.data(), cuda ? out_cuda.data() : out_cpu.data()};
+  }
+  bool same() const { return out_cpu == out_cuda && bank_cpu == bank_cuda; }
+};
+
 // The layer's step (layer_decode_step_cuda against layer_decode_step_cpu) on random top lists, projections and
 // parameters: every activation and norm, with and without the output gate, per-token and per-write gates, one and
 // two parameter groups, and widths D of several column batches.
@@ -71,39 +115,45 @@ bool run_layer(LayerDecodeDims dm, unsigned seed) {
     for (int64_t n = 0; n < k; ++n) w[n] = rng() % 5 == 0 ? slot(rng) : in_range(rng);
     for (int64_t m = 0; m < k; ++m) w[k + m] = rng() % 2 ? w[rng() % dm.W] : slot(rng);  // reads of written rows
   }
-  std::vector<float> scores(S * 2 * k), gates(dm.G * dm.H * 2), norm(dm.G * 2 * D);
+  std::vector<float> scores(S * 2 * k);
   for (auto& x : scores) x = 2.0f * normal(rng);
-  for (int64_t i = 0; i < dm.G * dm.H; ++i) {
-    gates[2 * i] = -std::exp(normal(rng));
-    gates[2 * i + 1] = normal(rng);
-  }
-  for (auto& x : norm) x = 1.0f + 0.3f * normal(rng);
-  const size_t value_bytes = dm.bf16 ? 2 : 4;
-  auto values = [&](int64_t n, float scale) {
-    std::vector<unsigned char> out(n * value_bytes);
-    for (int64_t i = 0; i < n; ++i) {
-      const float x = scale * normal(rng);
-      if (dm.bf16) {
-        const uint16_t b = bf16_bits_of(x);
-        std::memcpy(out.data() + 2 * i, &b, 2);
-      } else {
-        std::memcpy(out.data() + 4 * i, &x, 4);
-      }
-    }
-    return out;
-  };
-  const std::vector<unsigned char> proj = values(S * dm.width, 1.0f), bank = values(S * K * D, 0.1f);
-  std::vector<unsigned char> bank_cpu = bank, bank_cuda = bank, out_cpu(S * D * value_bytes),
-                             out_cuda(S * D * value_bytes, 0xab);
-  LayerDecodeInputs in{ids.data(), scores.data(), proj.data(), gates.data(), norm.data(), out_cpu.data()};
-  layer_decode_step_cpu(dm, in, bank_cpu.data());
-  in.out = out_cuda.data();
-  const int rc = layer_decode_step_cuda(dm, in, bank_cuda.data(), nullptr);
-  const bool ok = rc == 0 && out_cpu == out_cuda && bank_cpu == bank_cuda;
+  LayerProblem p(rng, dm, false);
+  layer_decode_step_cpu(dm, p.inputs(ids.data(), scores.data(), false), p.bank_cpu.data());
+  const int rc = layer_decode_step_cuda(dm, p.inputs(ids.data(), scores.data(), true), p.bank_cuda.data(), nullptr);
+  const bool ok = rc == 0 && p.same();
   std::printf("%s layer S%lld G%lld H%lld K%lld D%lld W%lld R%lld k%lld %s act %d/%d norm %d og %s gates=%s rc=%d\n",
               ok ? "ok  " : "FAIL", (long long)S, (long long)dm.G, (long long)dm.H, (long long)K, (long long)D,
               (long long)dm.W, (long long)dm.R, (long long)k, dm.bf16 ? "bf16" : "f32", dm.write_act, dm.read_act,
               dm.norm, dm.og_off >= 0 ? "yes" : "no", dm.per_write_gates ? "write" : "token", rc);
+  return ok;
+}
+
+// The layer's step that ranks its lists (layer_decode_rank_step_cuda against layer_decode_rank_step_cpu): the
+// projection row holds the write and the read address rows (the factors' scores side by side), then v, b, a and
+// the output gate's columns.
+bool run_layer_rank(LayerDecodeDims dm, const std::vector<int64_t>& factors, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  const int64_t S = dm.S, K = dm.K, D = dm.D, k = dm.k;
+  int64_t C = 0, aw = 0;
+  for (int64_t n : factors) aw += n;
+  const std::vector<int32_t> table = emu_check::candidate_table(factors, k, &C);
+  const ProductKeyDims pk = product_key_dims(1, factors.data(), static_cast<int>(factors.size()), k, C);
+  dm.rank_off[0] = 0;
+  dm.rank_off[1] = aw;
+  dm.v_off = 2 * aw;
+  dm.b_off = dm.v_off + D;
+  dm.a_off = dm.b_off + 1;
+  dm.width = dm.a_off + 1 + D;
+  if (dm.og_off >= 0) dm.og_off = dm.a_off + 1;
+  LayerProblem p(rng, dm, true);
+  layer_decode_rank_step_cpu(dm, pk, table.data(), p.inputs(nullptr, nullptr, false), p.bank_cpu.data());
+  const int rc = layer_decode_rank_step_cuda(dm, pk, table.data(), p.inputs(nullptr, nullptr, true),
+                                             p.bank_cuda.data(), nullptr);
+  const bool ok = rc == 0 && p.same();
+  std::printf("%s layer rank S%lld F%zu (%lld, ...) K%lld D%lld W%lld R%lld k%lld %s norm %d rc=%d\n",
+              ok ? "ok  " : "FAIL", (long long)S, factors.size(), (long long)factors[0], (long long)K, (long long)D,
+              (long long)dm.W, (long long)dm.R, (long long)k, dm.bf16 ? "bf16" : "f32", dm.norm, rc);
   return ok;
 }
 
@@ -143,6 +193,15 @@ int main() {
                         seed++);
   failing += !run_layer(layer_case(2, 2, 1, 1000, 130, 20, 12, 20, kGelu, kSoftmax, kNoNorm, false, true, true),
                         seed++);
+  // {S, G, H, K, D, W, R, k, activations, norm, output gate, per-write gates}, the factors (product K)
+  failing += !run_layer_rank(layer_case(16, 1, 4, 4096, 128, 16, 16, 16, kSoftmax, kSoftmax, kRmsNorm, true, false,
+                                        true), {64, 64}, seed++);
+  failing += !run_layer_rank(layer_case(6, 2, 3, 360, 40, 5, 9, 9, kGelu, kL2Normalize, kLayerNorm, false, true,
+                                        false), {12, 30}, seed++);
+  failing += !run_layer_rank(layer_case(4, 1, 2, 1 << 20, 16, 16, 16, 16, kSoftmax, kSigmoid, kNoNorm, true, false,
+                                        true), {1024, 1024}, seed++);
+  failing += !run_layer_rank(layer_case(3, 1, 3, 4 * 8 * 6 * 5, 130, 64, 33, 64, kSilu, kSoftmax, kRmsNorm, true,
+                                        true, true), {4, 8, 6, 5}, seed++);
   std::printf("%d failing cases\n", failing);
   return failing != 0;
 }

@@ -98,7 +98,7 @@ if [[ $CHECK == phase1 || $CHECK == all ]]; then
   "$WORK/phase1_check" "$@"
 fi
 if [[ $CHECK == decode || $CHECK == all ]]; then
-  build decode decode_step_cuda.cu 2 "$REPO/kernels/decode_step_cpu.cc"
+  build decode decode_step_cuda.cu 3 "$REPO/kernels/decode_step_cpu.cc" "$REPO/kernels/product_key_topk_cpu.cc"
   "$WORK/decode_check" "$@"
 fi
 if [[ $CHECK == solve || $CHECK == all ]]; then
