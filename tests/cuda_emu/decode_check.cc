@@ -84,8 +84,8 @@ struct LayerProblem {
     for (auto& x : norm) x = 1.0f + 0.3f * normal(rng);
     proj = random_values(rng, dm.S * dm.width, 1.0f, dm.bf16, ties);
     bank_cpu = bank_cuda = random_values(rng, dm.S * dm.K * dm.D, 0.1f, dm.bf16, false);
-    out_cpu.assign(dm.S * dm.D * (dm.bf16 ? 2 : 4), 0xab);
-    out_cuda = out_cpu;
+    out_cpu.assign(dm.S * dm.D * (dm.bf16 ? 2 : 4), 0);  // poisoned apart: an output left unwritten differs
+    out_cuda.assign(out_cpu.size(), 0xab);
   }
   LayerDecodeInputs inputs(const int32_t* ids, const float* scores, bool cuda) {
     return {ids, scores, proj.data(), gates.data(), norm.data(), cuda ? out_cuda.data() : out_cpu.data()};
