@@ -1,6 +1,6 @@
-// XLA FFI handlers `sdm_decode_step`, `sdm_layer_decode_step` and `sdm_layer_decode_rank_step` (platform cpu): check
-// (ffi/decode_step_common.h), then one token of every stream (kernels/decode_step_cpu.cc). The bank arrives aliased to the first result (input_output_aliases) and
-// only its written rows are touched.
+// XLA FFI handlers `sdm_decode_step`, `sdm_layer_decode_step` and `sdm_layer_decode_rank_step` (platform cpu):
+// check (ffi/decode_step_common.h), then one token of every stream (kernels/decode_step_cpu.cc). The bank arrives
+// aliased to the first result (input_output_aliases) and only its written rows are touched.
 #include <cstring>
 
 #include "ffi/decode_step_common.h"

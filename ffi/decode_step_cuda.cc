@@ -1,7 +1,8 @@
-// XLA FFI handlers `sdm_decode_step`, `sdm_layer_decode_step` and `sdm_layer_decode_rank_step` (platform CUDA): the CPU handler's checks (ffi/decode_step_common.h), then one
-// launch of kernels/decode_step_cuda.cu on XLA's stream. No allocation, no host synchronisation, the launch
-// configuration from the shapes only: the handler can be captured in CUDA graphs (kCmdBufferCompatible). The bank
-// arrives aliased to the first result (input_output_aliases) and only its written rows are touched.
+// XLA FFI handlers `sdm_decode_step`, `sdm_layer_decode_step` and `sdm_layer_decode_rank_step` (platform CUDA):
+// the CPU handlers' checks (ffi/decode_step_common.h), then one launch of kernels/decode_step_cuda.cu on XLA's
+// stream. No allocation, no host synchronisation, the launch configuration from the shapes only: the handlers can be
+// captured in CUDA graphs (kCmdBufferCompatible). The bank arrives aliased to the first result
+// (input_output_aliases) and only its written rows are touched.
 #include <cuda_runtime_api.h>
 
 #include <string>

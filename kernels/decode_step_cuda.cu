@@ -58,9 +58,11 @@ int64_t shared_bytes(const DecodeDims& dm, int threads) { return 4 * (dm.W * thr
 __host__ __device__ inline int64_t shared_bytes(const LayerDecodeDims& dm, int threads) {
   return 4 * (dm.W * threads + lane_floats(dm.W, dm.R) + 1 + dm.D + 4);
 }
-// The ranking layer kernel adds, 8-byte aligned, the two lists' scores and ids [2k] each, a sort buffer per row and
-// factor, and the two rows' top lists.
-__host__ __device__ inline int64_t rank_offset(const LayerDecodeDims& dm, int threads) { return (shared_bytes(dm, threads) + 7) / 8 * 8; }
+// The ranking layer kernel adds, 16-byte aligned (as the top-k's own kernels give the warp selection), the two
+// lists' scores and ids [2k] each, a sort buffer per row and factor, and the two rows' top lists.
+__host__ __device__ inline int64_t rank_offset(const LayerDecodeDims& dm, int threads) {
+  return (shared_bytes(dm, threads) + 15) / 16 * 16;
+}
 int64_t shared_bytes(const LayerDecodeDims& dm, const ProductKeyDims& pk, int threads) {
   return rank_offset(dm, threads) + 16 * pk.k + 8 * (2 * pk.F * topk_warp::sort_slots(pk) + 2 * int64_t{pk.tops});
 }
@@ -154,8 +156,9 @@ __global__ void decode_step_kernel(DecodeDims dm, DecodeToken<T> tok, T* __restr
 // outputs of its columns.
 constexpr int kLayerMaxThreads = 64 * kLayerRankMaxFactors;  // a warp per row and factor, or kMaxThreads columns
 template <typename T, bool kRank>
-__global__ void __launch_bounds__(kLayerMaxThreads, 1) layer_decode_step_kernel(LayerDecodeDims dm, LayerDecodeInputs in, T* __restrict__ bank,
-                                         const __grid_constant__ ProductKeyDims pk, const int32_t* __restrict__ table) {
+__global__ void __launch_bounds__(kLayerMaxThreads, 1)
+    layer_decode_step_kernel(LayerDecodeDims dm, LayerDecodeInputs in, T* __restrict__ bank,
+                             const __grid_constant__ ProductKeyDims pk, const int32_t* __restrict__ table) {
   extern __shared__ __align__(16) float shared[];
   const int64_t W = dm.W, R = dm.R, K = dm.K, D = dm.D;
   const int64_t s = blockIdx.x;
@@ -238,7 +241,8 @@ __global__ void __launch_bounds__(kLayerMaxThreads, 1) layer_decode_step_kernel(
   }
   __syncthreads();
   T* out = static_cast<T*>(in.out) + s * D;
-  for (int64_t j = threadIdx.x; j < D; j += blockDim.x) out[j] = from_f(layer_out(dm, in, s, j, y[j], stats[0], stats[1]), out);
+  for (int64_t j = threadIdx.x; j < D; j += blockDim.x)
+    out[j] = from_f(layer_out(dm, in, s, j, y[j], stats[0], stats[1]), out);
 }
 
 template <typename T>

@@ -531,8 +531,8 @@ class SparseDeltaMemory(nnx.Module):
         `(y_t, state)`, `y_t` shaped like `x_t`, with the batch-norm running statistics; inference only. After the
         projection and the address top-k, one kernel call makes the lanes' weights and gates, runs the memory step
         and the readout norm and gate (`fused_decode()`; with a callable activation, `jax_sdm.sdm_step` and
-        separate operations, the same values up to rounding). Under `jax.jit` with the state donated (`decode_loop` does that) the bank is
-        updated in place; an undonated state is copied every step. In a loop of steps, pass
+        separate operations, the same values up to rounding). Under `jax.jit` with the state donated (`decode_loop`
+        does that) the bank is updated in place; an undonated state is copied every step. In a loop of steps, pass
         `weights=layer.projection_weights()` made once before the loop (XLA does not hoist them out of a scan)."""
         squeeze = x_t.ndim == 2
         x = x_t[:, None] if squeeze else x_t
