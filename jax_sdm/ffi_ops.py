@@ -392,9 +392,7 @@ READOUT_NORMS = (None, "rms", "layer")
 _LAYER_DECODE_COLUMNS = ("num_writes", "num_reads", "v_offset", "b_offset", "a_offset", "og_offset")
 
 
-def layer_decode_step_ffi(bank, ids, scores, proj, gates, norm, *, num_writes, num_reads, v_offset, b_offset,
-                          a_offset, og_offset, write_activation, read_activation, per_write_gates, readout_norm,
-                          write_scale, read_scale, norm_eps):
+def layer_decode_step_ffi(bank, ids, scores, proj, gates, norm, **options):
     """The layer's decode step in one kernel call (kernels/decode_step.h "The layer's decode step"): the decode step
     with its lanes, gates and values made from the address top-k and the input projection, and its readings normed
     and gated.
@@ -402,26 +400,20 @@ def layer_decode_step_ffi(bank, ids, scores, proj, gates, norm, *, num_writes, n
     Args:
       bank: `[..., K, D]` float32 or bfloat16 (aliased to the returned bank: donate it to avoid a copy).
       ids, scores: `[..., 2, k]` a stream's top lists (writes, then reads; best first), int32 and float32.
-      proj: `[..., width]` the stream's input projection row (the bank's dtype): v at columns `v_offset` to
-        `v_offset + D`, the pre-gate columns `b_offset` and `a_offset`, the output gate's `og_offset` to
-        `og_offset + D` (`og_offset < 0`: none).
+      proj: `[..., width]` the stream's input projection row (the bank's dtype).
       gates: `[..., H, 2]` per head `-exp(A_log)` and `dt_bias`; norm: `[..., 2, D]` the readout norm's scale and
         bias (float32; leading dims of product G split the streams into G groups, heads last).
-      write_activation, read_activation: names in `LANE_ACTIVATIONS`; readout_norm: one of `READOUT_NORMS`.
+      options: `num_writes`, `num_reads`; the columns `v_offset` (to `v_offset + D`), `b_offset`, `a_offset` and
+        `og_offset` (the output gate's `D` columns; `< 0`: none) of `proj`; `write_activation`, `read_activation`
+        (names in `LANE_ACTIVATIONS`), `per_write_gates`, `readout_norm` (one of `READOUT_NORMS`), `write_scale`,
+        `read_scale`, `norm_eps`.
 
     Returns:
       `(new_bank, out [..., D])`, in the bank's dtype.
     """
-    f32 = jnp.float32
-    options = dict(num_writes=num_writes, num_reads=num_reads, v_offset=v_offset, b_offset=b_offset,
-                   a_offset=a_offset, og_offset=og_offset, write_activation=write_activation,
-                   read_activation=read_activation, per_write_gates=per_write_gates, readout_norm=readout_norm,
-                   write_scale=write_scale, read_scale=read_scale, norm_eps=norm_eps)
-    outs = _call("sdm_layer_decode_step",
-                 dict(bank_out=jax.ShapeDtypeStruct(bank.shape, bank.dtype),
-                      out=jax.ShapeDtypeStruct(bank.shape[:-2] + bank.shape[-1:], bank.dtype)),
-                 aliases=dict(bank="bank_out"), bank=bank, ids=ids.astype(jnp.int32), scores=scores.astype(f32),
-                 proj=proj, gates=gates.astype(f32), norm=norm.astype(f32), **_layer_decode_attributes(options))
+    outs = _call("sdm_layer_decode_step", _layer_decode_results(bank), aliases=dict(bank="bank_out"), bank=bank,
+                 ids=ids.astype(jnp.int32), scores=scores.astype(jnp.float32), proj=proj,
+                 gates=gates.astype(jnp.float32), norm=norm.astype(jnp.float32), **_layer_decode_attributes(options))
     return outs["bank_out"], outs["out"]
 
 
@@ -430,19 +422,22 @@ def layer_decode_rank_step_ffi(bank, proj, table, gates, norm, *, factors, k, wr
     """`layer_decode_step_ffi` with the lists ranked in the call: the product-key top-k (`factors`, `k`, the
     candidate table `[F, C]`) of each stream's address rows, the projection's columns from `write_rank_offset` and
     `read_rank_offset` (`sum(factors)` each); `options` as there."""
-    f32 = jnp.float32
-    outs = _call("sdm_layer_decode_rank_step",
-                 dict(bank_out=jax.ShapeDtypeStruct(bank.shape, bank.dtype),
-                      out=jax.ShapeDtypeStruct(bank.shape[:-2] + bank.shape[-1:], bank.dtype)),
-                 aliases=dict(bank="bank_out"), bank=bank, proj=proj, table=jnp.asarray(table, jnp.int32),
-                 gates=gates.astype(f32), norm=norm.astype(f32), factors=np.asarray(factors, np.int64),
-                 k=np.int64(k), write_rank_offset=np.int64(write_rank_offset),
-                 read_rank_offset=np.int64(read_rank_offset), **_layer_decode_attributes(options))
+    outs = _call("sdm_layer_decode_rank_step", _layer_decode_results(bank), aliases=dict(bank="bank_out"),
+                 bank=bank, proj=proj, table=jnp.asarray(table, jnp.int32), gates=gates.astype(jnp.float32),
+                 norm=norm.astype(jnp.float32), factors=np.asarray(factors, np.int64), k=np.int64(k),
+                 write_rank_offset=np.int64(write_rank_offset), read_rank_offset=np.int64(read_rank_offset),
+                 **_layer_decode_attributes(options))
     return outs["bank_out"], outs["out"]
 
 
+def _layer_decode_results(bank):
+    """The layer decode targets' results: the bank and the outputs `[..., D]`, in the bank's dtype."""
+    return dict(bank_out=jax.ShapeDtypeStruct(bank.shape, bank.dtype),
+                out=jax.ShapeDtypeStruct(bank.shape[:-2] + bank.shape[-1:], bank.dtype))
+
+
 def _layer_decode_attributes(options):
-    """The layer decode targets' attributes from `layer_decode_step_ffi`'s keyword arguments."""
+    """The layer decode targets' attributes from `layer_decode_step_ffi`'s options."""
     attrs = {n: np.int64(options[n]) for n in _LAYER_DECODE_COLUMNS}
     attrs.update(write_activation=np.int64(LANE_ACTIVATIONS.index(options["write_activation"])),
                  read_activation=np.int64(LANE_ACTIVATIONS.index(options["read_activation"])),

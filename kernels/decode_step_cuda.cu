@@ -167,9 +167,12 @@ __global__ void __launch_bounds__(kLayerMaxThreads, 1)
   float* y = beta + 1;   // [D]
   float* stats = y + D;  // b, a and the gate parameters, then the norm's shift and multiplier
   const int64_t row = proj_row(dm, s);
-  const int32_t* ids = in.ids + write_list(dm, s);
-  const float* scores = in.scores + write_list(dm, s);
-  if constexpr (kRank) {
+  const int32_t* ids = nullptr;  // the stream's lists: in global memory, or ranked into shared memory (kRank)
+  const float* scores = nullptr;
+  if constexpr (!kRank) {
+    ids = in.ids + write_list(dm, s);
+    scores = in.scores + write_list(dm, s);
+  } else {
     float* list_scores = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(shared) +
                                                   rank_offset(dm, blockDim.x));  // [2k]
     int32_t* list_ids = reinterpret_cast<int32_t*>(list_scores + 2 * pk.k);       // [2k]
