@@ -390,6 +390,8 @@ def decode_step_ffi(bank, k_idx, k_val, x, v, beta, q_idx, q_val):
 LANE_ACTIVATIONS = ("softmax", "l2_normalize", "identity", "sigmoid", "tanh", "relu", "gelu", "silu", "softplus")
 READOUT_NORMS = (None, "rms", "layer")
 _LAYER_DECODE_COLUMNS = ("num_writes", "num_reads", "v_offset", "b_offset", "a_offset", "og_offset")
+_LAYER_DECODE_OPTIONS = _LAYER_DECODE_COLUMNS + ("write_activation", "read_activation", "per_write_gates",
+                                                 "readout_norm", "write_scale", "read_scale", "norm_eps")
 
 
 def layer_decode_step_ffi(bank, ids, scores, proj, gates, norm, **options):
@@ -437,7 +439,11 @@ def _layer_decode_results(bank):
 
 
 def _layer_decode_attributes(options):
-    """The layer decode targets' attributes from `layer_decode_step_ffi`'s options."""
+    """The layer decode targets' attributes from `layer_decode_step_ffi`'s options (all of them, no other)."""
+    missing = [n for n in _LAYER_DECODE_OPTIONS if n not in options]
+    unknown = [n for n in options if n not in _LAYER_DECODE_OPTIONS]
+    if missing or unknown:
+        raise TypeError(f"layer decode step: missing options {missing}, unknown options {unknown}")
     attrs = {n: np.int64(options[n]) for n in _LAYER_DECODE_COLUMNS}
     attrs.update(write_activation=np.int64(LANE_ACTIVATIONS.index(options["write_activation"])),
                  read_activation=np.int64(LANE_ACTIVATIONS.index(options["read_activation"])),

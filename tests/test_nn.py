@@ -622,6 +622,8 @@ def test_fused_decode_step_maps_parameter_groups_and_checks_its_arguments():
         jax.block_until_ready(ffi_ops.layer_decode_step_ffi(*args, **{**opts, "num_writes": k + 1}))
     with pytest.raises(Exception, match="gates must be"):
         jax.block_until_ready(ffi_ops.layer_decode_step_ffi(*args[:4], jnp.zeros((4, 2)), norm[0], **opts))  # 4 heads
+    with pytest.raises(TypeError, match=r"unknown options \['read_scael'\]"):
+        ffi_ops.layer_decode_step_ffi(*args, **{**opts, "read_scael": 1.0})
 
 
 @pytest.mark.skipif(not jax_sdm.lowering.is_registered("sdm_layer_decode_rank_step", jax.default_backend()),
