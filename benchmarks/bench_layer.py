@@ -26,7 +26,6 @@ also the device timeline of one loop at the smallest and the largest K, by scope
 import argparse
 import collections
 import datetime
-import functools
 import re
 import statistics
 import sys
@@ -174,14 +173,28 @@ def decode_layer(K, steps, options):
 
 
 def decode_timeline(K, steps, options):
-    """The device timeline of one decode loop of `steps` tokens through the layer, by scope and kernel. The loop is
-    jitted without donating the state (a traced call must be repeatable): one copy of the state per call shows in
-    it besides the steps."""
+    """The device timelines of one decode loop of `steps` tokens through the layer, then through the op alone, by
+    scope and kernel. The loops are jitted without donating the state (a traced call must be repeatable): one copy
+    of the state per call shows in each besides the steps."""
     layer, x = decode_layer(K, steps, options)
     graphdef, params = nnx.split(layer)
     loop = jax.jit(lambda params, x, state: _decode_loop(graphdef, params, x, state))
-    timeline(loop, (params, x, layer.init_state(x.shape[0]) + 0), f"layer decode, K 2^{K.bit_length() - 1}, "
-             f"{steps} tokens")
+    state = layer.init_state(x.shape[0]) + 0
+    timeline(loop, (params, x, state), f"layer decode, K 2^{K.bit_length() - 1}, {steps} tokens")
+    args = jax.jit(lambda x: layer.memory_inputs(x))(x)
+    timeline(op_decode_loop(1, donate=False), (state, args), f"op sdm_step, K 2^{K.bit_length() - 1}, {steps} tokens")
+
+
+def op_decode_loop(unroll, donate=True):
+    """`sdm_step` over the tokens of the layer's memory inputs in one jitted `lax.scan` (`unroll` steps an
+    iteration): `(bank, args) -> (ys, bank)`, the bank donated unless `donate` is false."""
+    def loop(bank, args):
+        def body(bank, token):
+            y, bank = jax_sdm.sdm_step(bank, *token)
+            return bank, y
+        bank, ys = jax.lax.scan(body, bank, tuple(jnp.swapaxes(a, 0, 1) for a in args), unroll=unroll)
+        return ys, bank
+    return jax.jit(loop, donate_argnums=0 if donate else ())
 
 
 def decode_times(K, steps, repeats, options, unroll=1):
@@ -191,13 +204,7 @@ def decode_times(K, steps, repeats, options, unroll=1):
     layer, x = decode_layer(K, steps, options)
     args = jax.jit(lambda x: layer.memory_inputs(x))(x)
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    def op_loop(bank, args):
-        def body(bank, token):
-            y, bank = jax_sdm.sdm_step(bank, *token)
-            return bank, y
-        bank, ys = jax.lax.scan(body, bank, tuple(jnp.swapaxes(a, 0, 1) for a in args), unroll=unroll)
-        return ys, bank
+    op_loop = op_decode_loop(unroll)
 
     def per_token(loop, *inputs):
         state = layer.init_state(B) + 0  # a buffer of its own, to donate

@@ -121,16 +121,18 @@ def test_gpu_layer_decode_step_matches_cpu_kernel(case, dtype):
     state = np.asarray(0.3 * rng.standard_normal((B, H, K, D)), jnp.dtype(dtype))
     step = jax.jit(lambda p, x, s: nnx.merge(graphdef, p).decode(x, s), donate_argnums=2)
     out = {}
-    for device in (jax.devices()[0], jax.devices("cpu")[0]):
-        put = lambda a: jax.device_put(a, device)
-        out[device.platform] = step(jax.tree.map(put, params), put(x), put(state))
+    gpu = jax.devices()[0]
+    # float32 matmuls at full precision: by default the GPU's projections round through TF32 (about 5e-4).
+    with jax.default_matmul_precision("highest"):
+        for device in (gpu, jax.devices("cpu")[0]):
+            put = lambda a: jax.device_put(a, device)
+            out[device.platform] = step(jax.tree.map(put, params), put(x), put(state))
+        again = step(jax.tree.map(lambda a: jax.device_put(a, gpu), params), jax.device_put(x, gpu),
+                     jax.device_put(state, gpu))
     tol = 1e-2 if dtype == "bfloat16" else 1e-5
     for name, a, b in zip(("y", "bank"), out["gpu"], out["cpu"]):
         assert np.all(np.isfinite(np.asarray(a, np.float32))), name
         assert rel_err(a, b) < tol, (name, rel_err(a, b))
-    gpu = jax.devices()[0]
-    again = step(jax.tree.map(lambda a: jax.device_put(a, gpu), params), jax.device_put(x, gpu),
-                 jax.device_put(state, gpu))
     for a, b in zip(again, out["gpu"]):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     hlo = step.lower(params, x, state).compile().as_text()
