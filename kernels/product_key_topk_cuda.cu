@@ -454,9 +454,9 @@ __global__ void __launch_bounds__(kBwdThreadRows, kTop == 32 ? 6 : 3)
     }
   }
   constexpr int kVec = 16 / sizeof(T);  // elements a 16-byte store
-  // The group walk for the lists of 32 only: with lists of 64 (12 warps an SM) its selects at every run's end cost
-  // more than the sectors it saves.
-  const bool vec_out = kTop <= 32 && (reinterpret_cast<uintptr_t>(out) & 15u) == 0 && d.width == d.n[0] + d.n[1] &&
+  // The group walk (each 16-byte group of the row written once) for both list lengths: the scalar route's zeroing
+  // pass writes a row a thread in 2-byte stores, a sector for each, which costs far more at lists of 64.
+  const bool vec_out = (reinterpret_cast<uintptr_t>(out) & 15u) == 0 && d.width == d.n[0] + d.n[1] &&
                        d.x_offset[1] == d.n[0] && d.n[0] % kVec == 0 && d.n[1] % kVec == 0;
   if (!vec_out) {
     for (int c = 0; c < d.width; ++c) out[c] = from_f(0.0f, out);
