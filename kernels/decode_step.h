@@ -124,35 +124,54 @@ SDM_HOST_DEVICE inline float rounded_value(float x, bool is_bf16) {
 SDM_HOST_DEVICE inline float sigmoid_of(float x) { return 1.0f / (1.0f + expf(-x)); }
 SDM_HOST_DEVICE inline float softplus_of(float x) { return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))); }
 
-// w[i] = V(act(scale * s[i])) for i < n (jax_sdm.nn ACTIVATIONS; gelu exact); w may be s.
+// A list's weights w[i] = V(act(scale * s[i])) (jax_sdm.nn ACTIVATIONS; gelu exact) in three phases, so that a
+// warp can share the elementwise ones and keep the one sum in index order (the same bits as lane_weights):
+//   1. lane_activation on every element; softmax then takes the maximum and lane_exp on every element;
+//   2. lane_denominator, the one sum, in index order (softmax: of the exponentials; l2_normalize: of the squares);
+//   3. lane_weight on every element: divided by the denominator (softmax, l2_normalize), rounded to the values' type.
+SDM_HOST_DEVICE inline float lane_activation(int32_t act, float z) {
+  switch (act) {
+    case kSoftmax:
+    case kL2Normalize:
+    case kIdentity: return z;
+    case kSigmoid: return sigmoid_of(z);
+    case kTanh: return tanhf(z);
+    case kRelu: return fmaxf(z, 0.0f);
+    case kGelu: return z * (erff(z * 0.70710678118654752f) + 1.0f) * 0.5f;
+    case kSilu: return z * sigmoid_of(z);
+    default: return softplus_of(z);
+  }
+}
+SDM_HOST_DEVICE inline float lane_exp(float z, float top) { return expf(z - top); }
+SDM_HOST_DEVICE inline float lane_denominator(int32_t act, const float* w, int64_t n) {
+  float total = 0.0f;
+  if (act == kSoftmax) {
+    for (int64_t i = 0; i < n; ++i) total += w[i];
+    return total;
+  }
+  if (act == kL2Normalize) {
+    for (int64_t i = 0; i < n; ++i) total += w[i] * w[i];
+    return sqrtf(total) + 1e-12f;
+  }
+  return 1.0f;
+}
+SDM_HOST_DEVICE inline float lane_weight(int32_t act, float w, float denominator, bool is_bf16) {
+  return rounded_value(act == kSoftmax || act == kL2Normalize ? w / denominator : w, is_bf16);
+}
+
+// The three phases on one thread; w may be s.
 SDM_HOST_DEVICE inline void lane_weights(const float* s, int64_t n, int32_t act, float scale, bool is_bf16,
                                          float* w) {
-  float total = 0.0f, top = -INFINITY;
+  float top = -INFINITY;
   for (int64_t i = 0; i < n; ++i) {
-    const float z = scale * s[i];
-    switch (act) {
-      case kSoftmax: top = fmaxf(top, z); w[i] = z; break;
-      case kL2Normalize: total += z * z; w[i] = z; break;
-      case kIdentity: w[i] = z; break;
-      case kSigmoid: w[i] = sigmoid_of(z); break;
-      case kTanh: w[i] = tanhf(z); break;
-      case kRelu: w[i] = fmaxf(z, 0.0f); break;
-      case kGelu: w[i] = z * (erff(z * 0.70710678118654752f) + 1.0f) * 0.5f; break;
-      case kSilu: w[i] = z * sigmoid_of(z); break;
-      default: w[i] = softplus_of(z); break;
-    }
+    w[i] = lane_activation(act, scale * s[i]);
+    top = fmaxf(top, w[i]);
   }
   if (act == kSoftmax) {
-    for (int64_t i = 0; i < n; ++i) {
-      w[i] = expf(w[i] - top);
-      total += w[i];
-    }
-    for (int64_t i = 0; i < n; ++i) w[i] = w[i] / total;
-  } else if (act == kL2Normalize) {
-    const float norm = sqrtf(total) + 1e-12f;
-    for (int64_t i = 0; i < n; ++i) w[i] = w[i] / norm;
+    for (int64_t i = 0; i < n; ++i) w[i] = lane_exp(w[i], top);
   }
-  for (int64_t i = 0; i < n; ++i) w[i] = rounded_value(w[i], is_bf16);
+  const float denominator = lane_denominator(act, w, n);
+  for (int64_t i = 0; i < n; ++i) w[i] = lane_weight(act, w[i], denominator, is_bf16);
 }
 
 // Where stream s's inputs are: its write list (its read list follows, k further), its projection row, and its

@@ -121,6 +121,43 @@ __device__ float step_column(const LaneShared& ln, float* cur, int64_t stride, T
   return y;
 }
 
+// A list's weights on one warp, in lane_weights' phases: the elementwise ones on every lane, the sum on lane 0 in
+// index order (the CPU's bits), so that the chain is n adds, not n exponentials and divisions. w holds the scores.
+__device__ void lane_weights_warp(float* w, int64_t n, int32_t act, float scale, bool is_bf16, int lane) {
+  float top = -INFINITY;
+  for (int64_t i = lane; i < n; i += 32) {
+    w[i] = lane_activation(act, scale * w[i]);
+    top = fmaxf(top, w[i]);
+  }
+  if (act == kSoftmax) {
+    for (int o = 16; o > 0; o /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+    for (int64_t i = lane; i < n; i += 32) w[i] = lane_exp(w[i], top);
+  }
+  __syncwarp();
+  float denominator = 0.0f;
+  if (lane == 0) denominator = lane_denominator(act, w, n);
+  denominator = __shfl_sync(0xffffffffu, denominator, 0);
+  for (int64_t i = lane; i < n; i += 32) w[i] = lane_weight(act, w[i], denominator, is_bf16);
+}
+
+// lane_values on the block's first two warps (its one warp, if it has one): warp 0 the write list's weights, the
+// log-gates and beta; warp 1 the read list's weights. The block's width is a multiple of 32.
+__device__ void lane_values_block(const LayerDecodeDims& dm, const float* gates, float b, float a, float* k_val,
+                                  float* q_val, float* x, float* beta) {
+  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
+  if (warp == 0) {
+    lane_weights_warp(k_val, dm.W, dm.write_act, dm.write_scale, dm.bf16, lane);
+    const float g = gates[0] * softplus_of(a + gates[1]);
+    if (dm.per_write_gates) {
+      for (int64_t n = lane; n < dm.W; n += 32) x[n] = g * fabsf(k_val[n]);  // the lane's own weights
+    } else if (lane == 0) {
+      x[0] = g;
+    }
+    if (lane == 0) *beta = sigmoid_of(b);
+  }
+  if (warp == (blockDim.x > 32 ? 1 : 0)) lane_weights_warp(q_val, dm.R, dm.read_act, dm.read_scale, dm.bf16, lane);
+}
+
 template <typename T>
 __global__ void decode_step_kernel(DecodeDims dm, DecodeToken<T> tok, T* __restrict__ bank, int64_t tiles) {
   extern __shared__ float shared[];
@@ -151,9 +188,9 @@ __global__ void decode_step_kernel(DecodeDims dm, DecodeToken<T> tok, T* __restr
 // The layer's step: a block per stream, its columns in batches of the block's width. kRank: warps 2q + f (q = 0
 // the write row, 1 the read row) select factor f's top list of row q, then warp q its top k, as the top-k's
 // block-per-row kernel does (kernels/product_key_topk_warp.cuh), into shared memory. The block loads the lanes,
-// thread 0 makes their weights and gates (lane_values), the block runs the step on every column, keeps the rounded
-// readings in shared memory, warp 0 sums them for the norm (warp_order_sums' order), then every thread writes the
-// outputs of its columns.
+// two warps make their weights and gates (lane_values_block), the block runs the step on every column, keeps the
+// rounded readings in shared memory, warp 0 sums them for the norm (warp_order_sums' order), then every thread
+// writes the outputs of its columns.
 constexpr int kLayerMaxThreads = 64 * kLayerRankMaxFactors;  // a warp per row and factor, or kMaxThreads columns
 template <typename T, bool kRank>
 __global__ void __launch_bounds__(kLayerMaxThreads, 1)
@@ -210,7 +247,7 @@ __global__ void __launch_bounds__(kLayerMaxThreads, 1)
   if (threadIdx.x == last - 2) stats[2] = in.gates[gate_params(dm, s)];
   if (threadIdx.x == last - 3) stats[3] = in.gates[gate_params(dm, s) + 1];
   __syncthreads();
-  if (threadIdx.x == 0) lane_values(dm, stats + 2, stats[0], stats[1], ln.k_val, ln.q_val, ln.x, beta);
+  lane_values_block(dm, stats + 2, stats[0], stats[1], ln.k_val, ln.q_val, ln.x, beta);
   __syncthreads();
   for (int64_t n = threadIdx.x; n < W; n += blockDim.x) ln.first[n] = first_write_lane(ln.k_idx, W, K, ln.k_idx[n]);
   for (int64_t m = threadIdx.x; m < R; m += blockDim.x)

@@ -294,6 +294,10 @@ inline int __shfl_up_sync(unsigned, int x, int o) {
 inline int __shfl_sync(unsigned, int x, int src) {
   return emu::collective(static_cast<unsigned>(x), [&](const unsigned* w) { return static_cast<int>(w[src]); });
 }
+inline float __shfl_sync(unsigned, float x, int src) {
+  return std::bit_cast<float>(
+      emu::collective(std::bit_cast<unsigned>(x), [&](const unsigned* w) { return w[src]; }));
+}
 inline int __shfl_xor_sync(unsigned, int x, int mask) {
   return static_cast<int>(emu::collective(static_cast<unsigned>(x), [&](const unsigned* w) {
     return w[emu::lane() ^ mask];
