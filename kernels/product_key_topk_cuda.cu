@@ -408,9 +408,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 // shared-memory round trips per slot, a thread's sort about ten compare-exchanges per slot. Per factor, the k keys
 // ~(i << 8 | j) (factor index i, slot j; 0 for an id outside [0, slots)) sorted descending in registers, so in
 // (i, j) order; then one pass adds each run of equal i in slot order from +0. The row's dscores wait in shared memory
-// (slot j of thread t at [j][t]: no bank conflict whatever j). Where the row's factors are whole 16-byte groups,
-// the pass writes each group once (16-byte stores, zeros between the runs: global stores of a few bytes each cost
-// as much as whole ones); elsewhere the row is zeroed first and each run's sum stored alone.
+// (slot j of thread t at [j][t]: no bank conflict whatever j). With lists of 32, where the row's factors are whole
+// 16-byte groups, the pass writes each group once (16-byte stores, zeros between the runs: global stores of a few
+// bytes each cost as much as whole ones); elsewhere the row is zeroed first and each run's sum stored alone.
 constexpr int kBwdThreadRows = 128;
 template <int kTop, typename T>
 __global__ void __launch_bounds__(kBwdThreadRows, kTop == 32 ? 6 : 3)
@@ -454,11 +454,16 @@ __global__ void __launch_bounds__(kBwdThreadRows, kTop == 32 ? 6 : 3)
     }
   }
   constexpr int kVec = 16 / sizeof(T);  // elements a 16-byte store
-  // The group walk (each 16-byte group of the row written once) for both list lengths: the scalar route's zeroing
-  // pass writes a row a thread in 2-byte stores, a sector for each, which costs far more at lists of 64.
-  const bool vec_out = (reinterpret_cast<uintptr_t>(out) & 15u) == 0 && d.width == d.n[0] + d.n[1] &&
-                       d.x_offset[1] == d.n[0] && d.n[0] % kVec == 0 && d.n[1] % kVec == 0;
-  if (!vec_out) {
+  // The group walk (each 16-byte group of the row written once) for the lists of 32. The lists of 64 zero the row
+  // first, then store each run's sum alone: there the group walk's selects at every run's end cost more than the
+  // sectors they save. The zeroing takes 16-byte stores where the row allows: one a sector, not eight.
+  const bool aligned = (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
+  const bool vec_out = kTop <= 32 && aligned && d.width == d.n[0] + d.n[1] && d.x_offset[1] == d.n[0] &&
+                       d.n[0] % kVec == 0 && d.n[1] % kVec == 0;
+  if (kTop > 32 && aligned && d.width % kVec == 0) {
+    const uint4 zeros{0u, 0u, 0u, 0u};
+    for (int c = 0; c < d.width; c += kVec) *reinterpret_cast<uint4*>(out + c) = zeros;
+  } else if (!vec_out) {
     for (int c = 0; c < d.width; ++c) out[c] = from_f(0.0f, out);
   }
 #pragma unroll
