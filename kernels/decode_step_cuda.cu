@@ -204,6 +204,8 @@ __global__ void __launch_bounds__(kLayerMaxThreads, 1)
   float* y = beta + 1;   // [D]
   float* stats = y + D;  // b, a and the gate parameters, then the norm's shift and multiplier
   const int64_t row = proj_row(dm, s);
+  // The thread's first value column, loaded before the ranking and the barriers rather than after them.
+  const float v_first = threadIdx.x < D ? value_at(in.proj, row + dm.v_off + threadIdx.x, dm.bf16) : 0.0f;
   const int32_t* ids = nullptr;  // the stream's lists: in global memory, or ranked into shared memory (kRank)
   const float* scores = nullptr;
   if constexpr (!kRank) {
@@ -248,14 +250,18 @@ __global__ void __launch_bounds__(kLayerMaxThreads, 1)
   if (threadIdx.x == last - 3) stats[3] = in.gates[gate_params(dm, s) + 1];
   __syncthreads();
   lane_values_block(dm, stats + 2, stats[0], stats[1], ln.k_val, ln.q_val, ln.x, beta);
-  __syncthreads();
-  for (int64_t n = threadIdx.x; n < W; n += blockDim.x) ln.first[n] = first_write_lane(ln.k_idx, W, K, ln.k_idx[n]);
-  for (int64_t m = threadIdx.x; m < R; m += blockDim.x)
-    ln.read_lane[m] = first_write_lane(ln.k_idx, W, K, ln.q_idx[m]);
+  // The lane maps need the ids only: the block's last threads make them, beside the weights' two warps where the
+  // block has more.
+  for (int64_t i = last - static_cast<int64_t>(threadIdx.x); i < W + R; i += blockDim.x) {
+    if (i < W)
+      ln.first[i] = first_write_lane(ln.k_idx, W, K, ln.k_idx[i]);
+    else
+      ln.read_lane[i - W] = first_write_lane(ln.k_idx, W, K, ln.q_idx[i - W]);
+  }
   __syncthreads();
   T* rows = bank + s * K * D;
   for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
-    const float v = value_at(in.proj, row + dm.v_off + j, dm.bf16);
+    const float v = j == threadIdx.x ? v_first : value_at(in.proj, row + dm.v_off + j, dm.bf16);
     y[j] = rounded_value(step_column(ln, shared + threadIdx.x, blockDim.x, rows + j, W, R, K, D,
                                      dm.per_write_gates ? 1 : 0, *beta, v),
                          dm.bf16);
