@@ -40,8 +40,10 @@ if has build; then
   start=$SECONDS
   # Machine code for this GPU's architecture only (SDM_CUDA_ARCHS, default 90-real: the H100 and H200), not the
   # package's default list of three: the build's CUDA half in about half the time.
+  # With line information (SDM_CUDA_LINEINFO: the same machine code), so that ncu's source pages name CUDA lines.
   (cd "$REPO" && python3 -m pip install --no-build-isolation --no-deps -v . \
-    --config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES="${SDM_CUDA_ARCHS:-90-real}" > "$OUT/build.log" 2>&1)
+    --config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES="${SDM_CUDA_ARCHS:-90-real}" \
+    --config-settings=cmake.define.SDM_CUDA_LINEINFO=ON > "$OUT/build.log" 2>&1)
   rc=$?
   grep -E "warning|error" "$OUT/build.log" | grep -v "^ *$" | tail -20
   summary "build rc=$rc in $((SECONDS - start)) s"
@@ -183,6 +185,18 @@ if has decode_profile; then
       grep -E "^  [a-z_]+.*\(|Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|Stall" \
         "$OUT/ncu_${kernel}_k$log_k.txt" | head -20
     done
+  done
+  # The layer's decode kernel's stalls per CUDA line (the build's line information), at K 2^12 and 2^20.
+  for log_k in 12 20; do
+    name=ncu_layer_decode_source_k$log_k
+    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
+      timeout 200 ncu --clock-control none --section SourceCounters --section WarpStateStats \
+      --warp-sampling-interval 0 -k regex:^layer_decode_step_kernel -c 1 --page source --print-source cuda --csv \
+      python3 "$REPO/benchmarks/bench_layer.py" --layer-decode --min-log-k $log_k --max-log-k $log_k \
+      --decode-steps 4 --repeats 1 > "$OUT/$name.csv" 2>> "$OUT/ncu_err.log"
+    summary "layer decode source profile K 2^$log_k rc=$?"
+    python3 "$REPO/benchmarks/ncu_source_summary.py" "$OUT/$name.csv" > "$OUT/$name.txt" 2>&1
+    head -25 "$OUT/$name.txt"
   done
   for shape in "1024,1024" "64,64"; do
     name=ncu_topk_source_${shape/,/x}
