@@ -184,14 +184,21 @@ SDM_HOST_DEVICE inline int64_t gate_params(const LayerDecodeDims& dm, int64_t s)
 
 // A stream's weights, log-gates (W with per-write gates, else one) and beta from its lists' scores (k_val and
 // q_val hold the W and R scores on entry), its pre-gate columns b and a, and its head's gate parameters.
+// The token's log-gate from its pre-gate column a and its head's gate parameters (-exp(A_log), dt_bias); with
+// per-write gates, write lane n's is that times |k_val[n]| (key-weighted decay).
+SDM_HOST_DEVICE inline float token_log_gate(const float* gates, float a) {
+  return gates[0] * softplus_of(a + gates[1]);
+}
+SDM_HOST_DEVICE inline float write_log_gate(float g, float k_val) { return g * fabsf(k_val); }
+
 SDM_HOST_DEVICE inline void lane_values(const LayerDecodeDims& dm, const float* gates, float b, float a,
                                         float* k_val, float* q_val, float* x, float* beta) {
   lane_weights(k_val, dm.W, dm.write_act, dm.write_scale, dm.bf16, k_val);
   lane_weights(q_val, dm.R, dm.read_act, dm.read_scale, dm.bf16, q_val);
   *beta = sigmoid_of(b);
-  const float g = gates[0] * softplus_of(a + gates[1]);
+  const float g = token_log_gate(gates, a);
   if (dm.per_write_gates) {
-    for (int64_t n = 0; n < dm.W; ++n) x[n] = g * fabsf(k_val[n]);
+    for (int64_t n = 0; n < dm.W; ++n) x[n] = write_log_gate(g, k_val[n]);
   } else {
     x[0] = g;
   }

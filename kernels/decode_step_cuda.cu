@@ -147,9 +147,9 @@ __device__ void lane_values_block(const LayerDecodeDims& dm, const float* gates,
   const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
   if (warp == 0) {
     lane_weights_warp(k_val, dm.W, dm.write_act, dm.write_scale, dm.bf16, lane);
-    const float g = gates[0] * softplus_of(a + gates[1]);
+    const float g = token_log_gate(gates, a);
     if (dm.per_write_gates) {
-      for (int64_t n = lane; n < dm.W; n += 32) x[n] = g * fabsf(k_val[n]);  // the lane's own weights
+      for (int64_t n = lane; n < dm.W; n += 32) x[n] = write_log_gate(g, k_val[n]);  // the lane's own weights
     } else if (lane == 0) {
       x[0] = g;
     }

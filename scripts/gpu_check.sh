@@ -174,10 +174,11 @@ if has decode_profile; then
   # K 2^12 and 2^20 (the op's step was about 15 us of device time for a few rows a stream: a chain of latencies),
   # then the top-k kernels' stalls per SASS instruction at the decode shapes (ncu's sampled stalls at its highest
   # rate, benchmarks/ncu_source_summary.py). The decode loop against K and its timelines are the stage decode_trace.
+  # Without command buffers or autotuning (ncu crashed at the first call with both on: 2026-12-05, H100).
+  ncu_xla_flags="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer="
   for log_k in 12 20; do
     for kernel in layer_decode_step_kernel decode_step_kernel; do
-      # Without command buffers or autotuning (ncu crashed at the first call with both on: 2026-12-05, H100).
-      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
+      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="$ncu_xla_flags" \
         timeout 300 ncu --clock-control none --set full -k "regex:^$kernel" -c 2 \
         python3 "$REPO/benchmarks/bench_layer.py" --layer-decode --min-log-k $log_k --max-log-k $log_k \
         --decode-steps 4 --repeats 1 > "$OUT/ncu_${kernel}_k$log_k.txt" 2>> "$OUT/ncu_err.log"
@@ -189,7 +190,7 @@ if has decode_profile; then
   # The layer's decode kernel's stalls per CUDA line (the build's line information), at K 2^12 and 2^20.
   for log_k in 12 20; do
     name=ncu_layer_decode_source_k$log_k
-    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="$ncu_xla_flags" \
       timeout 200 ncu --clock-control none --section SourceCounters --section WarpStateStats \
       --warp-sampling-interval 0 -k regex:^layer_decode_step_kernel -c 1 --page source --print-source cuda --csv \
       python3 "$REPO/benchmarks/bench_layer.py" --layer-decode --min-log-k $log_k --max-log-k $log_k \
