@@ -182,8 +182,6 @@ SDM_HOST_DEVICE inline int64_t gate_params(const LayerDecodeDims& dm, int64_t s)
   return 2 * ((s / (dm.S / dm.G)) * dm.H + s % dm.H);
 }
 
-// A stream's weights, log-gates (W with per-write gates, else one) and beta from its lists' scores (k_val and
-// q_val hold the W and R scores on entry), its pre-gate columns b and a, and its head's gate parameters.
 // The token's log-gate from its pre-gate column a and its head's gate parameters (-exp(A_log), dt_bias); with
 // per-write gates, write lane n's is that times |k_val[n]| (key-weighted decay).
 SDM_HOST_DEVICE inline float token_log_gate(const float* gates, float a) {
@@ -191,6 +189,8 @@ SDM_HOST_DEVICE inline float token_log_gate(const float* gates, float a) {
 }
 SDM_HOST_DEVICE inline float write_log_gate(float g, float k_val) { return g * fabsf(k_val); }
 
+// A stream's weights, log-gates (W with per-write gates, else one) and beta from its lists' scores (k_val and
+// q_val hold the W and R scores on entry), its pre-gate columns b and a, and its head's gate parameters.
 SDM_HOST_DEVICE inline void lane_values(const LayerDecodeDims& dm, const float* gates, float b, float a,
                                         float* k_val, float* q_val, float* x, float* beta) {
   lane_weights(k_val, dm.W, dm.write_act, dm.write_scale, dm.bf16, k_val);
@@ -245,18 +245,34 @@ SDM_HOST_DEVICE inline void norm_stats(const LayerDecodeDims& dm, float sum, flo
   }
 }
 
-// out[j] of stream s from its rounded reading y_j and the norm's statistics.
-SDM_HOST_DEVICE inline float layer_out(const LayerDecodeDims& dm, const LayerDecodeInputs& in, int64_t s, int64_t j,
-                                       float y, float shift, float mul) {
-  float o = y;
+// What column j of stream s's output needs besides its reading: the norm's scale and bias, and the output gate's
+// pre-activation (each loaded only where the layer has it), so that a kernel can load them before the step.
+struct OutColumn {
+  float scale = 1.0f, bias = 0.0f, gate = 0.0f;
+};
+SDM_HOST_DEVICE inline OutColumn out_column(const LayerDecodeDims& dm, const LayerDecodeInputs& in, int64_t s,
+                                            int64_t j) {
+  OutColumn c;
   if (dm.norm != kNoNorm) {
     const float* norm = in.norm + 2 * (s / (dm.S / dm.G)) * dm.D;
-    o = (y - shift) * (mul * norm[j]);
-    if (dm.norm == kLayerNorm) o += norm[dm.D + j];
+    c.scale = norm[j];
+    if (dm.norm == kLayerNorm) c.bias = norm[dm.D + j];
+  }
+  if (dm.og_off >= 0) c.gate = value_at(in.proj, s * dm.width + dm.og_off + j, dm.bf16);
+  return c;
+}
+
+// An output from its column's rounded reading y, the column's OutColumn and the norm's statistics.
+SDM_HOST_DEVICE inline float layer_out(const LayerDecodeDims& dm, const OutColumn& col, float y, float shift,
+                                       float mul) {
+  float o = y;
+  if (dm.norm != kNoNorm) {
+    o = (y - shift) * (mul * col.scale);
+    if (dm.norm == kLayerNorm) o += col.bias;
     o = rounded_value(o, dm.bf16);
   }
   if (dm.og_off >= 0) {
-    const float gate = rounded_value(sigmoid_of(value_at(in.proj, s * dm.width + dm.og_off + j, dm.bf16)), dm.bf16);
+    const float gate = rounded_value(sigmoid_of(col.gate), dm.bf16);
     o = rounded_value(o * gate, dm.bf16);
   }
   return o;

@@ -98,7 +98,8 @@ void layer_decode_step_typed(const LayerDecodeDims& dm, const LayerDecodeInputs&
         norm_stats(dm, sum, sum_sq, &shift, &mul);
       }
       BankT* out = static_cast<BankT*>(in.out) + s * D;
-      for (int64_t j = 0; j < D; ++j) out[j] = from_float<BankT>(layer_out(dm, in, s, j, reading[j], shift, mul));
+      for (int64_t j = 0; j < D; ++j)
+        out[j] = from_float<BankT>(layer_out(dm, out_column(dm, in, s, j), reading[j], shift, mul));
     }
   });
 }

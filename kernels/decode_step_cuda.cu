@@ -204,8 +204,18 @@ __global__ void __launch_bounds__(kLayerMaxThreads, 1)
   float* y = beta + 1;   // [D]
   float* stats = y + D;  // b, a and the gate parameters, then the norm's shift and multiplier
   const int64_t row = proj_row(dm, s);
-  // The thread's first value column, loaded before the ranking and the barriers rather than after them.
-  const float v_first = threadIdx.x < D ? value_at(in.proj, row + dm.v_off + threadIdx.x, dm.bf16) : 0.0f;
+  // The global loads that do not depend on the lists, issued before the ranking and the barriers rather than after
+  // them: the thread's first value column and output column, and the block's last threads' scalars (b, a and the
+  // head's gate parameters, stored to shared memory after the ranking).
+  const bool first_column = threadIdx.x < D;
+  const float v_first = first_column ? value_at(in.proj, row + dm.v_off + threadIdx.x, dm.bf16) : 0.0f;
+  const OutColumn out_first = first_column ? out_column(dm, in, s, threadIdx.x) : OutColumn{};
+  const int last = blockDim.x - 1;  // threads that load one list entry less (W, R <= the block's width, mostly)
+  const int64_t from_last = last - static_cast<int64_t>(threadIdx.x);  // the last four threads load stats[from_last]
+  float stat = 0.0f;
+  if (from_last == 0) stat = value_at(in.proj, row + dm.b_off, dm.bf16);
+  if (from_last == 1) stat = value_at(in.proj, row + dm.a_off, dm.bf16);
+  if (from_last == 2 || from_last == 3) stat = in.gates[gate_params(dm, s) + from_last - 2];
   const int32_t* ids = nullptr;  // the stream's lists: in global memory, or ranked into shared memory (kRank)
   const float* scores = nullptr;
   if constexpr (!kRank) {
@@ -233,8 +243,8 @@ __global__ void __launch_bounds__(kLayerMaxThreads, 1)
     ids = list_ids;
     scores = list_scores;
   }
-  // The lists' ids and scores, b, a and the gate parameters in one round of loads across the block; then thread 0
-  // makes the weights and gates from the copies in shared memory.
+  // The lists' ids and scores and the scalars into shared memory across the block; then two warps make the weights
+  // and gates from the copies there.
   for (int64_t n = threadIdx.x; n < W; n += blockDim.x) {
     ln.k_idx[n] = ids[n];
     ln.k_val[n] = scores[n];
@@ -243,16 +253,12 @@ __global__ void __launch_bounds__(kLayerMaxThreads, 1)
     ln.q_idx[m] = ids[dm.k + m];
     ln.q_val[m] = scores[dm.k + m];
   }
-  const int last = blockDim.x - 1;  // threads that load one list entry less (W, R <= the block's width, mostly)
-  if (threadIdx.x == last) stats[0] = value_at(in.proj, row + dm.b_off, dm.bf16);
-  if (threadIdx.x == last - 1) stats[1] = value_at(in.proj, row + dm.a_off, dm.bf16);
-  if (threadIdx.x == last - 2) stats[2] = in.gates[gate_params(dm, s)];
-  if (threadIdx.x == last - 3) stats[3] = in.gates[gate_params(dm, s) + 1];
+  if (from_last < 4) stats[from_last] = stat;
   __syncthreads();
   lane_values_block(dm, stats + 2, stats[0], stats[1], ln.k_val, ln.q_val, ln.x, beta);
   // The lane maps need the ids only: the block's last threads make them, beside the weights' two warps where the
   // block has more.
-  for (int64_t i = last - static_cast<int64_t>(threadIdx.x); i < W + R; i += blockDim.x) {
+  for (int64_t i = from_last; i < W + R; i += blockDim.x) {
     if (i < W)
       ln.first[i] = first_write_lane(ln.k_idx, W, K, ln.k_idx[i]);
     else
@@ -288,7 +294,8 @@ __global__ void __launch_bounds__(kLayerMaxThreads, 1)
   __syncthreads();
   T* out = static_cast<T*>(in.out) + s * D;
   for (int64_t j = threadIdx.x; j < D; j += blockDim.x)
-    out[j] = from_f(layer_out(dm, in, s, j, y[j], stats[0], stats[1]), out);
+    out[j] = from_f(layer_out(dm, j == threadIdx.x ? out_first : out_column(dm, in, s, j), y[j], stats[0], stats[1]),
+                    out);
 }
 
 template <typename T>

@@ -2,8 +2,8 @@
 # The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
 #
 #   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,memory,profile,
-#                                          timeline,sanitize,rowbw,layer,topk,topk_profile,decode_trace,
-#                                          decode_profile,snapshot
+#                                          kernel_detail,timeline,sanitize,rowbw,layer,topk,topk_profile,
+#                                          decode_trace,decode_profile,decode_source,snapshot
 #                                          (default: build,tests,determinism,bench)
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
@@ -14,8 +14,8 @@
 # GPU_TEST_JOBS (pytest processes sharing it, default 3), BENCH_SHAPES, BENCH_CHUNKS, BENCH_REPEATS,
 # BENCH_DECODE (0 skips bench_decode.py), BENCH_DECODE_ARGS (bench_decode.py's arguments, default "--impls ffi";
 # e.g. "--impls ffi,noop --device-time" adds the device's kernel time per step), PROFILE_SHAPES, PROFILE_CHUNKS,
-# PROFILE_KERNELS (a regex: these kernels also get ncu's stall and memory sections), PROFILE_DETAIL_CHUNK,
-# PROFILE_MODES, TOPK_PROFILE_ARGS, DECODE_ARGS, SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS,
+# PROFILE_MODES, PROFILE_KERNELS (kernel_detail's kernels, a regex), PROFILE_DETAIL_SHAPE, PROFILE_DETAIL_CHUNK,
+# PROFILE_INVOCATION, TOPK_PROFILE_ARGS, DECODE_ARGS, SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS,
 # SANITIZE_TAG, SANITIZE_TIMEOUT, SANITIZE_PRINT_LIMIT, ROWBW_ARGS (row_bandwidth's arguments: D K P rows per
 # launch), LOGS_TGZ (an archive of the logs after every stage: below).
 set -uo pipefail
@@ -187,18 +187,6 @@ if has decode_profile; then
         "$OUT/ncu_${kernel}_k$log_k.txt" | head -20
     done
   done
-  # The layer's decode kernel's stalls per CUDA line (the build's line information), at K 2^12 and 2^20.
-  for log_k in 12 20; do
-    name=ncu_layer_decode_source_k$log_k
-    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="$ncu_xla_flags" \
-      timeout 200 ncu --clock-control none --section SourceCounters --section WarpStateStats \
-      --warp-sampling-interval 0 -k regex:^layer_decode_step_kernel -c 1 --page source --print-source cuda --csv \
-      python3 "$REPO/benchmarks/bench_layer.py" --layer-decode --min-log-k $log_k --max-log-k $log_k \
-      --decode-steps 4 --repeats 1 > "$OUT/$name.csv" 2>> "$OUT/ncu_err.log"
-    summary "layer decode source profile K 2^$log_k rc=$?"
-    python3 "$REPO/benchmarks/ncu_source_summary.py" "$OUT/$name.csv" > "$OUT/$name.txt" 2>&1
-    head -25 "$OUT/$name.txt"
-  done
   for shape in "1024,1024" "64,64"; do
     name=ncu_topk_source_${shape/,/x}
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 ncu --clock-control none --section SourceCounters \
@@ -208,6 +196,24 @@ if has decode_profile; then
     summary "topk source profile $shape rc=$?"
     python3 "$REPO/benchmarks/ncu_source_summary.py" "$OUT/$name.csv" > "$OUT/$name.txt" 2>&1
     head -25 "$OUT/$name.txt"
+  done
+fi
+pack
+if has decode_source; then
+  # The layer's decode kernel's stalls per SASS instruction (ncu's sampled stalls at its highest rate), at K 2^12
+  # and 2^20; the build's line information names each instruction's CUDA line in ncu's report. (ncu's CUDA-source
+  # page in CSV carries no metrics: 2026-12-05, H100.)
+  ncu_xla_flags="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer="
+  for log_k in 12 20; do
+    name=ncu_layer_decode_source_k$log_k
+    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="$ncu_xla_flags" \
+      timeout 200 ncu --clock-control none --section SourceCounters --section WarpStateStats \
+      --warp-sampling-interval 0 -k regex:^layer_decode_step_kernel -c 1 --page source --print-source sass --csv \
+      python3 "$REPO/benchmarks/bench_layer.py" --layer-decode --min-log-k $log_k --max-log-k $log_k \
+      --decode-steps 4 --repeats 1 > "$OUT/$name.csv" 2>> "$OUT/ncu_err.log"
+    summary "layer decode source profile K 2^$log_k rc=$?"
+    python3 "$REPO/benchmarks/ncu_source_summary.py" "$OUT/$name.csv" > "$OUT/$name.txt" 2>&1
+    head -40 "$OUT/$name.txt"
   done
 fi
 pack
@@ -263,16 +269,26 @@ if has profile; then
       done
     done
   done
-  if [ -n "${PROFILE_KERNELS:-}" ]; then
-    # Stall reasons, occupancy and memory throughput of one launch (the PROFILE_INVOCATION-th, default 30) of each
-    # kernel whose name matches (flagship, chunk PROFILE_DETAIL_CHUNK, default 64).
-    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 \
-    timeout 300 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \
-      --section MemoryWorkloadAnalysis --section LaunchStats --kernel-id "::regex:$PROFILE_KERNELS:${PROFILE_INVOCATION:-30}" \
-      python3 "$REPO/benchmarks/profile_steps.py" flagship ${PROFILE_DETAIL_CHUNK:-64} \
-      > "$OUT/ncu_detail.txt" 2>> "$OUT/ncu_err.log"
-    summary "profile detail rc=$?"
-  fi
+fi
+pack
+if has kernel_detail; then
+  # Stall reasons, occupancy, memory throughput and stalls per SASS instruction of one launch (the
+  # PROFILE_INVOCATION-th, default 30) of each kernel whose name matches PROFILE_KERNELS, in the training step at
+  # PROFILE_DETAIL_SHAPE (default flagship), chunk PROFILE_DETAIL_CHUNK (default 64).
+  rep=$OUT/ncu_detail
+  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 \
+  timeout 300 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \
+    --section MemoryWorkloadAnalysis --section LaunchStats --section SourceCounters --warp-sampling-interval 0 \
+    --kernel-id "::regex:${PROFILE_KERNELS:-apply_inverse}:${PROFILE_INVOCATION:-30}" -f -o "$rep" \
+    python3 "$REPO/benchmarks/profile_steps.py" ${PROFILE_DETAIL_SHAPE:-flagship} ${PROFILE_DETAIL_CHUNK:-64} grad \
+    > "$OUT/ncu_detail_run.txt" 2>> "$OUT/ncu_err.log"
+  summary "kernel detail rc=$?"
+  ncu -i "$rep.ncu-rep" --page details > "$OUT/ncu_detail.txt" 2>&1
+  ncu -i "$rep.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_detail_source.csv" 2>&1
+  python3 "$REPO/benchmarks/ncu_source_summary.py" "$OUT/ncu_detail_source.csv" > "$OUT/ncu_detail_source.txt" 2>&1
+  grep -E -e "^  [a-z_]+.*\(|Duration|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per" \
+    -e "Block Limit|L1/TEX Hit|Issue Slots Busy|Memory Throughput|Stall" "$OUT/ncu_detail.txt" | tee -a "$OUT/summary.txt"
+  rm -f "$rep.ncu-rep"
 fi
 pack
 if has timeline; then
