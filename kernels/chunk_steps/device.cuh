@@ -275,9 +275,11 @@ __device__ __forceinline__ float4 load_quad(const __nv_bfloat16* row, int64_t d,
   return make_float4(v[0], v[1], v[2], v[3]);
 }
 
+// __stwb: one 16-byte store. A plain float4 assignment here compiled to four 4-byte stores (nvcc 13.0, the staged
+// fwd_apply_inverse_kernel's PTX), each a partial write of the same sectors.
 __device__ __forceinline__ void store_quad(float* row, int64_t d, int64_t D, float4 x) {
   if (D % 4 == 0) {
-    if (d < D) *reinterpret_cast<float4*>(row + d) = x;
+    if (d < D) __stwb(reinterpret_cast<float4*>(row + d), x);
     return;
   }
   const float v[4] = {x.x, x.y, x.z, x.w};
