@@ -286,8 +286,8 @@ int layer_decode_step_cuda(const LayerDecodeDims& dims, const LayerDecodeInputs&
 // The same with the lists ranked in the call: the product-key top-k (kernels/product_key_topk.h; `pk` the dims of
 // one row of the factors' scores, `table` its candidates [F, C], k = pk.k) of each stream's projection columns
 // from rank_off[0] (the write row) and rank_off[1] (the read row); in.ids and in.scores are not read. The CUDA
-// kernel ranks both rows in the block that runs the step (a warp per row and factor), for at most
-// kLayerRankMaxFactors factors and k, W, R <= kLayerRankMaxK.
+// kernel ranks both rows in the block that runs the step (a warp per row and factor, two for long factors), for
+// at most kLayerRankMaxFactors factors and k, W, R <= kLayerRankMaxK.
 constexpr int kLayerRankMaxFactors = 4;
 constexpr int64_t kLayerRankMaxK = 64;
 void layer_decode_rank_step_cpu(const LayerDecodeDims& dims, const ProductKeyDims& pk, const int32_t* table,

@@ -59,12 +59,25 @@ __host__ __device__ inline int64_t shared_bytes(const LayerDecodeDims& dm, int t
   return 4 * (dm.W * threads + lane_floats(dm.W, dm.R) + 1 + dm.D + 4);
 }
 // The ranking layer kernel adds, 16-byte aligned (as the top-k's own kernels give the warp selection), the two
-// lists' scores and ids [2k] each, a sort buffer per row and factor, and the two rows' top lists.
+// lists' scores and ids [2k] each, a sort buffer per ranking warp, and the two rows' top lists.
 __host__ __device__ inline int64_t rank_offset(const LayerDecodeDims& dm, int threads) {
   return (shared_bytes(dm, threads) + 15) / 16 * 16;
 }
+// The ranking layer kernel's widest block: a warp per row and factor, or two (rank_split), or kMaxThreads columns.
+constexpr int kLayerMaxThreads = 64 * kLayerRankMaxFactors;
+// Factors longer than kSplitAbove are ranked by two warps each, half the elements a warp (select_factor_half), where
+// the block can have the 4 F warps. One warp's selection of 1024 keys is straight-line code of 32 chunks whose
+// instruction fetch stalled the warp more than its keys' loads did (ncu at K 2^20, 2026-12-05, H200).
+constexpr int kSplitAbove = 256;
+__host__ __device__ inline bool rank_split(const ProductKeyDims& pk) {
+  int32_t longest = 0;
+  for (int f = 0; f < pk.F; ++f) longest = pk.n[f] > longest ? pk.n[f] : longest;
+  return longest > kSplitAbove && 128 * pk.F <= kLayerMaxThreads;
+}
+__host__ __device__ inline int rank_warps(const ProductKeyDims& pk) { return (rank_split(pk) ? 4 : 2) * pk.F; }
 int64_t shared_bytes(const LayerDecodeDims& dm, const ProductKeyDims& pk, int threads) {
-  return rank_offset(dm, threads) + 16 * pk.k + 8 * (2 * pk.F * topk_warp::sort_slots(pk) + 2 * int64_t{pk.tops});
+  return rank_offset(dm, threads) + 16 * pk.k +
+         8 * (rank_warps(pk) * topk_warp::sort_slots(pk) + 2 * int64_t{pk.tops});
 }
 
 // Bank rows a thread loads before using the first (one per lane): the step is a short chain of dependent loads,
@@ -185,13 +198,13 @@ __global__ void decode_step_kernel(DecodeDims dm, DecodeToken<T> tok, T* __restr
   tok.y[s * D + j] = from_f(y, tok.y);
 }
 
-// The layer's step: a block per stream, its columns in batches of the block's width. kRank: warps 2q + f (q = 0
-// the write row, 1 the read row) select factor f's top list of row q, then warp q its top k, as the top-k's
+// The layer's step: a block per stream, its columns in batches of the block's width. kRank: warps F q + f (q = 0
+// the write row, 1 the read row) select factor f's top list of row q (with long factors, rank_split, warps
+// 2 (F q + f) + h half h of it each, then the even warp of each two merges), then warp q its top k, as the top-k's
 // block-per-row kernel does (kernels/product_key_topk_warp.cuh), into shared memory. The block loads the lanes,
 // two warps make their weights and gates (lane_values_block), the block runs the step on every column, keeps the
 // rounded readings in shared memory, warp 0 sums them for the norm (warp_order_sums' order), then every thread
 // writes the outputs of its columns.
-constexpr int kLayerMaxThreads = 64 * kLayerRankMaxFactors;  // a warp per row and factor, or kMaxThreads columns
 template <typename T, bool kRank>
 __global__ void __launch_bounds__(kLayerMaxThreads, 1)
     layer_decode_step_kernel(LayerDecodeDims dm, LayerDecodeInputs in, T* __restrict__ bank,
@@ -225,11 +238,19 @@ __global__ void __launch_bounds__(kLayerMaxThreads, 1)
     float* list_scores = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(shared) +
                                                   rank_offset(dm, blockDim.x));  // [2k]
     int32_t* list_ids = reinterpret_cast<int32_t*>(list_scores + 2 * pk.k);       // [2k]
-    uint64_t* bufs = reinterpret_cast<uint64_t*>(list_ids + 2 * pk.k);            // [2F][sort slots]
+    uint64_t* bufs = reinterpret_cast<uint64_t*>(list_ids + 2 * pk.k);            // [rank_warps][sort slots]
     const int64_t slots = topk_warp::sort_slots(pk);
-    topk_warp::Top* tops = reinterpret_cast<topk_warp::Top*>(bufs + 2 * pk.F * slots);  // [2][tops]
+    topk_warp::Top* tops = reinterpret_cast<topk_warp::Top*>(bufs + rank_warps(pk) * slots);  // [2][tops]
     const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
-    if (warp < 2 * pk.F) {
+    if (rank_split(pk)) {  // warp 4 (q F + f) + h ranks half h of row q's factor f; the even one of the two merges
+      const int pair = warp / 2, q = pair / pk.F, f = pair % pk.F;
+      const bool ranks = warp < 4 * pk.F;
+      const T* xr = static_cast<const T*>(in.proj) + row + (ranks ? dm.rank_off[q] : 0);
+      if (ranks) topk_warp::select_factor_half<true, 16>(pk, xr, f, warp % 2, bufs + warp * slots, lane);
+      __syncthreads();
+      if (ranks && warp % 2 == 0)
+        topk_warp::merge_factor(pk, xr, f, bufs + warp * slots, bufs + (warp + 1) * slots, tops + q * pk.tops, lane);
+    } else if (warp < 2 * pk.F) {
       const int q = warp / pk.F, f = warp % pk.F;
       topk_warp::select_factor<true, 32>(pk, static_cast<const T*>(in.proj) + row + dm.rank_off[q], f,
                                          bufs + warp * slots, tops + q * pk.tops, lane);
@@ -335,7 +356,7 @@ int launch_layer_rank(const LayerDecodeDims& dm, const ProductKeyDims& pk, const
   if (pk.F < 1 || pk.F > kLayerRankMaxFactors || pk.k > kLayerRankMaxK || dm.k != pk.k || dm.S > 0x7fffffff)
     return static_cast<int>(cudaErrorInvalidValue);
   const int threads = static_cast<int>(
-      std::max<int64_t>(64 * pk.F, std::min<int64_t>(kMaxThreads, (dm.D + 31) / 32 * 32)));
+      std::max<int64_t>(32 * rank_warps(pk), std::min<int64_t>(kMaxThreads, (dm.D + 31) / 32 * 32)));
   const int64_t bytes = shared_bytes(dm, pk, threads);
   const auto kernel = layer_decode_step_kernel<T, true>;
   if (bytes > kSharedBytes) {

@@ -346,6 +346,76 @@ __device__ void select_factor(const ProductKeyDims& d, const T* xr, int f, uint6
   select_factor_as<kTogether, kMaxE>(d, xr, f, buf, tops, lane);
 }
 
+// Factor f of row xr by two warps, half of its elements each (h = 0 the first half, 1 the second): fewer keys a lane
+// and, with kMaxE the halves' chunks, straight-line code half as long. Step 1, select_factor_half: the warp's half's
+// best min(m_f, half) into buf[0, m_f) (0 past them), each composite with its element's position in the factor.
+// Step 2, after a barrier, merge_factor by one warp of the two: the m_f best of both lists into the row's top
+// lists. The m_f best of the factor are among the two lists and composites order them totally, so the result is
+// select_factor's, bit for bit. m_f <= 64.
+template <bool kTogether, int kMaxE, typename C, typename T>
+__device__ void select_factor_half_as(const ProductKeyDims& d, const T* xr, int f, int h, C* buf, int lane) {
+  constexpr uint32_t kKeyBits = sizeof(T) == 2 ? 0xffff0000u : 0xffffffffu;
+  const T* xf = xr + d.x_offset[f];
+  const int first = (d.n[f] + 1) / 2, lo = h ? first : 0, N = h ? d.n[f] - first : first;
+  const int m = N < d.m[f] ? N : d.m[f];
+  if (m > 0) {
+    const T* xh = xf + lo;
+    warp_top_of<kTogether, kMaxE>([xh](int e) { return order_key(to_f(xh[e])) & kKeyBits; }, N, m, d.p[f], buf,
+                                  lane);
+  }
+  for (int r = lane; r < d.m[f]; r += 32) {  // positions in the factor, not the half
+    const uint32_t e = r < m ? Composite<C>::position(buf[r]) + static_cast<uint32_t>(lo) : 0u;
+    buf[r] = r < m ? Composite<C>::make(order_key(to_f(xf[e])) & kKeyBits, e) : C{0};
+  }
+  __syncwarp();
+}
+template <typename C, typename T>
+__device__ void merge_factor_as(const ProductKeyDims& d, const T* xr, int f, const C* a, const C* b, Top* tops,
+                                int lane) {
+  const T* xf = xr + d.x_offset[f];
+  const int m = d.m[f];
+  Top* tf = tops + d.top_offset[f];
+  const auto put = [&](int r, C c) {
+    if (r < m) {
+      const uint32_t e = Composite<C>::position(c);
+      tf[r] = Top{to_f(xf[e]), static_cast<int32_t>(e)};
+    }
+  };
+  if (m <= 32) {
+    C v[2] = {lane < m ? a[lane] : C{0}, lane < m ? b[lane] : C{0}};
+    warp_sort_regs<2>(v, lane);  // element 32 j + lane in v[j], best first
+    put(lane, v[0]);
+  } else {
+    C v[4] = {a[lane], 32 + lane < m ? a[32 + lane] : C{0}, b[lane], 32 + lane < m ? b[32 + lane] : C{0}};
+    warp_sort_regs<4>(v, lane);
+    put(lane, v[0]);
+    put(32 + lane, v[1]);
+  }
+  __syncwarp();
+}
+template <bool kTogether, int kMaxE, typename T>
+__device__ void select_factor_half(const ProductKeyDims& d, const T* xr, int f, int h, uint64_t* buf, int lane) {
+  if constexpr (sizeof(T) == 2) {
+    if (d.n[f] < kNarrowMaxN) {
+      select_factor_half_as<kTogether, kMaxE>(d, xr, f, h, reinterpret_cast<uint32_t*>(buf), lane);
+      return;
+    }
+  }
+  select_factor_half_as<kTogether, kMaxE>(d, xr, f, h, buf, lane);
+}
+template <typename T>
+__device__ void merge_factor(const ProductKeyDims& d, const T* xr, int f, const uint64_t* a, const uint64_t* b,
+                             Top* tops, int lane) {
+  if constexpr (sizeof(T) == 2) {
+    if (d.n[f] < kNarrowMaxN) {
+      merge_factor_as(d, xr, f, reinterpret_cast<const uint32_t*>(a), reinterpret_cast<const uint32_t*>(b), tops,
+                      lane);
+      return;
+    }
+  }
+  merge_factor_as(d, xr, f, a, b, tops, lane);
+}
+
 // The row's top k from its top lists (all F written and visible to the warp), by one warp: for F = 1 the list
 // itself, else the best k candidates.
 template <bool kTogether, int kMaxE>

@@ -202,6 +202,16 @@ int main() {
                                         true), {1024, 1024}, seed++);
   failing += !run_layer_rank(layer_case(3, 1, 3, 4 * 8 * 6 * 5, 130, 64, 33, 64, kSilu, kSoftmax, kRmsNorm, true,
                                         true, true), {4, 8, 6, 5}, seed++);
+  // Factors above 256 entries, each ranked by two warps (rank_split): odd sizes and halves, lists of more than 32
+  // (k 64, 33), float32's wide composites, and one factor whose halves exceed the keys a lane's registers hold.
+  failing += !run_layer_rank(layer_case(3, 1, 3, 300 * 301, 40, 64, 40, 64, kSoftmax, kSoftmax, kLayerNorm, true,
+                                        false, false), {300, 301}, seed++);
+  failing += !run_layer_rank(layer_case(4, 2, 2, 520 * 600, 16, 20, 33, 33, kSigmoid, kSoftmax, kRmsNorm, false,
+                                        true, false), {520, 600}, seed++);
+  failing += !run_layer_rank(layer_case(2, 1, 2, 2000, 24, 16, 16, 16, kSoftmax, kSoftmax, kRmsNorm, true, false,
+                                        true), {2000}, seed++);
+  failing += !run_layer_rank(layer_case(2, 1, 1, 257 * 64, 128, 16, 16, 16, kSoftmax, kSoftmax, kRmsNorm, true,
+                                        false, true), {257, 64}, seed++);
   std::printf("%d failing cases\n", failing);
   return failing != 0;
 }
