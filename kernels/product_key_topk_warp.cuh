@@ -319,9 +319,28 @@ __host__ __device__ inline int64_t sort_slots(const ProductKeyDims& d) {
   return d.p_k > kPrefilterCap ? d.p_k : kPrefilterCap;
 }
 
+// fn(C{}) with the composite type of factor f's sort: 32-bit (narrow) for 16-bit scores of a factor below
+// kNarrowMaxN entries, whose keys' low halves, equal across the keys of one sign, are masked off (so that the
+// threshold search skips those bits); else 64-bit.
+template <typename T, typename Fn>
+__device__ __forceinline__ void with_composite(const ProductKeyDims& d, int f, Fn&& fn) {
+  if constexpr (sizeof(T) == 2) {
+    if (d.n[f] < kNarrowMaxN) {
+      fn(uint32_t{0});
+      return;
+    }
+  }
+  fn(uint64_t{0});
+}
+
+// The top-list entry of composite c of factor xf: the element's score and index.
+template <typename C, typename T>
+__device__ __forceinline__ Top top_of(const T* xf, C c) {
+  const uint32_t e = Composite<C>::position(c);
+  return Top{to_f(xf[e]), static_cast<int32_t>(e)};
+}
+
 // Factor f of row xr: its top m_f (score, index) into the row's top lists, by one warp (buf: its sort buffer).
-// 16-bit scores of a factor below kNarrowMaxN entries sort as narrow composites; their keys' low halves, equal
-// across the keys of one sign, are masked off, so that the threshold search skips those bits.
 template <bool kTogether, int kMaxE, typename C, typename T>
 __device__ void select_factor_as(const ProductKeyDims& d, const T* xr, int f, C* buf, Top* tops, int lane) {
   constexpr uint32_t kKeyBits = sizeof(T) == 2 ? 0xffff0000u : 0xffffffffu;
@@ -329,21 +348,14 @@ __device__ void select_factor_as(const ProductKeyDims& d, const T* xr, int f, C*
   warp_top_of<kTogether, kMaxE>([xf](int e) { return order_key(to_f(xf[e])) & kKeyBits; }, d.n[f], d.m[f], d.p[f],
                                 buf, lane);
   Top* tf = tops + d.top_offset[f];
-  for (int r = lane; r < d.m[f]; r += 32) {
-    const uint32_t e = Composite<C>::position(buf[r]);
-    tf[r] = Top{to_f(xf[e]), static_cast<int32_t>(e)};
-  }
+  for (int r = lane; r < d.m[f]; r += 32) tf[r] = top_of(xf, buf[r]);
   __syncwarp();
 }
 template <bool kTogether, int kMaxE, typename T>
 __device__ void select_factor(const ProductKeyDims& d, const T* xr, int f, uint64_t* buf, Top* tops, int lane) {
-  if constexpr (sizeof(T) == 2) {
-    if (d.n[f] < kNarrowMaxN) {
-      select_factor_as<kTogether, kMaxE>(d, xr, f, reinterpret_cast<uint32_t*>(buf), tops, lane);
-      return;
-    }
-  }
-  select_factor_as<kTogether, kMaxE>(d, xr, f, buf, tops, lane);
+  with_composite<T>(d, f, [&](auto c) {
+    select_factor_as<kTogether, kMaxE>(d, xr, f, reinterpret_cast<decltype(c)*>(buf), tops, lane);
+  });
 }
 
 // Factor f of row xr by two warps, half of its elements each (h = 0 the first half, 1 the second): fewer keys a lane
@@ -375,45 +387,31 @@ __device__ void merge_factor_as(const ProductKeyDims& d, const T* xr, int f, con
   const T* xf = xr + d.x_offset[f];
   const int m = d.m[f];
   Top* tf = tops + d.top_offset[f];
-  const auto put = [&](int r, C c) {
-    if (r < m) {
-      const uint32_t e = Composite<C>::position(c);
-      tf[r] = Top{to_f(xf[e]), static_cast<int32_t>(e)};
-    }
-  };
   if (m <= 32) {
     C v[2] = {lane < m ? a[lane] : C{0}, lane < m ? b[lane] : C{0}};
     warp_sort_regs<2>(v, lane);  // element 32 j + lane in v[j], best first
-    put(lane, v[0]);
+    if (lane < m) tf[lane] = top_of(xf, v[0]);
   } else {
     C v[4] = {a[lane], 32 + lane < m ? a[32 + lane] : C{0}, b[lane], 32 + lane < m ? b[32 + lane] : C{0}};
     warp_sort_regs<4>(v, lane);
-    put(lane, v[0]);
-    put(32 + lane, v[1]);
+    tf[lane] = top_of(xf, v[0]);
+    if (32 + lane < m) tf[32 + lane] = top_of(xf, v[1]);
   }
   __syncwarp();
 }
 template <bool kTogether, int kMaxE, typename T>
 __device__ void select_factor_half(const ProductKeyDims& d, const T* xr, int f, int h, uint64_t* buf, int lane) {
-  if constexpr (sizeof(T) == 2) {
-    if (d.n[f] < kNarrowMaxN) {
-      select_factor_half_as<kTogether, kMaxE>(d, xr, f, h, reinterpret_cast<uint32_t*>(buf), lane);
-      return;
-    }
-  }
-  select_factor_half_as<kTogether, kMaxE>(d, xr, f, h, buf, lane);
+  with_composite<T>(d, f, [&](auto c) {
+    select_factor_half_as<kTogether, kMaxE>(d, xr, f, h, reinterpret_cast<decltype(c)*>(buf), lane);
+  });
 }
 template <typename T>
 __device__ void merge_factor(const ProductKeyDims& d, const T* xr, int f, const uint64_t* a, const uint64_t* b,
                              Top* tops, int lane) {
-  if constexpr (sizeof(T) == 2) {
-    if (d.n[f] < kNarrowMaxN) {
-      merge_factor_as(d, xr, f, reinterpret_cast<const uint32_t*>(a), reinterpret_cast<const uint32_t*>(b), tops,
-                      lane);
-      return;
-    }
-  }
-  merge_factor_as(d, xr, f, a, b, tops, lane);
+  with_composite<T>(d, f, [&](auto c) {
+    using C = decltype(c);
+    merge_factor_as(d, xr, f, reinterpret_cast<const C*>(a), reinterpret_cast<const C*>(b), tops, lane);
+  });
 }
 
 // The row's top k from its top lists (all F written and visible to the warp), by one warp: for F = 1 the list

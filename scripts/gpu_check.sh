@@ -30,6 +30,9 @@ summary() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 # LOGS_TGZ: after every stage, all of $OUT archived into this file (the device tool brings back at most 8 files, and
 # a call killed at its time limit keeps what the stages before it wrote): `LOGS_TGZ=$OUT/logs.tgz OUT=/tmp/o`.
 pack() { [ -z "${LOGS_TGZ:-}" ] || tar czf "$LOGS_TGZ" -C "$OUT" --exclude="$(basename "$LOGS_TGZ")" . ; }
+# XLA's flags under ncu for the decode kernels: no command buffers or autotuning (ncu crashed at the first call with
+# both on: 2026-12-05, H100).
+ncu_xla_flags="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer="
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv > "$OUT/device.txt" 2>&1
 python3 -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())" >> "$OUT/device.txt" 2>&1
@@ -174,8 +177,6 @@ if has decode_profile; then
   # K 2^12 and 2^20 (the op's step was about 15 us of device time for a few rows a stream: a chain of latencies),
   # then the top-k kernels' stalls per SASS instruction at the decode shapes (ncu's sampled stalls at its highest
   # rate, benchmarks/ncu_source_summary.py). The decode loop against K and its timelines are the stage decode_trace.
-  # Without command buffers or autotuning (ncu crashed at the first call with both on: 2026-12-05, H100).
-  ncu_xla_flags="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer="
   for log_k in 12 20; do
     for kernel in layer_decode_step_kernel decode_step_kernel; do
       XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="$ncu_xla_flags" \
@@ -203,7 +204,6 @@ if has decode_source; then
   # The layer's decode kernel's stalls per SASS instruction (ncu's sampled stalls at its highest rate), at K 2^12
   # and 2^20; the build's line information names each instruction's CUDA line in ncu's report. (ncu's CUDA-source
   # page in CSV carries no metrics: 2026-12-05, H100.)
-  ncu_xla_flags="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer="
   for log_k in 12 20; do
     name=ncu_layer_decode_source_k$log_k
     XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="$ncu_xla_flags" \
@@ -287,7 +287,8 @@ if has kernel_detail; then
   ncu -i "$rep.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_detail_source.csv" 2>&1
   python3 "$REPO/benchmarks/ncu_source_summary.py" "$OUT/ncu_detail_source.csv" > "$OUT/ncu_detail_source.txt" 2>&1
   grep -E -e "^  [a-z_]+.*\(|Duration|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per" \
-    -e "Block Limit|L1/TEX Hit|Issue Slots Busy|Memory Throughput|Stall" "$OUT/ncu_detail.txt" | tee -a "$OUT/summary.txt"
+    -e "Block Limit|L1/TEX Hit|Issue Slots Busy|Memory Throughput|Stall" "$OUT/ncu_detail.txt" \
+    | tee -a "$OUT/summary.txt"
   rm -f "$rep.ncu-rep"
 fi
 pack
