@@ -36,7 +36,9 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const bool dy_staged = dense_staged(dm.C, kStagedDyMaxC, kDySmem);
   const bool staged = dense_staged(dm.C, kStagedLoopMaxC, kBwdApplySmem);
   const auto bwd_dy = dy_staged ? bwd_dy_kernel<T, true> : bwd_dy_kernel<T, false>;
-  const auto bwd_apply = staged ? bwd_apply_inverse_kernel<true> : bwd_apply_inverse_kernel<false>;
+  const auto bwd_apply = loop_dense_kernel(dm.C, staged, [](auto kStaged, auto kRows) {
+    return bwd_apply_inverse_kernel<kStaged(), kRows()>;
+  });
   const size_t dy_smem = kDySmem.bytes(dm.C, dy_staged), apply_smem = kBwdApplySmem.bytes(dm.C, staged);
   const bool by_first = segments == nullptr;
   // A fresh gradient bank: the cotangent's rows are read until the first Phase A or read side (in the loop's

@@ -17,7 +17,7 @@ namespace {
 template <typename T, bool kStaged>
 __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
   chain_start();
-  constexpr int kRows = kTileRows<kStaged, false>;
+  constexpr int kRows = kWideTileRows;
   extern __shared__ __align__(16) float sh[];
   const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
   const int64_t D = dm.D;
@@ -62,9 +62,8 @@ __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
 
 // In the loop: du += Minv^T gwr (the bank-dependent part of the inverse's adjoint), dG = -beta du. Shared memory:
 // the gwr slice; staged, also the du slice and Minv.
-template <bool kStaged>
+template <bool kStaged, int kRows>
 __global__ void bwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackRows rows) {
-  constexpr int kRows = kTileRows<kStaged, true>;
   extern __shared__ __align__(16) float sh[];
   const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
   const int64_t D = dm.D;

@@ -6,6 +6,7 @@
 #define JAX_SDM_KERNELS_CHUNK_STEPS_DENSE_CUH_
 
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/chunk_steps/device.cuh"
 
@@ -44,6 +45,20 @@ __device__ __forceinline__ float4 load_m4(const float* p) {
   else return __ldg(reinterpret_cast<const float4*>(p));
 }
 
+// n = 1, 2 or 4 consecutive floats of M from p (aligned to n floats) in one load.
+template <bool kShared, int n>
+__device__ __forceinline__ void load_run(const float* p, float (&out)[n]) {
+  if constexpr (n == 4) {
+    const float4 t = load_m4<kShared>(p);
+    out[0] = t.x, out[1] = t.y, out[2] = t.z, out[3] = t.w;
+  } else if constexpr (n == 2) {
+    const float2 t = kShared ? *reinterpret_cast<const float2*>(p) : __ldg(reinterpret_cast<const float2*>(p));
+    out[0] = t.x, out[1] = t.y;
+  } else {
+    static_assert(n == 1, "1, 2 or 4 floats");
+    out[0] = load_m<kShared>(p);
+  }
+}
 
 // Stage the unit's C x C matrix M into Ms [tile_rows(C), matrix_stride(C)] (zeros past C), asynchronously.
 __device__ __forceinline__ void stage_matrix_async(const float* M, int C, float* Ms) {
@@ -96,19 +111,31 @@ __device__ __forceinline__ void stage_quads(int C, float* out, Quad quad) {
   }
 }
 
-// Rows per tile of the dense kernels' products. The in-loop kernels (forward, backward), staged: a tile is one row
-// and 4 columns, a thread per tile (512 at C = 64): one block per SM, and with 4 x 4 tiles its 4 warps (one per
-// scheduler) issued about every 4 cycles. Otherwise 4 x 4 tiles: one 16-byte load of M feeds 16 multiply-adds,
-// which suits the dy part (one launch with many blocks per SM, throughput-bound) and the global-memory path.
-template <bool kStaged, bool kInLoop>
-constexpr int kTileRows = kStaged && kInLoop ? 1 : 4;
+// Rows per tile of the dense kernels' products. Unstaged, and in the dy part (one launch with many blocks per SM,
+// throughput-bound): 4 x 4 tiles, one 16-byte load of M feeding 16 multiply-adds. The in-loop kernels, staged, run
+// one block per SM and want its warps: one row a tile up to C = kLoopOneRowMaxC (512 threads at C = 64, where 4 x 4
+// tiles left 4 warps, one per scheduler, issuing about every 4 cycles), two rows above (512 threads at C = 128): a
+// warp's 16-byte load of a slice quad costs 4 shared-memory wavefronts whatever the broadcast, and two rows a tile
+// spread it over 8 multiply-adds, not 4 (the kernels at C = 128 are bound by shared-memory wavefronts).
+constexpr int kLoopOneRowMaxC = 64, kWideTileRows = 4;
+inline int dense_tile_rows(int64_t C, bool in_loop, bool staged) {
+  return staged && in_loop ? (C > kLoopOneRowMaxC ? 2 : 1) : kWideTileRows;
+}
 
 // Threads per block of a dense kernel (in the loop or the dy part; staged or not): one per tile of a slice, whole
 // warps, at most kDenseThreadsMax (more tiles take turns).
 inline int dense_threads(int64_t C, bool in_loop, bool staged) {
-  const int rows = staged ? (in_loop ? kTileRows<true, true> : kTileRows<true, false>)
-                          : (in_loop ? kTileRows<false, true> : kTileRows<false, false>);
+  const int rows = dense_tile_rows(C, in_loop, staged);
   return std::min(kDenseThreadsMax, (tile_rows(C) / rows * kQuads + 31) / 32 * 32);
+}
+
+// The instance of an in-loop dense kernel for chunk size C: kernel(staged, rows) for the tile rows
+// dense_tile_rows gives, among the three instances that it can give.
+template <typename Pick>
+auto loop_dense_kernel(int64_t C, bool staged, Pick kernel) {
+  if (!staged) return kernel(std::false_type{}, std::integral_constant<int, kWideTileRows>{});
+  return C > kLoopOneRowMaxC ? kernel(std::true_type{}, std::integral_constant<int, 2>{})
+                             : kernel(std::true_type{}, std::integral_constant<int, 1>{});
 }
 
 // body(r0, q) for every tile (rows r0 .. r0 + kRows - 1, quad q) of a slice, one tile per thread and turn.
@@ -119,13 +146,13 @@ __device__ __forceinline__ void for_tiles(int C, Body body) {
 }
 
 // The triangular products of the dense kernels on a [tile_rows(C), kSlice] shared-memory slice `cols`, for the
-// tile of rows r = r0 + j (j < kRows, 1 or 4) and columns [4q, 4q + 4), with M's rows `ms` floats
+// tile of rows r = r0 + j (j < kRows: 1, 2 or 4) and columns [4q, 4q + 4), with M's rows `ms` floats
 // apart (in shared memory when kStaged, zeros past C; else in global memory, ms = C):
 //   lower:      x[j] = sum_{k = 0..r} M[r, k] cols[k]       (k ascending)
 //   transposed: x[j] = sum_{k = r..C-1} M[k, r] cols[k]     (k ascending)
 // Each column's sum runs in the order of a one-column loop, whatever the tile's shape. The main loop issues 4 steps
-// of loads before using the first. Rows past C (the last tile when C % 4 != 0) read M's row C - 1; their sums are
-// not used.
+// of loads before using the first. Rows past C (the last tile when C % 4 != 0) read M's row C - 1, or staged its
+// zero padding; their sums are not used.
 template <bool kTransposed, bool kStaged, int kRows>
 __device__ __forceinline__ void tri_tile(const float* __restrict__ M, int ms, const float* cols, int r0, int q, int C,
                                          float4 (&x)[kRows]) {
@@ -154,14 +181,9 @@ __device__ __forceinline__ void tri_tile(const float* __restrict__ M, int ms, co
     float mk[4][kRows];  // [step][row]
 #pragma unroll
     for (int s = 0; s < 4; ++s) c[s] = c4[(k + s) * kQuads];
-    if (vec && kTransposed && kRows == 4) {
+    if (kTransposed && (kRows == 4 ? vec : kStaged)) {  // rows r0.. of M's row k in one load (r0 % kRows == 0)
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const float4 t = load_m4<kStaged>(M + (k + s) * ms + r0);
-        const float tv[4] = {t.x, t.y, t.z, t.w};
-#pragma unroll
-        for (int j = 0; j < kRows; ++j) mk[s][j] = tv[j];
-      }
+      for (int s = 0; s < 4; ++s) load_run<kStaged>(M + (k + s) * ms + r0, mk[s]);
     } else if (vec && !kTransposed) {
 #pragma unroll
       for (int j = 0; j < kRows; ++j) {

@@ -28,7 +28,9 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   const bool fresh = segments == nullptr && input != bank;
   const FreshArrays fa = fresh_arrays_at(dm, group_tables.end(dm), true);
   const bool staged = dense_staged(dm.C, kStagedLoopMaxC, kFwdApplySmem);
-  const auto fwd_apply = staged ? fwd_apply_inverse_kernel<true> : fwd_apply_inverse_kernel<false>;
+  const auto fwd_apply = loop_dense_kernel(dm.C, staged, [](auto kStaged, auto kRows) {
+    return fwd_apply_inverse_kernel<kStaged(), kRows()>;
+  });
   const size_t smem = kFwdApplySmem.bytes(dm.C, staged);
   int rc = 0;
   if (!fresh) rc = copy_whole(dm, input, bank, stream);  // none when input is bank
