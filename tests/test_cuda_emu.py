@@ -1,9 +1,10 @@
 """The CUDA kernels run on the CPU by the host emulation of tests/cuda_emu, against the CPU kernels.
 
-- The chunk steps (kernels/chunk_steps/) against kernels/chunk_steps/cpu.cc: a smoke run of four tiny cases of the
+- The chunk steps (kernels/chunk_steps/) against kernels/chunk_steps/cpu.cc: a smoke run of tiny cases of the
   steps check (a float32 bank with 4-column rows, C = 5, V = 2; a bfloat16 bank and gradient bank with 16-byte rows
   and long write groups; packed sequences with several segments per chunk, some starting at a chunk's first token;
-  5 chunks, whose backward rebuilds its ring of group tables for 3 batches of chunks), so that the emulation keeps
+  5 chunks, whose backward rebuilds its ring of group tables for 3 batches of chunks; C = 101, whose staged
+  apply-inverse kernels take two rows a tile), so that the emulation keeps
   building as the CUDA source changes; every launch with programmatic dependent launch, and with the build option
   SDM_CUDA_PDL=0 (kernels/chunk_steps.h) none, with the same results; and with the snapshot stored in bfloat16,
   float8 and int4 (kernels/snapshot_codec.h).
@@ -66,7 +67,7 @@ def launches(out):
 
 @pytest.mark.slow  # compiles the emulated steps (about a minute)
 def test_cuda_steps_on_cpu_match_cpu_kernels():
-    total, pdl = launches(run_check("steps", "1,4,18,28,31", cases=5))
+    total, pdl = launches(run_check("steps", "1,4,18,28,31,34", cases=6))
     assert total > 0 and pdl == total
 
 
