@@ -26,8 +26,8 @@ for launch in per_launch.values():
     dram[name] += launch.get("dram__bytes.sum", 0.0)
     count[name] += 1
 for name, ns in sorted(time_ns.items(), key=lambda kv: -kv[1]):
-    bw = f"{dram[name] / ns:6.2f} TB/s" if dram[name] and ns else ""
+    bw = f"{dram[name] / ns / 1e3:6.2f} TB/s" if dram[name] and ns else ""  # bytes / ns = GB/s
     print(f"{name[:44]:44s} {count[name]:5d} x {ns / count[name] / 1e3:8.1f} us = {ns / 1e6:8.3f} ms  {bw}")
 total = sum(time_ns.values())
 print(f"{'total':44s} {sum(count.values()):5d} launches        {total / 1e6:8.3f} ms  "
-      f"{sum(dram.values()) / total if total else 0:6.2f} TB/s")
+      f"{sum(dram.values()) / total / 1e3 if total else 0:6.2f} TB/s")
