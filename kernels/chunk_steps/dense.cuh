@@ -134,8 +134,8 @@ inline int dense_threads(int64_t C, bool in_loop, bool staged) {
 template <typename Pick>
 auto loop_dense_kernel(int64_t C, bool staged, Pick kernel) {
   if (!staged) return kernel(std::false_type{}, std::integral_constant<int, kWideTileRows>{});
-  return C > kLoopOneRowMaxC ? kernel(std::true_type{}, std::integral_constant<int, 2>{})
-                             : kernel(std::true_type{}, std::integral_constant<int, 1>{});
+  return dense_tile_rows(C, true, true) == 2 ? kernel(std::true_type{}, std::integral_constant<int, 2>{})
+                                             : kernel(std::true_type{}, std::integral_constant<int, 1>{});
 }
 
 // body(r0, q) for every tile (rows r0 .. r0 + kRows - 1, quad q) of a slice, one tile per thread and turn.

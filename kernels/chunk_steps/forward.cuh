@@ -46,8 +46,8 @@ __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM)
 }
 
 // Apply the inverse: u = beta (v - G), delta = Minv u, y = Q0 + QK delta. One block per (stream, kSlice-column
-// slice), one thread per tile (kRows rows, 4 columns: dense_tile_rows) and turn. Shared memory: u and delta slices; staged, also
-// the G and Q0 slices and Minv, QK.
+// slice), one thread per tile (kRows rows, 4 columns: dense_tile_rows) and turn. Shared memory: u and delta
+// slices; staged, also the G and Q0 slices and Minv, QK.
 template <bool kStaged, int kRows>
 __global__ void fwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64_t c, ChunkRows rows) {
   extern __shared__ __align__(16) float sh[];
