@@ -300,8 +300,8 @@ def main(argv=None):
                              "alone, as when a model's loss reads only the readings (no bank-sized cotangent "
                              "argument)")
     parser.add_argument("--snapshot-dtype", default=None, choices=["bfloat16", "float8_e4m3fn", "int4"],
-                        help="sdm_write_read's snapshot_dtype (the kernels' storage of the rows the backward "
-                             "restores; default: the bank's dtype)")
+                        help="sdm_write_read's snapshot_dtype (the kernels' storage of the written rows the "
+                             "backward reads; default: the bank's dtype)")
     opts = parser.parse_args(argv)
 
     backend = jax.default_backend()

@@ -4,6 +4,7 @@
 #ifndef JAX_SDM_FFI_CHUNK_STEPS_COMMON_H_
 #define JAX_SDM_FFI_CHUNK_STEPS_COMMON_H_
 
+#include <cstdint>
 #include <cstring>
 #include <string>
 
@@ -14,12 +15,12 @@
 // The buffers of the chunk-step targets, in order (docs/DESIGN.md "Forward steps", "Backward steps", "Packed
 // sequences"; ffi/common.h SDM_FFI_PARAMS), shared by the CPU and CUDA handlers. `sdm_forward`: the initial bank,
 // the forward's inputs and Phase 1's arrays; the final bank (bank_out, a buffer of its own), y, the residuals
-// (empty for a no-grad call) and the workspace; the attribute snapshot_dtype, how the snapshot is stored
-// (kernels/snapshot_codec.h SnapshotDtype; the backward takes the forward's). `sdm_backward`: the final bank
-// (aliased to bank_out, which ends as the initial bank), dbank (the final bank's cotangent; dbank_out, the initial
-// bank's gradient, a buffer of its own or aliased to it), dy, the forward's inputs but v, and its residuals with
-// snapshot_dtype; the gradients and the workspace. The packed targets take those buffers, then the packed
-// sequences' (kernels/chunk_steps.h StepSegments).
+// (empty for a no-grad call: delta, vg, the snapshot, its scales and the links) and the workspace; the attribute
+// snapshot_dtype, how the snapshot is stored (kernels/snapshot_codec.h SnapshotDtype; the backward takes the
+// forward's). `sdm_backward`: the forward's input bank (read only), dbank (the final bank's cotangent; dbank_out,
+// the initial bank's gradient, a buffer of its own or aliased to it), dy, the forward's inputs but v, and its
+// residuals with snapshot_dtype; the gradients and the workspace. The packed targets take those buffers, then the
+// packed sequences' (kernels/chunk_steps.h StepSegments).
 #define SDM_FORWARD_BUFFERS(X, SEP)                                                                             \
   X(Arg, ::sdm_ffi::AnyBuffer, bank) SEP() X(Arg, ::sdm_ffi::S32, k_idx) SEP() X(Arg, ::sdm_ffi::S32, q_idx)    \
   SEP() X(Arg, ::sdm_ffi::F32, v) SEP() X(Arg, ::sdm_ffi::F32, beta) SEP() X(Arg, ::sdm_ffi::F32, k_eff) SEP()  \
@@ -28,6 +29,7 @@
   X(Arg, ::sdm_ffi::F32, minv) SEP() X(Ret, ::sdm_ffi::AnyBuffer, bank_out) SEP() X(Ret, ::sdm_ffi::F32, y)     \
   SEP() X(Ret, ::sdm_ffi::F32, delta) SEP() X(Ret, ::sdm_ffi::F32, vg) SEP()                                    \
   X(Ret, ::sdm_ffi::AnyBuffer, snapshot) SEP() X(Ret, ::sdm_ffi::F32, snapshot_scale) SEP()                  \
+  X(Ret, ::sdm_ffi::S32, link_k) SEP() X(Ret, ::sdm_ffi::S32, link_q) SEP()                                    \
   X(Ret, ::sdm_ffi::F32, workspace) SEP() X(Attr, int64_t, snapshot_dtype)
 
 #define SDM_BACKWARD_BUFFERS(X, SEP)                                                                            \
@@ -39,9 +41,9 @@
   X(Arg, ::sdm_ffi::S32, r_order) SEP() X(Arg, ::sdm_ffi::S32, r_group) SEP() X(Arg, ::sdm_ffi::F32, minv)      \
   SEP() X(Arg, ::sdm_ffi::F32, delta) SEP() X(Arg, ::sdm_ffi::F32, vg) SEP()                                    \
   X(Arg, ::sdm_ffi::AnyBuffer, snapshot) SEP() X(Arg, ::sdm_ffi::F32, snapshot_scale) SEP()                   \
-  X(Attr, int64_t, snapshot_dtype) SEP() X(Ret, ::sdm_ffi::AnyBuffer, bank_out) SEP()                           \
-  X(Ret, ::sdm_ffi::AnyBuffer, dbank_out) SEP() X(Ret, ::sdm_ffi::F32, dk_eff) SEP() X(Ret, ::sdm_ffi::F32, dw) \
-  SEP() X(Ret, ::sdm_ffi::F32, dcpe) SEP() X(Ret, ::sdm_ffi::F32, dq_w) SEP() X(Ret, ::sdm_ffi::F32, dA) SEP()  \
+  X(Arg, ::sdm_ffi::S32, link_k) SEP() X(Arg, ::sdm_ffi::S32, link_q) SEP()                                     \
+  X(Attr, int64_t, snapshot_dtype) SEP() X(Ret, ::sdm_ffi::AnyBuffer, dbank_out) SEP()                          \
+  X(Ret, ::sdm_ffi::F32, dk_eff) SEP() X(Ret, ::sdm_ffi::F32, dw) SEP() X(Ret, ::sdm_ffi::F32, dcpe) SEP() X(Ret, ::sdm_ffi::F32, dq_w) SEP() X(Ret, ::sdm_ffi::F32, dA) SEP()  \
   X(Ret, ::sdm_ffi::F32, dQK) SEP() X(Ret, ::sdm_ffi::F32, dbeta) SEP() X(Ret, ::sdm_ffi::F32, dv) SEP()        \
   X(Ret, ::sdm_ffi::F32, workspace)
 
@@ -61,8 +63,8 @@
 
 namespace sdm_ffi {
 
-// Sizes from k_idx [V..., NC, P, C, W], q_idx [.., R], bank [V..., P, K, D]; with `shared_bank`, the forward's,
-// the bank may also be one [P_in, K, D] that the streams share (P_in dividing P; kernels/chunk_steps.h
+// Sizes from k_idx [V..., NC, P, C, W], q_idx [.., R], bank [V..., P, K, D]; with `shared_bank` (an input bank:
+// the forward's, the backward's) the bank may also be one [P_in, K, D] that the streams share (P_in dividing P; kernels/chunk_steps.h
 // StepDims::input_streams).
 inline ffi::Error StepDimsOf(const char* op, const ffi::AnyBuffer& bank, const S32& k_idx, const S32& q_idx,
                              sdm::StepDims* dm, bool shared_bank = false) {
@@ -151,21 +153,23 @@ ffi::Error CheckSnapshot(const char* op, const sdm::StepDims& dm, const ffi::Any
   return ffi::Error::Success();
 }
 
-// Results of the forward: y and (unless all empty, a no-grad call) the residuals.
-template <typename YT, typename ScaleT>
-ffi::Error CheckForwardResults(const char* op, const sdm::StepDims& dm, const ffi::AnyBuffer& bank,
-                               const ffi::AnyBuffer& bank_out, const YT& y, const F32& delta, const F32& vg,
-                               const ffi::AnyBuffer& snapshot, const ScaleT& scale, sdm::SnapshotDtype type,
-                               bool* save) {
+// The forward's residuals: delta, vg, the snapshot and the links, all empty for a no-grad call (*save false).
+template <typename ScaleT, typename LinkT>
+ffi::Error CheckResiduals(const char* op, const sdm::StepDims& dm, const ffi::AnyBuffer& bank, const F32& delta,
+                          const F32& vg, const ffi::AnyBuffer& snapshot, const ScaleT& scale, const LinkT& link_k,
+                          const LinkT& link_q, sdm::SnapshotDtype type, bool* save) {
   const int64_t V = dm.V, NC = dm.NC, P = dm.P, C = dm.C;
-  SDM_RETURN_IF_ERROR(CheckShape(op, "bank (result)", bank_out, dm.V, {dm.P, dm.K, dm.D}));
-  if (bank_out.element_type() != bank.element_type())
-    return ffi::Error::InvalidArgument(std::string(op) + ": the result bank must have the input bank's dtype");
-  SDM_RETURN_IF_ERROR(CheckShape(op, "y (result)", y, V, {NC, P, C, dm.D}));
-  *save = delta.element_count() + vg.element_count() + snapshot.element_count() + scale.element_count() > 0;
+  *save = delta.element_count() + vg.element_count() + snapshot.element_count() + scale.element_count() +
+              link_k.element_count() + link_q.element_count() > 0;
   if (!*save) return ffi::Error::Success();
-  SDM_RETURN_IF_ERROR(CheckShape(op, "delta (result)", delta, V, {NC, P, C, dm.D}));
-  SDM_RETURN_IF_ERROR(CheckShape(op, "vg (result)", vg, V, {NC, P, C, dm.D}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "delta", delta, V, {NC, P, C, dm.D}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "vg", vg, V, {NC, P, C, dm.D}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "link_k", link_k, V, {NC, P, C, dm.W}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "link_q", link_q, V, {NC, P, C, dm.R}));
+  // A link is a snapshot entry, an int32.
+  if (V * NC * P * C * dm.W > INT32_MAX)
+    return ffi::Error::InvalidArgument(std::string(op) + ": more than 2^31 - 1 write entries (V * T * P * W) in one "
+                                       "call: split the streams or the sequence");
   return CheckSnapshot(op, dm, bank, type, snapshot, scale);
 }
 
@@ -199,14 +203,19 @@ inline ffi::Error PrepareForward(SDM_FFI_PARAMS(SDM_FORWARD_BUFFERS), ForwardCal
   SDM_RETURN_IF_ERROR(StepDimsOf(op, bank, k_idx, q_idx, &dm, /*shared_bank=*/true));
   SDM_RETURN_IF_ERROR(SnapshotDtypeOf(op, snapshot_dtype, &type));
   SDM_RETURN_IF_ERROR(CheckPhase1(op, dm, v, beta, k_eff, w, cpe, q_w, QK, w_order, w_group, minv));
-  SDM_RETURN_IF_ERROR(
-      CheckForwardResults(op, dm, bank, *bank_out, *y, *delta, *vg, *snapshot, *snapshot_scale, type, &save));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "bank (result)", *bank_out, dm.V, {dm.P, dm.K, dm.D}));
+  if (bank_out->element_type() != bank.element_type())
+    return ffi::Error::InvalidArgument(std::string(op) + ": the result bank must have the input bank's dtype");
+  SDM_RETURN_IF_ERROR(CheckShape(op, "y (result)", *y, dm.V, {dm.NC, dm.P, dm.C, dm.D}));
+  SDM_RETURN_IF_ERROR(CheckResiduals(op, dm, bank, *delta, *vg, *snapshot, *snapshot_scale, *link_k, *link_q, type,
+                                     &save));
   SDM_RETURN_IF_ERROR(CheckWorkspace(op, *workspace, sdm::forward_workspace_floats(dm)));
   call->p1 = Phase1View(k_idx, q_idx, k_eff, w, cpe, q_w, nullptr, QK, w_order, w_group, nullptr, nullptr, minv);
   call->io = sdm::ForwardIO{v.typed_data(), beta.typed_data(), y->typed_data(),
                             save ? delta->typed_data() : nullptr, save ? vg->typed_data() : nullptr,
                             save ? snapshot->untyped_data() : nullptr, type,
-                            save && sdm::snapshot_scaled(type) ? snapshot_scale->typed_data() : nullptr};
+                            save && sdm::snapshot_scaled(type) ? snapshot_scale->typed_data() : nullptr,
+                            save ? link_k->typed_data() : nullptr, save ? link_q->typed_data() : nullptr};
   call->type = bank.element_type();
   call->bank_in = bank.untyped_data();
   call->bank_in_bytes = bank.size_bytes();
@@ -222,9 +231,7 @@ struct BackwardCall {
   sdm::StepPhase1 p1;
   sdm::BackwardIO io;
   ffi::DataType type;
-  const void* bank_in;
-  void* bank;
-  size_t bank_bytes;
+  const void* bank_in;      // the forward's input bank
   ffi::DataType grad_type;  // the working gradient bank: float32, or the bank's bfloat16
   const void* dbank_in;
   void* dbank;
@@ -232,13 +239,14 @@ struct BackwardCall {
   float* workspace;
 };
 
-// run(bank, dbank) with the buffers typed: (float, float), (bf16, float) or (bf16, bf16).
+// run(bank_in, dbank) with the buffers typed: (float, float), (bf16, float) or (bf16, bf16).
 template <typename Run>
 auto WithBankTypes(const BackwardCall& call, Run run) {
-  if (call.type == ffi::DataType::F32) return run(static_cast<float*>(call.bank), static_cast<float*>(call.dbank));
+  if (call.type == ffi::DataType::F32)
+    return run(static_cast<const float*>(call.bank_in), static_cast<float*>(call.dbank));
   if (call.grad_type == ffi::DataType::F32)
-    return run(static_cast<sdm::bf16*>(call.bank), static_cast<float*>(call.dbank));
-  return run(static_cast<sdm::bf16*>(call.bank), static_cast<sdm::bf16*>(call.dbank));
+    return run(static_cast<const sdm::bf16*>(call.bank_in), static_cast<float*>(call.dbank));
+  return run(static_cast<const sdm::bf16*>(call.bank_in), static_cast<sdm::bf16*>(call.dbank));
 }
 
 inline ffi::Error PrepareBackward(SDM_FFI_PARAMS(SDM_BACKWARD_BUFFERS), BackwardCall* call) {
@@ -246,12 +254,12 @@ inline ffi::Error PrepareBackward(SDM_FFI_PARAMS(SDM_BACKWARD_BUFFERS), Backward
   sdm::StepDims& dm = call->dm;
   bool save = false;
   sdm::SnapshotDtype type;
-  SDM_RETURN_IF_ERROR(StepDimsOf(op, bank, k_idx, q_idx, &dm));
+  SDM_RETURN_IF_ERROR(StepDimsOf(op, bank, k_idx, q_idx, &dm, /*shared_bank=*/true));
   SDM_RETURN_IF_ERROR(SnapshotDtypeOf(op, snapshot_dtype, &type));
   // dy has v's shape: the backward needs no v (the forward's residual vg is v - G).
   SDM_RETURN_IF_ERROR(CheckPhase1(op, dm, dy, beta, k_eff, w, cpe, q_w, QK, w_order, w_group, minv));
   SDM_RETURN_IF_ERROR(
-      CheckForwardResults(op, dm, bank, bank, dy, delta, vg, snapshot, snapshot_scale, type, &save));
+      CheckResiduals(op, dm, bank, delta, vg, snapshot, snapshot_scale, link_k, link_q, type, &save));
   if (!save) return ffi::Error::InvalidArgument(std::string(op) + ": the forward residuals are empty");
   if (dy.element_type() != bank.element_type())
     return ffi::Error::InvalidArgument(std::string(op) + ": dy must have the bank's dtype");
@@ -267,7 +275,6 @@ inline ffi::Error PrepareBackward(SDM_FFI_PARAMS(SDM_BACKWARD_BUFFERS), Backward
   SDM_RETURN_IF_ERROR(CheckShape(op, "A", A, V, {NC, P, C, C}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "r_order", r_order, V, {NC, P, C * R}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "r_group", r_group, V, {NC, P, C * R + 1}));
-  SDM_RETURN_IF_ERROR(CheckShape(op, "bank (result)", *bank_out, V, {P, dm.K, dm.D}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "dbank (result)", *dbank_out, V, {P, dm.K, dm.D}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "dk_eff", *dk_eff, V, {NC, P, C, W}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "dw", *dw, V, {NC, P, C, W}));
@@ -284,11 +291,10 @@ inline ffi::Error PrepareBackward(SDM_FFI_PARAMS(SDM_BACKWARD_BUFFERS), Backward
                              dk_eff->typed_data(), dw->typed_data(),
                              dcpe->typed_data(),   dq_w->typed_data(),  dA->typed_data(),
                              dQK->typed_data(),    dbeta->typed_data(), dv->typed_data(),
-                             type,                 sdm::snapshot_scaled(type) ? snapshot_scale.typed_data() : nullptr};
+                             type,                 sdm::snapshot_scaled(type) ? snapshot_scale.typed_data() : nullptr,
+                             link_k.typed_data(),  link_q.typed_data()};
   call->type = bank.element_type();
   call->bank_in = bank.untyped_data();
-  call->bank = bank_out->untyped_data();
-  call->bank_bytes = bank.size_bytes();
   call->grad_type = dbank.element_type();
   call->dbank_in = zero_cotangent ? nullptr : dbank.untyped_data();
   call->dbank = dbank_out->untyped_data();

@@ -1,8 +1,9 @@
 // XLA FFI handlers `sdm_forward` and `sdm_backward`, and their packed-sequence variants `sdm_forward_packed` and
 // `sdm_backward_packed` (platform cpu): check, then run the chunk loops of
-// kernels/chunk_steps/cpu.cc (docs/DESIGN.md "Forward steps", "Backward steps"). The bank is updated in place: it
-// arrives aliased to the first result (input_output_aliases). The workspace result is the CUDA kernels'; the
-// CPU kernels keep their scratch per thread.
+// kernels/chunk_steps/cpu.cc (docs/DESIGN.md "Forward steps", "Backward steps"). The forward's bank is updated in
+// place: it arrives aliased to the first result (input_output_aliases); the backward reads the forward's input bank
+// and updates the gradient bank in place. The workspace result is the CUDA kernels'; the CPU kernels keep their
+// scratch per thread.
 #include <cstring>
 #include <string>
 
@@ -41,11 +42,10 @@ ffi::Error RunForward(const sdm_ffi::ForwardCall& call, const sdm::StepSegments*
 }
 
 ffi::Error RunBackward(const sdm_ffi::BackwardCall& call, const sdm::StepSegments* segments) {
-  AliasCopy(call.bank_in, call.bank, call.bank_bytes);
   AliasCopy(call.dbank_in, call.dbank, call.dbank_bytes);
   return sdm_ffi::RunCatching("sdm_backward", [&] {
-    sdm_ffi::WithBankTypes(call, [&](auto* bank, auto* dbank) {
-      sdm::backward_cpu(call.dm, call.p1, call.io, bank, dbank, segments);
+    sdm_ffi::WithBankTypes(call, [&](const auto* bank_in, auto* dbank) {
+      sdm::backward_cpu(call.dm, call.p1, call.io, bank_in, dbank, segments);
     });
   });
 }

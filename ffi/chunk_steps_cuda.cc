@@ -38,13 +38,13 @@ ffi::Error RunForward(cudaStream_t stream, const sdm_ffi::ForwardCall& call, con
 
 ffi::Error RunBackward(cudaStream_t stream, const sdm_ffi::BackwardCall& call, const sdm::StepSegments* segments,
                        int rc, const char* name) {
-  if (!rc) rc = AliasCopy(call.bank_in, call.bank, call.bank_bytes, stream);
   if (!rc) {
     // Two gradient-bank buffers (the result does not alias the cotangent): the kernels read each row of the
     // cotangent until its first write instead of copying it whole first.
-    rc = sdm_ffi::WithBankTypes(call, [&](auto* bank, auto* dbank) {
+    rc = sdm_ffi::WithBankTypes(call, [&](const auto* bank_in, auto* dbank) {
       const auto* dbank_in = static_cast<const std::remove_pointer_t<decltype(dbank)>*>(call.dbank_in);
-      return sdm::backward_cuda(call.dm, call.p1, call.io, bank, dbank_in, dbank, call.workspace, stream, segments);
+      return sdm::backward_cuda(call.dm, call.p1, call.io, bank_in, dbank_in, dbank, call.workspace, stream,
+                                segments);
     });
   }
   return sdm_ffi::CudaStatus(name, rc);

@@ -203,14 +203,17 @@ class BackwardSegments(NamedTuple):
 
 
 class Forward(NamedTuple):
-    """`forward_ffi`'s results: the final bank, the readings `y` and the residuals `delta`, `vg`, `snapshot` and
-    `snapshot_scale`; with packed sequences the stamps and their snapshot (else None)."""
+    """`forward_ffi`'s results: the final bank, the readings `y` and the residuals `delta`, `vg`, `snapshot`,
+    `snapshot_scale` and the links `link_k`, `link_q`; with packed sequences the stamps and their snapshot (else
+    None)."""
     bank: jax.Array
     y: jax.Array
     delta: jax.Array
     vg: jax.Array
     snapshot: jax.Array
     snapshot_scale: jax.Array
+    link_k: jax.Array
+    link_q: jax.Array
     stamp: jax.Array | None = None
     stamp_snapshot: jax.Array | None = None
 
@@ -233,9 +236,8 @@ def snapshot_arrays(code, units, C, W, D, bank_dtype):
 
 
 class Backward(NamedTuple):
-    """`backward_ffi`'s results: the initial bank (restored), the gradient bank and the cotangents of Phase 1's
-    outputs and of `beta` and `v`; with packed sequences `dinitial` (else None)."""
-    bank: jax.Array
+    """`backward_ffi`'s results: the gradient bank and the cotangents of Phase 1's outputs and of `beta` and `v`;
+    with packed sequences `dinitial` (else None)."""
     dbank: jax.Array
     dk_eff: jax.Array
     dw: jax.Array
@@ -261,6 +263,11 @@ def _phase1_operands(p1, names):
     return {n: getattr(p1, n) for n in names}
 
 
+def _stream_bank_shape(bank, k_idx):
+    """The shape of a bank per stream, `[..., P, K, D]`, for an input bank per stream or shared."""
+    return k_idx.shape[:-4] + (k_idx.shape[-3],) + bank.shape[-2:]
+
+
 def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_place=False, snapshot_code=0):
     """The forward chunk loop (docs/DESIGN.md "Forward steps").
 
@@ -282,7 +289,9 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_p
 
     Returns:
       A `Forward`: the final bank; `y`, `delta` and `vg = v - G` (G the gathers of the write lanes, the backward's
-      only use of `v`) float32, `snapshot` and `snapshot_scale` as `snapshot_arrays` says. With `segments`, the
+      only use of `v`) float32, `snapshot` and `snapshot_scale` as `snapshot_arrays` says (each stored write
+      group's row after its chunk's write), and the links `link_k [..., NC, P, C, W]`, `link_q [..., NC, P, C, R]`
+      int32 (each entry's slot's latest write in an earlier chunk, as its snapshot entry, or -1). With `segments`, the
       final bank is the working bank (each row that of its stamp's segment), and the stamps `[..., P, K]` int32
       (each row's segment of its last write) and, with `save`, the stamps' snapshot `[..., NC, P, C*W]` int32
       follow.
@@ -296,10 +305,10 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_p
         return jax.ShapeDtypeStruct(shape if save else (0,), dtype)
 
     snapshot, scale = snapshot_arrays(snapshot_code, tokens[:-1], C, W, D, bank.dtype)
-    bank_shape = k_idx.shape[:-4] + (k_idx.shape[-3],) + bank.shape[-2:]  # [..., P, K, D], shared bank or not
-    results = dict(bank_out=jax.ShapeDtypeStruct(bank_shape, bank.dtype), y=jax.ShapeDtypeStruct(tokens + (D,), f32),
+    results = dict(bank_out=jax.ShapeDtypeStruct(_stream_bank_shape(bank, k_idx), bank.dtype), y=jax.ShapeDtypeStruct(tokens + (D,), f32),
                    delta=residual(tokens + (D,), f32), vg=residual(tokens + (D,), f32),
                    snapshot=residual(*snapshot), snapshot_scale=residual(*scale),
+                   link_k=residual(k_idx.shape, i32), link_q=residual(q_idx.shape, i32),
                    workspace=_workspace(bank, k_idx, q_idx, backward=False))
     operands = dict(bank=bank, k_idx=k_idx.astype(i32), q_idx=q_idx.astype(i32), v=v.astype(f32),
                     beta=beta.astype(f32), minv=minv, snapshot_dtype=np.int64(snapshot_code),
@@ -313,27 +322,28 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_p
                      initial=segments.initial.astype(bank.dtype), local=segments.local.astype(i32),
                      seg0=segments.seg0.astype(i32))
     return Forward(outs["bank_out"], outs["y"], outs["delta"], outs["vg"], outs["snapshot"], outs["snapshot_scale"],
-                   outs.get("stamp"), outs.get("stamp_snapshot"))
+                   outs["link_k"], outs["link_q"], outs.get("stamp"), outs.get("stamp_snapshot"))
 
 
-def backward_ffi(bank, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snapshot, snapshot_scale=None,
+def backward_ffi(bank, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snapshot, snapshot_scale, link_k, link_q,
                  snapshot_code=0, segments=None):
     """The reverse chunk loop (docs/DESIGN.md "Backward steps").
 
-    `bank` is the final bank (it comes back as the initial one, restored in place) and `dbank` the cotangent of
-    the final bank, or for a zero cotangent an empty `[..., P, 0, D]` array (no bank-sized buffer of zeros). The
-    gradient of the initial bank comes back in `dbank`'s buffer (aliased) with `segments`; else in a buffer of its
-    own, and `dbank` is left as it is (the CUDA kernels read each row of it until its first write: no whole-bank
-    copy of a `dbank` the caller keeps). `dbank`'s dtype is the working
-    gradient bank's: float32, or the bank's bfloat16 (float32 inside each step, rounded once per written row).
-    `dy`, the readings' cotangent `[..., NC, P, C, D]`, goes to the kernels in the bank's dtype (they widen it on
-    load): the readings leave the op in that dtype, so their cotangent is exact there at half float32's bytes.
+    `bank` is the forward's input bank (per stream, or shared as `forward_ffi` takes it; only read) and `dbank`
+    the cotangent of the final bank, or for a zero cotangent an empty `[..., P, 0, D]` array (no bank-sized buffer
+    of zeros). The gradient of the initial bank comes back in `dbank`'s buffer (aliased) with `segments`; else in a
+    buffer of its own, and `dbank` is left as it is (the CUDA kernels read each row of it until its first write: no
+    whole-bank copy of a `dbank` the caller keeps). `dbank`'s dtype is the working gradient bank's: float32, or the
+    bank's bfloat16 (float32 inside each step, rounded once per written row). `dy`, the readings' cotangent
+    `[..., NC, P, C, D]`, goes to the kernels in the bank's dtype (they widen it on load): the readings leave the
+    op in that dtype, so their cotangent is exact there at half float32's bytes.
 
-    `snapshot`, `snapshot_scale`: the forward's, stored as `snapshot_code` says (`snapshot_arrays`; None: the
-    empty scale of an unscaled code); the backward restores each written row from the decoded snapshot, rounded
-    to the bank's dtype.
+    `snapshot`, `snapshot_scale`, `link_k`, `link_q`: the forward's residuals, the snapshot stored as
+    `snapshot_code` says (`snapshot_arrays`; a None scale: the empty scale of an unscaled code). The backward reads
+    each row as it was before a chunk from the decoded snapshot (rounded to the bank's dtype) through the links, or
+    from `bank`: it keeps no working bank.
 
-    `segments`: None, or a `BackwardSegments` for packed sequences (`bank` then is the forward's working bank).
+    `segments`: None, or a `BackwardSegments` for packed sequences (`bank` is then their initial bank).
 
     Returns:
       A `Backward`; with `segments` the initial bank's whole gradient is `dbank + dinitial`.
@@ -342,27 +352,28 @@ def backward_ffi(bank, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snaps
     if snapshot_scale is None:
         snapshot_scale = jnp.zeros(snapshot.shape[:-2] + (0,), f32)
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
-    results = dict(bank_out=like(bank), dbank_out=jax.ShapeDtypeStruct(bank.shape, dbank.dtype), dk_eff=like(p1.k_eff),
-                   dw=like(p1.w), dcpe=like(p1.cpe), dq_w=like(p1.q_w), dA=like(p1.A), dQK=like(p1.QK),
-                   dbeta=jax.ShapeDtypeStruct(beta.shape, f32), dv=jax.ShapeDtypeStruct(dy.shape, f32),
-                   workspace=_workspace(bank, k_idx, q_idx, backward=True))
+    results = dict(dbank_out=jax.ShapeDtypeStruct(_stream_bank_shape(bank, k_idx), dbank.dtype),
+                   dk_eff=like(p1.k_eff), dw=like(p1.w), dcpe=like(p1.cpe), dq_w=like(p1.q_w), dA=like(p1.A),
+                   dQK=like(p1.QK), dbeta=jax.ShapeDtypeStruct(beta.shape, f32),
+                   dv=jax.ShapeDtypeStruct(dy.shape, f32), workspace=_workspace(bank, k_idx, q_idx, backward=True))
     operands = dict(bank=bank, dbank=dbank, dy=dy.astype(bank.dtype), k_idx=k_idx.astype(i32),
                     q_idx=q_idx.astype(i32), beta=beta.astype(f32), minv=minv, delta=delta, vg=vg, snapshot=snapshot,
-                    snapshot_scale=snapshot_scale, snapshot_dtype=np.int64(snapshot_code),
+                    snapshot_scale=snapshot_scale, link_k=link_k, link_q=link_q,
+                    snapshot_dtype=np.int64(snapshot_code),
                     **_phase1_operands(p1, ("k_eff", "w", "cpe", "q_w", "A", "QK", "w_order", "w_group", "r_order",
                                             "r_group")))
     if segments is None:
-        outs = _call("sdm_backward", results, aliases=dict(bank="bank_out"), **operands)
-    else:  # the stamps and dinitial are updated in place, like the bank and dbank
+        outs = _call("sdm_backward", results, **operands)
+    else:  # the stamps and dinitial are updated in place, like dbank
         results.update(stamp_out=like(segments.stamp), dinitial_out=like(dbank))
         outs = _call("sdm_backward_packed", results,
-                     aliases=dict(bank="bank_out", dbank="dbank_out", stamp="stamp_out", dinitial="dinitial_out"),
+                     aliases=dict(dbank="dbank_out", stamp="stamp_out", dinitial="dinitial_out"),
                      **operands, initial=segments.initial.astype(bank.dtype), local=segments.local.astype(i32),
                      seg0=segments.seg0.astype(i32), stamp=segments.stamp.astype(i32),
                      stamp_snapshot=segments.stamp_snapshot.astype(i32),
                      dinitial=segments.dinitial.astype(dbank.dtype))
-    return Backward(*(outs[n] for n in ("bank_out", "dbank_out", "dk_eff", "dw", "dcpe", "dq_w", "dA", "dQK",
-                                        "dbeta", "dv")), outs.get("dinitial_out"))
+    return Backward(*(outs[n] for n in ("dbank_out", "dk_eff", "dw", "dcpe", "dq_w", "dA", "dQK", "dbeta", "dv")),
+                    outs.get("dinitial_out"))
 
 
 def decode_step_ffi(bank, k_idx, k_val, x, v, beta, q_idx, q_val):

@@ -33,8 +33,7 @@ class Inputs(NamedTuple):
     """The kernels' inputs: the bank `[P, K, D]` (or, without packed sequences, `[H, K, D]` shared by the batch)
     and per-token arrays `[NC, P, C, ...]` in kernel layout (int32 ids, float32 values, per-lane gates `x`; with
     explicit streams `P` is `B, H`), and `packed`: a `Packed`, or None without packed sequences. The backward keeps
-    them without `v` (it needs only the forward's `v - G`) and, without packed sequences, without the bank (it
-    restores it from the final bank): those are None there."""
+    them without `v` (it needs only the forward's `v - G`): None there."""
     bank: jax.Array | None
     k_idx: jax.Array
     k_val: jax.Array
@@ -47,21 +46,23 @@ class Inputs(NamedTuple):
 
 
 class PackedSaved(NamedTuple):
-    """What the forward saves with packed sequences: the working bank and its stamps (bank layout) and the stamps'
-    snapshot (unit layout)."""
-    work: jax.Array
+    """What the forward saves with packed sequences: the final stamps (bank layout) and the stamps' snapshot (unit
+    layout)."""
     stamp: jax.Array
     stamp_snapshot: jax.Array
 
 
 class Saved(NamedTuple):
-    """What the kernels' backward needs beyond the inputs and the final bank (unit layout `[NC, P, ...]`)."""
+    """What the kernels' backward needs beyond the inputs (unit layout `[NC, P, ...]`): no bank, since the backward
+    reads each row as it was before a chunk from the snapshot through the links, or from the input bank."""
     p1: Phase1
     minv: jax.Array
     delta: jax.Array
     vg: jax.Array
     snapshot: jax.Array
     snapshot_scale: jax.Array
+    link_k: jax.Array
+    link_q: jax.Array
     packed: PackedSaved | None
 
 
@@ -78,7 +79,7 @@ class Grads(NamedTuple):
 # Fields whose arrays are in bank layout (`[P, ...]`, or `[B, H, ...]`) and, outside the kernels, per-token arrays
 # in the public layout (`[B, T, H, ...]`); every other array is in unit layout (`[NC, P, ...]`): the B and H axes
 # `per_stream` and `merge` / `split` need (sharding.BANK, sharding.TOKENS, sharding.UNITS).
-_BANK_FIELDS = frozenset({"bank", "last", "work", "stamp", "final", "dfinal"})
+_BANK_FIELDS = frozenset({"bank", "last", "stamp", "dfinal"})
 _TOKEN_FIELDS = frozenset({"k_idx", "k_val", "x", "v", "beta", "q_idx", "q_val", "dy"})
 
 
@@ -216,34 +217,35 @@ def _sdm_kernels_fwd(inputs, num_slots, save=True, snapshot_code=0):
         out = ffi_ops.forward_ffi(bank, *steps, segments=ffi_ops.ForwardSegments(bank, packed.local, packed.seg0),
                                   snapshot_code=snapshot_code)
         final = segments.final_bank(out.bank, bank, out.stamp, packed.last)
-        packed_saved = PackedSaved(out.bank, out.stamp, out.stamp_snapshot)
-    saved = Saved(p1, minv, out.delta, out.vg, out.snapshot, out.snapshot_scale, packed_saved) if save else None
+        packed_saved = PackedSaved(out.stamp, out.stamp_snapshot)
+    saved = (Saved(p1, minv, out.delta, out.vg, out.snapshot, out.snapshot_scale, out.link_k, out.link_q,
+                   packed_saved) if save else None)
     return (out.y, final, p1.repeats), saved
 
 
-def _sdm_kernels_bwd(num_slots, inputs, final, saved, dy, dfinal, snapshot_code=0):
-    """The kernels' backward: the `Grads` of `_sdm_kernels_fwd`'s inputs (`inputs`, whose bank and `v` may be None)
-    from its final bank, its `Saved` residuals (the snapshot stored as `snapshot_code` says) and the cotangents;
-    `dfinal` `[P, 0, D]` without packed sequences is a zero cotangent (`ffi_ops.backward_ffi`)."""
+def _sdm_kernels_bwd(num_slots, inputs, saved, dy, dfinal, snapshot_code=0):
+    """The kernels' backward: the `Grads` of `_sdm_kernels_fwd`'s inputs (`inputs`, whose `v` may be None) from its
+    `Saved` residuals (the snapshot stored as `snapshot_code` says) and the cotangents; `dfinal` `[P, 0, D]` without
+    packed sequences is a zero cotangent (`ffi_ops.backward_ffi`). The bank's gradient is per stream `[P, K, D]`."""
     packed, p1 = inputs.packed, saved.p1
     steps = (dy, inputs.k_idx, inputs.q_idx, inputs.beta, p1, saved.minv, saved.delta, saved.vg, saved.snapshot,
-             saved.snapshot_scale, snapshot_code)
+             saved.snapshot_scale, saved.link_k, saved.link_q, snapshot_code)
     if packed is None:
-        out = ffi_ops.backward_ffi(final, dfinal, *steps)
+        out = ffi_ops.backward_ffi(inputs.bank, dfinal, *steps)
         dbank = out.dbank
     else:
-        work, stamp = saved.packed.work, saved.packed.stamp
+        stamp = saved.packed.stamp
         # The final bank's rows of the last segment are the working bank's, the others the initial bank's.
         current = (stamp == packed.last[..., None])[..., None]
         zero = jnp.zeros((), dfinal.dtype)
         segs = ffi_ops.BackwardSegments(inputs.bank, packed.local, packed.seg0, stamp, saved.packed.stamp_snapshot,
                                         jnp.where(current, zero, dfinal))
-        out = ffi_ops.backward_ffi(work, jnp.where(current, dfinal, zero), *steps, segments=segs)
+        out = ffi_ops.backward_ffi(inputs.bank, jnp.where(current, dfinal, zero), *steps, segments=segs)
         dbank = out.dbank.astype(jnp.float32) + out.dinitial.astype(jnp.float32)
     p1_k_idx, p1_q_idx, p1_slots = _phase1_slots(inputs.k_idx, inputs.q_idx, packed, num_slots)
     dk_val, dx, dq_val = ffi_ops.phase1_bwd_ffi(p1_k_idx, inputs.k_val, inputs.x, p1_q_idx, inputs.q_val, p1_slots,
                                                 p1, out.dk_eff, out.dw, out.dcpe, out.dq_w, out.dA, out.dQK)
-    return Grads(dbank.astype(final.dtype), dk_val, dx, out.dv, out.dbeta, dq_val)
+    return Grads(dbank.astype(inputs.bank.dtype), dk_val, dx, out.dv, out.dbeta, dq_val)
 
 
 # The FFI targets the kernel path calls (ffi/targets.h).
@@ -365,8 +367,7 @@ def _local_saving(static, *arrays):
 
 
 class BackwardArgs(NamedTuple):
-    """The arrays of one shard's backward: the final bank, the cotangents and the residuals of the custom VJP."""
-    final: jax.Array
+    """The arrays of one shard's backward: the cotangents and the residuals of the custom VJP."""
     dfinal: jax.Array
     dy: jax.Array
     kept: Inputs
@@ -379,8 +380,7 @@ def _local_backward(static, *arrays):
     `[B, H, K, D]` and of the float per-token inputs, in the public layout and in their dtypes."""
     args, dims = _local(static, arrays)
     kept = _kernel_inputs(args.kept, dims)
-    grads = _sdm_kernels_bwd(dims.K, kept, args.final, args.saved, layout.to_units(args.dy, dims), args.dfinal,
-                             static[4])
+    grads = _sdm_kernels_bwd(dims.K, kept, args.saved, layout.to_units(args.dy, dims), args.dfinal, static[4])
     public = lambda g, like, per_lane=True: layout.tokens_from_units(g, dims, like.dtype, per_lane)
     tokens = args.kept
     return (split(grads.bank, 0, dims.H), public(grads.k_val, tokens.k_val),
@@ -428,14 +428,14 @@ def _stream_kernels_fwd(inputs, dims, grad_dtype, slab_tokens, snapshot_code):
     y, final, repeats, *saved = _kernels_per_stream(_local_saving, static, arrays, axes,
                                                     (TOKENS, BANK, BANK) + saved_axes)
     y, final, repeats = (to_varying(o, varying_axes(*arrays)) for o in (y, final, repeats))
-    # The backward needs neither v (only the forward's v - G) nor, without packed sequences, the bank (it restores
-    # it from the final bank).
-    kept = inputs._replace(v=None, bank=inputs.bank if inputs.packed is not None else None)
-    return (y, final, repeats), (final, kept, jax.tree_util.tree_unflatten(saved_def, saved))
+    # The backward needs no v (only the forward's v - G) and no final bank (the input bank, the snapshot and the
+    # links give every row it reads).
+    kept = inputs._replace(v=None)
+    return (y, final, repeats), (kept, jax.tree_util.tree_unflatten(saved_def, saved))
 
 
 def _stream_kernels_bwd(dims, grad_dtype, slab_tokens, snapshot_code, residuals, cotangents):
-    final, kept, saved = residuals
+    kept, saved = residuals
     packed = kept.packed is not None
     dy, dfinal, _ = cotangents
     # A loss of the readings only gives the final bank a symbolic zero cotangent: without packed sequences it goes
@@ -444,11 +444,11 @@ def _stream_kernels_bwd(dims, grad_dtype, slab_tokens, snapshot_code, residuals,
         shape = dfinal.shape if packed else dfinal.shape[:-2] + (0, dfinal.shape[-1])
         dfinal = jnp.zeros(shape, grad_dtype)
     dy = jnp.zeros(dy.shape, dy.dtype) if isinstance(dy, SymbolicZero) else dy  # the readings' dtype, the bank's
-    arrays, axes, treedef = _flatten(BackwardArgs(final, dfinal.astype(grad_dtype), dy, kept, saved))
+    arrays, axes, treedef = _flatten(BackwardArgs(dfinal.astype(grad_dtype), dy, kept, saved))
     grads = _kernels_per_stream(_local_backward, (dims, slab_tokens, treedef, axes, snapshot_code), arrays, axes,
                                 (BANK,) + (TOKENS,) * 5)
-    grads = Grads(*(to_varying(g, varying_axes(final)) for g in grads))
-    dbank = grads.bank.astype(final.dtype)
+    grads = Grads(*(to_varying(g, varying_axes(*jax.tree_util.tree_leaves(kept))) for g in grads))
+    dbank = grads.bank.astype(kept.bank.dtype)
     if not packed and dims.shared_bank:  # a bank shared by the batch: the sum of its streams' gradients
         dbank = layout.ordered_sum(dbank, 0)
     return (Inputs(dbank, None, grads.k_val, grads.x, grads.v, grads.beta, None, grads.q_val, None),)

@@ -27,6 +27,8 @@ struct StepDims {
   int64_t units() const { return V * NC * P; }
   int64_t streams() const { return V * P; }
   int64_t unit(int64_t stream, int64_t c) const { return ((stream / P) * NC + c) * P + stream % P; }
+  // The block of the input bank that stream s reads.
+  SDM_HOST_DEVICE int64_t input_stream(int64_t s) const { return input_streams ? s % input_streams : s; }
 };
 
 // Phase-1 arrays the steps read (DESIGN.md "Phase 1"), and the solve's Minv.
@@ -53,10 +55,17 @@ struct ForwardIO {
   // Residuals for the backward; all null for a no-grad forward.
   float* delta;    // [.., C, D] the write vectors
   float* vg;       // [.., C, D] v - G, G the gathers sum_n k_eff S0[s] (the backward's only use of v and G)
-  void* snapshot;  // [.., C*W, row bytes] the pre-write row of each write group, stored as snapshot_dtype says
-  // (kernels/snapshot_codec.h: rows of snapshot_row_bytes; kBank: [.., C*W, D] of the bank's dtype)
+  void* snapshot;  // [.., C*W, row bytes] the written row of each stored write group (after the chunk's write; its
+  // entry u * C * W + g counts over the whole call), stored as snapshot_dtype says (kernels/snapshot_codec.h: rows
+  // of snapshot_row_bytes; kBank: [.., C*W, D] of the bank's dtype)
   SnapshotDtype snapshot_dtype = SnapshotDtype::kBank;
   float* snapshot_scale = nullptr;  // [.., C*W] each stored row's scale (kFloat8, kInt4; else null)
+  // The links: for each write entry ([.., C, W]) and read entry ([.., C, R]), the snapshot entry of the latest
+  // write of its slot that an earlier chunk of its stream stored, or -1 where none did (the row as the chunk starts
+  // is then the input bank's). With them the backward reads every row as it was before a chunk from the snapshot
+  // or the input bank: it needs no working bank (docs/DESIGN.md "Backward steps").
+  int32_t* link_k = nullptr;
+  int32_t* link_q = nullptr;
 };
 
 struct BackwardIO {
@@ -76,6 +85,8 @@ struct BackwardIO {
   float* dv;              // [.., C, D]
   SnapshotDtype snapshot_dtype = SnapshotDtype::kBank;  // as the forward stored the snapshot (ForwardIO)
   const float* snapshot_scale = nullptr;
+  const int32_t* link_k = nullptr;  // the forward's links (ForwardIO)
+  const int32_t* link_q = nullptr;
 };
 
 // Packed sequences (docs/DESIGN.md "Packed sequences"): several segments per stream, each starting from the
@@ -100,14 +111,15 @@ template <typename BankT>
 void forward_cpu(const StepDims& dims, const StepPhase1& p1, const ForwardIO& io, BankT* bank,
                  const StepSegments* segments = nullptr);
 
-// Backward chunk loop, chunks in reverse: bank (in/out) goes from the final bank back to the initial one,
-// restoring each chunk's written rows from the snapshot; dbank ([V, P, K, D], in/out) goes from the gradient of
-// the final bank to that of the initial bank. GradT, the working gradient bank's type, is float, or bf16 for a
-// bf16 bank (rows read into float32 and rounded once where a step writes them). With segments the stamps are
-// restored too and the gradient of the rows read from the initial bank goes to segments->dinitial.
+// Backward chunk loop, chunks in reverse: bank_in is the forward's input bank (read only; [V, P, K, D], or shared
+// as the forward's, StepDims::input_streams), each row as it was before a chunk read from the snapshot through
+// the links, or from bank_in; dbank ([V, P, K, D], in/out) goes from the gradient of the final bank to that of the
+// initial bank. GradT, the working gradient bank's type, is float, or bf16 for a bf16 bank (rows read into float32
+// and rounded once where a step writes them). With segments the stamps are restored too and the gradient of the
+// rows read from the initial bank goes to segments->dinitial.
 template <typename BankT, typename GradT>
-void backward_cpu(const StepDims& dims, const StepPhase1& p1, const BackwardIO& io, BankT* bank, GradT* dbank,
-                  const StepSegments* segments = nullptr);
+void backward_cpu(const StepDims& dims, const StepPhase1& p1, const BackwardIO& io, const BankT* bank_in,
+                  GradT* dbank, const StepSegments* segments = nullptr);
 
 // Whether the CUDA loops launch their kernels with programmatic dependent launch (on compute capability 9.0 and
 // later): the build's SDM_CUDA_PDL (CMake option, ON by default). The results are the same either way.
@@ -125,7 +137,8 @@ constexpr bool kChunkStepsPdl = SDM_CUDA_PDL != 0;
 // 16-byte entries, one per slot group (C * W write groups per stream and chunk: the forward's for all NC chunks; the
 // backward's, then its C * R read groups, for table_chunks chunks: a ring rebuilt per batch of chunks), then each
 // slot's first writing step ([streams, K] uint32) and the row tags of the gather lanes ([units, C, W] int32, and the
-// forward's also [units, C, R]; see "fresh result" below), and the backward's row of D zeros (16-byte aligned).
+// forward's also [units, C, R]; see "fresh result" below), then the forward's latest write of each slot ([streams,
+// K] int32: the links' table) and the backward's row of D zeros (16-byte aligned).
 // BankT is float or __nv_bfloat16 (passed as sdm::bf16, same layout). Returns the first cudaError_t met, 0 on success.
 inline int64_t step_rows_floats(const StepDims& dims) { return dims.V * ((3 * dims.P * dims.C * dims.D + 3) / 4 * 4); }
 // The backward's group tables hold ceil(NC / kTableBatches) chunks (0 for none): a quarter of the 2 * 16 MiB of
@@ -135,7 +148,7 @@ inline int64_t step_rows_floats(const StepDims& dims) { return dims.V * ((3 * di
 constexpr int64_t kTableBatches = 4;
 inline int64_t table_chunks(const StepDims& dims) { return (dims.NC + kTableBatches - 1) / kTableBatches; }
 inline int64_t forward_workspace_floats(const StepDims& dims) {
-  return step_rows_floats(dims) + 4 * dims.units() * dims.C * dims.W + dims.streams() * dims.K +
+  return step_rows_floats(dims) + 4 * dims.units() * dims.C * dims.W + 2 * dims.streams() * dims.K +
          dims.units() * dims.C * (dims.W + dims.R);
 }
 inline int64_t backward_workspace_floats(const StepDims& dims) {
@@ -149,12 +162,12 @@ inline int64_t backward_workspace_floats(const StepDims& dims) {
 // or two. Given two, the loops without packed sequences copy no whole bank: a row is read from the input until the
 // first step that writes it (into the result), and the rows no step writes are copied once. With packed sequences
 // the input is first copied into the result. A null `dbank_in` is a zero cotangent: its rows read as zeros. The
-// backward's `bank` goes from the final bank back to the initial one in place.
+// backward's `bank_in` is the forward's input bank, only read (as backward_cpu's).
 template <typename BankT>
 int forward_cuda(const StepDims& dims, const StepPhase1& p1, const ForwardIO& io, const BankT* bank_in, BankT* bank,
                  float* workspace, CUstream_st* stream, const StepSegments* segments = nullptr);
 template <typename BankT, typename GradT>
-int backward_cuda(const StepDims& dims, const StepPhase1& p1, const BackwardIO& io, BankT* bank,
+int backward_cuda(const StepDims& dims, const StepPhase1& p1, const BackwardIO& io, const BankT* bank_in,
                   const GradT* dbank_in, GradT* dbank, float* workspace, CUstream_st* stream,
                   const StepSegments* segments = nullptr);
 

@@ -76,7 +76,7 @@ def test_cuda_steps_on_cpu_match_cpu_kernels():
 @pytest.mark.slow  # compiles the emulated steps again
 @pytest.mark.parametrize("snapshot", [1, 2, 3])  # kernels/snapshot_codec.h: bfloat16, float8, int4
 def test_cuda_steps_with_a_snapshot_of_another_dtype(snapshot):
-    # 2: VEC 1 (int4 stored by the warp from memory); 11: rows of several batches per lane (the scale's own pass).
+    # 2: VEC 1 (int4: a lane reads its column's nibble); 11: rows of several batches per lane.
     run_check("steps", f"snapshot={snapshot}", "1,2,4,11,18,28", cases=6)
 
 

@@ -35,16 +35,19 @@ def run_steps(device, bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank):
     bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank = map(put, (bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank))
     poison_allocator(device)
     fwd = jax.jit(lambda *a: ffi_ops.forward_ffi(*a, save=True))
-    final, y, delta, vg, snap = fwd(bank, k_idx, q_idx, v, beta, p1, minv)[:5]
+    out = fwd(bank, k_idx, q_idx, v, beta, p1, minv)
     no_grad = jax.jit(lambda *a: ffi_ops.forward_ffi(*a, save=False))(bank, k_idx, q_idx, v, beta, p1, minv)
     # The final bank is a buffer of its own (rows read from the initial bank until their first write): the
     # initial bank stays as it was.
     np.testing.assert_array_equal(np.asarray(bank, np.float32), np.asarray(kept, np.float32))
     poison_allocator(device)
-    bwd = jax.jit(ffi_ops.backward_ffi)(final, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snap)
-    # and the gradient bank is a buffer of its own too: the cotangent stays as it was
+    bwd = jax.jit(ffi_ops.backward_ffi)(bank, dbank, dy, k_idx, q_idx, beta, p1, minv, out.delta, out.vg,
+                                        out.snapshot, None, out.link_k, out.link_q)
+    # The backward only reads the input bank, and its gradient bank is a buffer of its own: the cotangent stays as
+    # it was too.
+    np.testing.assert_array_equal(np.asarray(bank, np.float32), np.asarray(kept, np.float32))
     np.testing.assert_array_equal(np.asarray(dbank), np.asarray(kept_dbank))
-    return (final, y, delta, vg, snap), no_grad[:2], bwd
+    return (out.bank, out.y, out.delta, out.vg, out.snapshot, out.link_k, out.link_q), no_grad[:2], bwd[:-1]
 
 
 def written_snapshot_rows(fwd, inputs):
@@ -52,7 +55,7 @@ def written_snapshot_rows(fwd, inputs):
     only (rows past a unit's group count are never written or read, so they hold whatever the buffer held)."""
     group = np.asarray(inputs[5].w_group)
     used = (group[..., 1:] > group[..., :-1])[..., None]
-    return fwd[:4] + (np.where(used, np.asarray(fwd[4], np.float32), 0),)
+    return fwd[:4] + (np.where(used, np.asarray(fwd[4], np.float32), 0),) + fwd[5:]
 
 
 CASES = [
@@ -83,14 +86,14 @@ def test_gpu_steps_match_cpu(case, chunk):
     for name, a, b in zip(names, gpu_fwd, cpu_fwd):
         assert np.all(np.isfinite(np.asarray(a, np.float32))), name
         assert rel_err(a, b) < tol, (name, rel_err(a, b))
+    for name, a, b in zip(["link_k", "link_q"], gpu_fwd[5:], cpu_fwd[5:]):  # the links are exact
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
     for name, a, b in zip(["final (no grad)", "y (no grad)"], gpu_plain, gpu_fwd[:2]):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
-    names = ["initial bank", "dbank", "dk_eff", "dw", "dcpe", "dq_w", "dA", "dQK", "dbeta", "dv"]
+    names = ["dbank", "dk_eff", "dw", "dcpe", "dq_w", "dA", "dQK", "dbeta", "dv"]
     for name, a, b in zip(names, gpu_bwd, cpu_bwd):
         assert np.all(np.isfinite(np.asarray(a, np.float32))), name
         assert rel_err(a, b) < tol, (name, rel_err(a, b))
-    # the backward restores the initial bank exactly
-    np.testing.assert_array_equal(np.asarray(gpu_bwd[0], np.float32), np.asarray(bank, np.float32))
 
 
 def test_gpu_steps_bitwise_repeatable():
@@ -103,7 +106,7 @@ def test_gpu_steps_bitwise_repeatable():
     for _ in range(2):
         fwd, plain, bwd = run_steps(jax.devices()[0], *inputs, dy, dbank)
         runs.append((written_snapshot_rows(fwd, inputs), plain, bwd))
-    names = ["final", "y", "delta", "vg", "snapshot", "final (no grad)", "y (no grad)", "initial bank", "dbank",
+    names = ["final", "y", "delta", "vg", "snapshot", "link_k", "link_q", "final (no grad)", "y (no grad)", "dbank",
              "dk_eff", "dw", "dcpe", "dq_w", "dA", "dQK", "dbeta", "dv"]
     leaves = [jax.tree_util.tree_leaves(run) for run in runs]
     assert len(leaves[0]) == len(names)

@@ -7,7 +7,7 @@
 //     GWR               (stream, token): gwr = sum_n w dS1[s] (gradient rows)                    backward_rows.cuh
 //     apply the inverse (stream, slice): du += Minv^T gwr, dG = -beta du                         backward_dense.cuh
 //     Phase A           (stream, token; a warp per write group): dcpe, dw, dk_eff, the gradient
-//                       row, the restore of the bank row from the snapshot                       backward_rows.cuh
+//                       row (S0 through the links from the snapshot or the input bank)           backward_rows.cuh
 //     read side         (stream, token; a warp per read group): dS0 += q_w dy, dq_w              backward_rows.cuh
 //   after the loop, all chunks at once:
 //     dots              (unit, tile of 64 token rows): dA, dQK, dbeta, dv = beta du              backward_dense.cuh
@@ -27,7 +27,7 @@ namespace sdm {
 namespace {
 
 template <int VEC, typename T, typename GT>
-int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, T* bank, const GT* dbank_in,
+int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, const T* input, const GT* dbank_in,
                   GT* dbank, float* workspace, cudaStream_t stream, const StepSegments* segments) {
   const int64_t n = dm.streams() * dm.C * dm.D;
   const BackRows rows{workspace, workspace + n};
@@ -65,8 +65,8 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   // of the batch's first chunk, at least three launches after the last table kernel: they find its entries even
   // where they load them before their chain_start (when kernel N starts, N - 2 has completed).
   const uint32_t* first = fresh ? fa.first : nullptr;
-  const TableMap table_maps[2] = {{p1.w_order, p1.w_group, p1.k_idx, dm.W, kPhaseAStep},
-                                  {p1.r_order, p1.r_group, p1.q_idx, dm.R, kReadSideStep}};
+  const TableMap table_maps[2] = {{p1.w_order, p1.w_group, p1.k_idx, dm.W, kPhaseAStep, io.link_k},
+                                  {p1.r_order, p1.r_group, p1.q_idx, dm.R, kReadSideStep, io.link_q}};
   const auto build_batch = [&](int64_t c) {
     const int64_t c0 = c - c % ring.chunks;
     return build_group_tables(pdl, dm, ring, table_maps, c0, std::min(c0 + ring.chunks, dm.NC), by_first, first,
@@ -107,23 +107,24 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
                   io, c, rows);
     if (segments) {  // Phase A (the stored groups, then the earlier segments' groups) and the read side
       if (!rc)
-        rc = launch(pdl, bwd_phase_a_packed_kernel<VEC, T, GT>, write_grid, group_block, 0, stream, dm, p1, io, bank,
-                    dbank, c, rows, tables, sv);
+        rc = launch(pdl, bwd_phase_a_packed_kernel<VEC, T, GT>, write_grid, group_block, 0, stream, dm, p1, io, dbank,
+                    c, rows, tables, sv);
       if (!rc)
         rc = launch(pdl, bwd_gathers_packed_kernel<VEC, T, GT, false>, write_grid, group_block, 0, stream, dm, p1,
-                    io, static_cast<const T*>(bank), dbank, c, rows, tables, sv);
+                    io, dbank, c, rows, tables, sv);
       if (!rc)
         rc = launch(pdl, bwd_gathers_packed_kernel<VEC, T, GT, true>, read_grid, group_block, 0, stream, dm, p1, io,
-                    static_cast<const T*>(bank), dbank, c, rows, tables, sv);
+                    dbank, c, rows, tables, sv);
       continue;
     }
     if (!rc)
       rc = launch(pdl, coded ? bwd_phase_a_kernel<VEC, T, GT, true> : bwd_phase_a_kernel<VEC, T, GT, false>,
-                  phase_a.grid, phase_a.block, phase_a.smem, stream, dm, p1, io, bank, dbank, dbank_in, zero_row, c,
+                  phase_a.grid, phase_a.block, phase_a.smem, stream, dm, p1, io, input, dbank, dbank_in, zero_row, c,
                   rows, tables);
     if (!rc)
-      rc = launch(pdl, bwd_read_side_kernel<VEC, T, GT>, read_side.grid, read_side.block, read_side.smem, stream, dm,
-                  p1, io, static_cast<const T*>(bank), dbank, dbank_in, zero_row, c, tables);
+      rc = launch(pdl, coded ? bwd_read_side_kernel<VEC, T, GT, true> : bwd_read_side_kernel<VEC, T, GT, false>,
+                  read_side.grid, read_side.block, read_side.smem, stream, dm, p1, io, input, dbank, dbank_in,
+                  zero_row, c, tables);
   }
   if (!rc) {
     rc = launch(pdl, bwd_dots_kernel<T>, dim3(dm.units(), (dm.C + kDotsTile - 1) / kDotsTile), dim3(kDotsThreads), 0,
@@ -136,12 +137,12 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
 }  // namespace
 
 template <typename BankT, typename GradT>
-int backward_cuda(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, BankT* bank_io,
+int backward_cuda(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, const BankT* bank_in,
                   const GradT* dbank_cot, GradT* dbank_out, float* workspace, CUstream_st* stream,
                   const StepSegments* segments) {
   using T = typename Device<BankT>::type;
   using GT = typename Device<GradT>::type;
-  T* bank = reinterpret_cast<T*>(bank_io);
+  const T* bank = reinterpret_cast<const T*>(bank_in);
   const GT* dbank_in = reinterpret_cast<const GT*>(dbank_cot);
   GT* dbank = reinterpret_cast<GT*>(dbank_out);
   int rc = 0;
@@ -159,11 +160,11 @@ int backward_cuda(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   }
 }
 
-template int backward_cuda<float, float>(const StepDims&, const StepPhase1&, const BackwardIO&, float*,
+template int backward_cuda<float, float>(const StepDims&, const StepPhase1&, const BackwardIO&, const float*,
                                          const float*, float*, float*, CUstream_st*, const StepSegments*);
-template int backward_cuda<bf16, float>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, const float*,
-                                        float*, float*, CUstream_st*, const StepSegments*);
-template int backward_cuda<bf16, bf16>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, const bf16*,
-                                       bf16*, float*, CUstream_st*, const StepSegments*);
+template int backward_cuda<bf16, float>(const StepDims&, const StepPhase1&, const BackwardIO&, const bf16*,
+                                        const float*, float*, float*, CUstream_st*, const StepSegments*);
+template int backward_cuda<bf16, bf16>(const StepDims&, const StepPhase1&, const BackwardIO&, const bf16*,
+                                       const bf16*, bf16*, float*, CUstream_st*, const StepSegments*);
 
 }  // namespace sdm

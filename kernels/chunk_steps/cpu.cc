@@ -122,26 +122,27 @@ struct Scratch {
 };
 
 // The snapshot (MATH.md "The forward chunk step", "Snapshot storage"; ForwardIO::snapshot): per unit and write
-// group g, the row of the group's slot before the chunk's write, stored as snapshot_dtype says
-// (kernels/snapshot_codec.h). The forward stores it (store), Phase A reads it as S0 (load: the decoded row, rounded
-// to the bank's dtype as the restore puts it back); this is the only code that knows its layout.
+// group g, the row of the group's slot after the chunk's write, entry u * C * W + g of the call, stored as
+// snapshot_dtype says (kernels/snapshot_codec.h). The forward stores it (store); the backward reads the row as it
+// was before a chunk through a link (load: the decoded row, rounded to the bank's dtype). This is the only code
+// that knows its layout.
 template <typename BankT>
-struct UnitSnapshot {
+struct Snapshot {
   SnapshotDtype type;
   uint8_t* rows;  // null: no residuals
   float* scale;
   int64_t row_bytes, D;
 
-  UnitSnapshot(const void* snapshot, const float* snapshot_scale, SnapshotDtype t, const StepDims& dm, int64_t u)
-      : type(t), rows(nullptr), scale(nullptr), row_bytes(snapshot_row_bytes(t, dm.D, sizeof(BankT))), D(dm.D) {
-    if (!snapshot) return;
-    rows = static_cast<uint8_t*>(const_cast<void*>(snapshot)) + u * dm.C * dm.W * row_bytes;
-    if (snapshot_scaled(t)) scale = const_cast<float*>(snapshot_scale) + u * dm.C * dm.W;
-  }
+  Snapshot(const void* snapshot, const float* snapshot_scale, SnapshotDtype t, const StepDims& dm)
+      : type(t),
+        rows(static_cast<uint8_t*>(const_cast<void*>(snapshot))),
+        scale(snapshot && snapshot_scaled(t) ? const_cast<float*>(snapshot_scale) : nullptr),
+        row_bytes(snapshot_row_bytes(t, dm.D, sizeof(BankT))),
+        D(dm.D) {}
   explicit operator bool() const { return rows != nullptr; }
 
-  void store(int64_t g, const BankT* row) const {
-    uint8_t* out = rows + g * row_bytes;
+  void store(int64_t entry, const BankT* row) const {
+    uint8_t* out = rows + entry * row_bytes;
     if (type == SnapshotDtype::kBank) {
       std::memcpy(out, row, row_bytes);
       return;
@@ -149,23 +150,43 @@ struct UnitSnapshot {
     float amax = 0.f;
     if (scale) {
       for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(to_float(row[d])));
-      scale[g] = snapshot_scale(type, amax);
+      scale[entry] = snapshot_scale(type, amax);
     }
-    const float inverse = scale ? snapshot_inverse(scale[g]) : 0.f;
+    const float inverse = scale ? snapshot_inverse(scale[entry]) : 0.f;
     const auto elem = [&](int64_t d) { return to_float(row[d]); };
     for (int64_t b = 0; b < row_bytes; ++b) out[b] = snapshot_byte(type, b, D, inverse, elem);
   }
 
   // The row as stored, decoded to float32 and rounded to the bank's dtype, into s0.
-  void load(int64_t g, float* s0) const {
-    const uint8_t* in = rows + g * row_bytes;
+  void load(int64_t entry, float* s0) const {
+    const uint8_t* in = rows + entry * row_bytes;
     if (type == SnapshotDtype::kBank) {
       const BankT* row = reinterpret_cast<const BankT*>(in);
       for (int64_t d = 0; d < D; ++d) s0[d] = to_float(row[d]);
       return;
     }
-    const float sc = scale ? scale[g] : 0.f;
+    const float sc = scale ? scale[entry] : 0.f;
     for (int64_t d = 0; d < D; ++d) s0[d] = to_float(from_float<BankT>(snapshot_element(type, in, d, sc)));
+  }
+};
+
+// The links of one unit's entries (ForwardIO::link_k, link_q): each entry's slot's latest stored write in an
+// earlier chunk of the stream, as its snapshot entry, or -1 where there is none (the row is the input bank's).
+// `last` is the stream's table of those entries by slot, as the chunk starts.
+inline void record_links(const int32_t* idx, int64_t n, int64_t K, const int32_t* last, int32_t* links) {
+  for (int64_t e = 0; e < n; ++e) links[e] = idx[e] >= 0 && idx[e] < K ? last[idx[e]] : -1;
+}
+
+// The backward's S0, the row of a slot as it was before a chunk: the snapshot entry `link`, or for -1 the input
+// bank's row (`input`: the stream's block of it).
+template <typename BankT>
+struct S0Rows {
+  Snapshot<BankT> snap;
+  const BankT* input;
+  void load(int32_t link, int32_t s, float* s0) const {
+    if (link >= 0) return snap.load(link, s0);
+    const BankT* row = input + static_cast<int64_t>(s) * snap.D;
+    for (int64_t d = 0; d < snap.D; ++d) s0[d] = to_float(row[d]);
   }
 };
 
@@ -189,16 +210,17 @@ void apply_inverse(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io
   for (int64_t i = 0; i < C * D; ++i) y[i] += Q0[i];
 }
 
-// The write: one writer per written row, its group summed in sorted order, the row first stored in the snapshot.
+// The write: one writer per written row, its group summed in sorted order, then the written row stored in the
+// snapshot and the slot's latest write (`last`, the stream's) moved to it.
 template <typename BankT>
 void write_rows(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, int64_t u, BankT* S,
-                const UnitSegments<BankT>& sg, const float* delta, float* acc) {
+                const UnitSegments<BankT>& sg, const float* delta, float* acc, int32_t* last) {
   const int64_t C = dm.C, W = dm.W, K = dm.K, D = dm.D;
   const int32_t* k_idx = p1.k_idx + u * C * W;
   const int32_t* order = p1.w_order + u * C * W;
   const int32_t* group = p1.w_group + u * (C * W + 1);
   const float* w = p1.w + u * C * W;
-  const UnitSnapshot<BankT> snap(io.snapshot, io.snapshot_scale, io.snapshot_dtype, dm, u);
+  const Snapshot<BankT> snap(io.snapshot, io.snapshot_scale, io.snapshot_dtype, dm);
   for (int64_t g = 0; g < C * W; ++g) {
     int32_t lo, hi;
     const int32_t s = group_slot(order, group, k_idx, g, K, &lo, &hi);
@@ -207,7 +229,6 @@ void write_rows(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, i
     if (!sg.stored(t0)) continue;
     BankT* row = S + static_cast<int64_t>(s) * D;
     const BankT* old = sg.row(S, s, t0, D);  // the row as at the segment's start
-    if (snap) snap.store(g, row);
     if (sg.stamp_snapshot) sg.stamp_snapshot[g] = sg.stamp[s];
     const float cpe = p1.cpe[u * C * W + order[lo]];
     for (int64_t d = 0; d < D; ++d) acc[d] = cpe * to_float(old[d]);
@@ -218,21 +239,30 @@ void write_rows(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, i
     }
     for (int64_t d = 0; d < D; ++d) row[d] = from_float<BankT>(acc[d]);
     if (sg.local) sg.stamp[s] = sg.seg0 + sg.last;
+    if (snap) {
+      snap.store(u * C * W + g, row);
+      last[s] = static_cast<int32_t>(u * C * W + g);
+    }
   }
 }
 
+// `last`: the stream's latest stored write of each slot (record_links), kept only with residuals.
 template <typename BankT>
 void forward_unit(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, int64_t u, BankT* S,
-                  const UnitSegments<BankT>& sg, Scratch& sc) {
+                  const UnitSegments<BankT>& sg, Scratch& sc, int32_t* last) {
   const int64_t C = dm.C, W = dm.W, R = dm.R, K = dm.K, D = dm.D;
   float* G = io.vg ? io.vg + u * C * D : sc.a.data();  // the gathers, then (saving) v - G
   float* Q0 = sc.b.data();
   float* delta = io.delta ? io.delta + u * C * D : sc.d.data();
+  if (io.link_k) {
+    record_links(p1.k_idx + u * C * W, C * W, K, last, io.link_k + u * C * W);
+    record_links(p1.q_idx + u * C * R, C * R, K, last, io.link_q + u * C * R);
+  }
   const auto row_of = [&](int32_t s, int64_t t) { return sg.row(S, s, t, D); };
   gather(row_of, p1.k_idx + u * C * W, p1.k_eff + u * C * W, C, W, K, D, G);
   gather(row_of, p1.q_idx + u * C * R, p1.q_w + u * C * R, C, R, K, D, Q0);
   apply_inverse(dm, p1, io, u, G, io.vg != nullptr, Q0, sc.c.data(), delta);
-  write_rows(dm, p1, io, u, S, sg, delta, sc.c.data());  // u's scratch is free again
+  write_rows(dm, p1, io, u, S, sg, delta, sc.c.data(), last);  // u's scratch is free again
 }
 
 // ---- The backward of a chunk (MATH.md "Backward of a chunk"): GWR, the readings' and the inverse's adjoints,
@@ -302,26 +332,25 @@ void inverse_adjoint(const StepDims& dm, const StepPhase1& p1, const BackwardIO&
   }
 }
 
-// Phase A: per written row, the gradient row and the dots on the row as at the segment's start, then the restore
-// (of the row and, with segments, its stamp). A row read from the initial bank sends its gradient there.
-// `stored_groups`: the groups the forward stored (all of them without segments); else, with segments, the groups
-// of the chunk's earlier segments, which run after the stored ones on the restored rows and only add the gradient
-// of their gathers.
+// Phase A: per written row, the gradient row and the dots on the row as at the segment's start (S0, through the
+// group's link; with segments the stamp is restored first). A row read from the initial bank sends its gradient
+// there. `stored_groups`: the groups the forward stored (all of them without segments); else, with segments, the
+// groups of the chunk's earlier segments, which run after the stored ones and only add the gradient of their
+// gathers.
 template <typename BankT, typename GradT>
-void phase_a(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, int64_t u, BankT* S, GradT* dS,
-             const UnitSegments<BankT>& sg, GradT* dI, const UnitBackward& b, bool stored_groups) {
+void phase_a(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, int64_t u, const S0Rows<BankT>& src,
+             GradT* dS, const UnitSegments<BankT>& sg, GradT* dI, const UnitBackward& b, bool stored_groups) {
   const int64_t C = dm.C, W = dm.W, K = dm.K, D = dm.D;
   const int32_t* k_idx = p1.k_idx + u * C * W;
   const int32_t* order = p1.w_order + u * C * W;
   const int32_t* group = p1.w_group + u * (C * W + 1);
   const float* k_eff = p1.k_eff + u * C * W;
   const float* cpe = p1.cpe + u * C * W;
+  const int32_t* link = io.link_k + u * C * W;
   float* dk_eff = io.dk_eff + u * C * W;
   float* dcpe = io.dcpe + u * C * W;
-  const UnitSnapshot<BankT> snap(io.snapshot, io.snapshot_scale, io.snapshot_dtype, dm, u);
   float* acc = b.tmp;
   float* s0 = b.tmp + D;
-  float* stored = b.tmp + 2 * D;  // the stored group's snapshot row, decoded
   for (int64_t g = 0; g < C * W; ++g) {
     int32_t lo, hi;
     const int32_t s = group_slot(order, group, k_idx, g, K, &lo, &hi);
@@ -330,13 +359,7 @@ void phase_a(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, int
     if (sg.stored(e0 / W) != stored_groups) continue;
     if (sg.local && stored_groups) sg.stamp[s] = sg.stamp_snapshot[g];
     const bool current = sg.current(s, e0 / W);
-    if (stored_groups) snap.load(g, stored);
-    if (current && stored_groups) {
-      std::copy(stored, stored + D, s0);
-    } else {
-      const BankT* old = current ? S + static_cast<int64_t>(s) * D : sg.initial + static_cast<int64_t>(s) * D;
-      for (int64_t d = 0; d < D; ++d) s0[d] = to_float(old[d]);
-    }
+    src.load(current ? link[e0] : -1, s, s0);  // a stale row is the initial bank's, the input's
     GradT* drow = dS + static_cast<int64_t>(s) * D;
     GradT* target = current ? drow : dI + static_cast<int64_t>(s) * D;
     if (stored_groups) {
@@ -356,38 +379,37 @@ void phase_a(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, int
       for (int64_t d = 0; d < D; ++d) acc[d] += k_eff[e] * dg[d];
     }
     for (int64_t d = 0; d < D; ++d) target[d] = from_float<GradT>(acc[d]);
-    if (stored_groups) {
-      BankT* row = S + static_cast<int64_t>(s) * D;
-      for (int64_t d = 0; d < D; ++d) row[d] = from_float<BankT>(stored[d]);
-    }
   }
 }
 
-// The read side, on the restored bank: dS0[s] += sum q_w dy and dq_w = <dy, S0[s]>, one writer per read row (with
-// segments, one per read group in turn).
+// The read side: dS0[s] += sum q_w dy and dq_w = <dy, S0[s]> (S0 through the group's link), one writer per read
+// row (with segments, one per read group in turn).
 template <typename BankT, typename GradT>
-void read_side(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, int64_t u, const BankT* S,
+void read_side(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, int64_t u, const S0Rows<BankT>& src,
                GradT* dS, const UnitSegments<BankT>& sg, GradT* dI, const UnitBackward& b) {
   const int64_t C = dm.C, R = dm.R, K = dm.K, D = dm.D;
   const int32_t* q_idx = p1.q_idx + u * C * R;
   const int32_t* r_order = p1.r_order + u * C * R;
   const int32_t* r_group = p1.r_group + u * (C * R + 1);
+  const int32_t* link = io.link_q + u * C * R;
   const float* q_w = p1.q_w + u * C * R;
   float* dq_w = io.dq_w + u * C * R;
   float* acc = b.tmp;
+  float* s0 = b.tmp + D;
   std::fill(dq_w, dq_w + C * R, 0.f);
   for (int64_t g = 0; g < C * R; ++g) {
     int32_t lo, hi;
     const int32_t s = group_slot(r_order, r_group, q_idx, g, K, &lo, &hi);
     if (s < 0) continue;
     const int64_t t0 = r_order[lo] / R;
-    GradT* drow = (sg.current(s, t0) ? dS : dI) + static_cast<int64_t>(s) * D;
-    const BankT* row = sg.row(S, s, t0, D);
+    const bool current = sg.current(s, t0);
+    GradT* drow = (current ? dS : dI) + static_cast<int64_t>(s) * D;
+    src.load(current ? link[r_order[lo]] : -1, s, s0);
     for (int64_t d = 0; d < D; ++d) acc[d] = to_float(drow[d]);
     for (int32_t i = lo; i < hi; ++i) {
       const int32_t r = r_order[i];
       const float* dyr = b.dy + (r / R) * D;
-      dq_w[r] = dot_row(dyr, row, D);
+      dq_w[r] = dot(dyr, s0, D);
       for (int64_t d = 0; d < D; ++d) acc[d] += q_w[r] * dyr[d];
     }
     for (int64_t d = 0; d < D; ++d) drow[d] = from_float<GradT>(acc[d]);  // one rounding per row
@@ -395,8 +417,8 @@ void read_side(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, i
 }
 
 template <typename BankT, typename GradT>
-void backward_unit(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, int64_t u, BankT* S, GradT* dS,
-                   const UnitSegments<BankT>& sg, GradT* dI, Scratch& sc) {
+void backward_unit(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, int64_t u,
+                   const S0Rows<BankT>& src, GradT* dS, const UnitSegments<BankT>& sg, GradT* dI, Scratch& sc) {
   const int64_t C = dm.C, W = dm.W, D = dm.D;
   // dy comes in the bank's dtype: the unit's rows as float32, once.
   float* dy = sc.e.data();
@@ -409,9 +431,9 @@ void backward_unit(const StepDims& dm, const StepPhase1& p1, const BackwardIO& i
   inverse_adjoint(dm, p1, io, u, b);
   std::fill(io.dk_eff + u * C * W, io.dk_eff + (u + 1) * C * W, 0.f);
   std::fill(io.dcpe + u * C * W, io.dcpe + (u + 1) * C * W, 0.f);
-  phase_a(dm, p1, io, u, S, dS, sg, dI, b, true);
-  if (sg.local) phase_a(dm, p1, io, u, S, dS, sg, dI, b, false);
-  read_side(dm, p1, io, u, S, dS, sg, dI, b);
+  phase_a(dm, p1, io, u, src, dS, sg, dI, b, true);
+  if (sg.local) phase_a(dm, p1, io, u, src, dS, sg, dI, b, false);
+  read_side(dm, p1, io, u, src, dS, sg, dI, b);
 }
 
 int64_t scratch_size(const StepDims& dm) { return std::max<int64_t>(dm.C * dm.D, 3 * dm.D); }
@@ -423,27 +445,32 @@ void forward_cpu(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
                  const StepSegments* segments) {
   parallel_blocks(dm.streams(), 1, [&](int64_t lo, int64_t hi) {
     Scratch sc(scratch_size(dm));
+    std::vector<int32_t> last(io.link_k ? dm.K : 0);
     for (int64_t s = lo; s < hi; ++s) {
       if (segments) std::fill(segments->stamp + s * dm.K, segments->stamp + (s + 1) * dm.K, 0);
+      std::fill(last.begin(), last.end(), -1);
       for (int64_t c = 0; c < dm.NC; ++c) {
         const int64_t u = dm.unit(s, c);
-        forward_unit(dm, p1, io, u, bank + s * dm.K * dm.D, UnitSegments<BankT>(segments, dm, s, u), sc);
+        forward_unit(dm, p1, io, u, bank + s * dm.K * dm.D, UnitSegments<BankT>(segments, dm, s, u), sc,
+                     last.data());
       }
     }
   });
 }
 
 template <typename BankT, typename GradT>
-void backward_cpu(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, BankT* bank, GradT* dbank,
-                  const StepSegments* segments) {
+void backward_cpu(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, const BankT* bank_in,
+                  GradT* dbank, const StepSegments* segments) {
   parallel_blocks(dm.streams(), 1, [&](int64_t lo, int64_t hi) {
     Scratch sc(scratch_size(dm));
     for (int64_t s = lo; s < hi; ++s) {
       GradT* dinitial = segments ? static_cast<GradT*>(segments->dinitial) + s * dm.K * dm.D : nullptr;
+      const S0Rows<BankT> src{Snapshot<BankT>(io.snapshot, io.snapshot_scale, io.snapshot_dtype, dm),
+                              bank_in + dm.input_stream(s) * dm.K * dm.D};
       for (int64_t c = dm.NC - 1; c >= 0; --c) {
         const int64_t u = dm.unit(s, c);
-        backward_unit(dm, p1, io, u, bank + s * dm.K * dm.D, dbank + s * dm.K * dm.D,
-                      UnitSegments<BankT>(segments, dm, s, u), dinitial, sc);
+        backward_unit(dm, p1, io, u, src, dbank + s * dm.K * dm.D, UnitSegments<BankT>(segments, dm, s, u),
+                      dinitial, sc);
       }
     }
   });
@@ -451,11 +478,11 @@ void backward_cpu(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
 
 template void forward_cpu<float>(const StepDims&, const StepPhase1&, const ForwardIO&, float*, const StepSegments*);
 template void forward_cpu<bf16>(const StepDims&, const StepPhase1&, const ForwardIO&, bf16*, const StepSegments*);
-template void backward_cpu<float, float>(const StepDims&, const StepPhase1&, const BackwardIO&, float*, float*,
-                                         const StepSegments*);
-template void backward_cpu<bf16, float>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, float*,
+template void backward_cpu<float, float>(const StepDims&, const StepPhase1&, const BackwardIO&, const float*,
+                                         float*, const StepSegments*);
+template void backward_cpu<bf16, float>(const StepDims&, const StepPhase1&, const BackwardIO&, const bf16*, float*,
                                         const StepSegments*);
-template void backward_cpu<bf16, bf16>(const StepDims&, const StepPhase1&, const BackwardIO&, bf16*, bf16*,
+template void backward_cpu<bf16, bf16>(const StepDims&, const StepPhase1&, const BackwardIO&, const bf16*, bf16*,
                                        const StepSegments*);
 
 }  // namespace sdm

@@ -14,18 +14,43 @@
 namespace sdm {
 namespace {
 
+// The forward's links (ForwardIO::link_k, link_q; null without residuals) and their table `last` ([streams, K]):
+// each slot's latest stored write, as its snapshot entry (-1: none yet). A chunk's gather records its lanes' links
+// from the table before the chunk's write kernel moves the table to the chunk's writes.
+struct Links {
+  int32_t* last;
+  int32_t* k;
+  int32_t* q;
+};
+
+// The links of one side's lanes of token t (unit u, stream s): ids `idx`, `lanes` of them, into `out`.
+__device__ __forceinline__ void record_links(const StepDims& dm, const int32_t* last, const int32_t* idx,
+                                             int64_t lanes, int32_t* out) {
+  for (int64_t k = threadIdx.y * blockDim.x + threadIdx.x; k < lanes; k += blockDim.x * blockDim.y) {
+    const int32_t id = idx[k];
+    out[k] = id >= 0 && id < dm.K ? last[id] : -1;
+  }
+}
+
 // One block per (stream, token, side): side 0 gathers the write lanes' G row, side 1 the read lanes' Q0 row (two
-// blocks rather than one doing both in turn: twice the rows in flight per chunk). Seg is NoSegments; SegView<T>
-// with packed sequences (each lane's row from the working or the initial bank); or FreshView<T> for a fresh
-// output bank (each lane's row from the result or the input bank, by its tag).
+// blocks rather than one doing both in turn: twice the rows in flight per chunk), each recording its lanes' links.
+// Seg is NoSegments; SegView<T> with packed sequences (each lane's row from the working or the initial bank); or
+// FreshView<T> for a fresh output bank (each lane's row from the result or the input bank, by its tag).
 template <int VEC, typename T, typename Seg>
 __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM)
-    fwd_gather_kernel(StepDims dm, StepPhase1 p1, const T* __restrict__ bank, int64_t c, ChunkRows rows, Seg sg) {
+    fwd_gather_kernel(StepDims dm, StepPhase1 p1, const T* __restrict__ bank, int64_t c, ChunkRows rows, Seg sg,
+                      Links links) {
   chain_start();
   extern __shared__ float partial[];
   const int64_t s = blockIdx.x, t = blockIdx.y;
   const int64_t u = unit_of(dm, s, c);
   const T* S = bank + s * dm.K * dm.D;
+  if (links.k) {
+    const bool w_side = blockIdx.z == 0;
+    const int64_t lanes = w_side ? dm.W : dm.R, at = (u * dm.C + t) * lanes;
+    record_links(dm, links.last + s * dm.K, (w_side ? p1.k_idx : p1.q_idx) + at, lanes,
+                 (w_side ? links.k : links.q) + at);
+  }
   const auto side = [&](auto row_of, const int32_t* w_ids, const int32_t* r_ids) {
     if (blockIdx.z == 0) {
       gather_row<VEC, T>(row_of, w_ids + (u * dm.C + t) * dm.W, p1.k_eff + (u * dm.C + t) * dm.W, dm.W, dm.D,
@@ -127,11 +152,13 @@ __global__ void fwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, ForwardIO i
   });
 }
 
-// the first entry's delta the block's token's (pre).
+// The forward write of one group, the columns of one batch of S segments per lane from d0 (x: the row's segments,
+// loaded): row = cpe * S0 + sum over the group's entries (sorted order) of w[e] * delta[t_e], the first entry's
+// delta the block's token's (pre); then, in the bank's dtype, the snapshot of the written row.
 template <bool kCoded, int VEC, int S, typename T>
 __device__ __forceinline__ void write_batch(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, T* bank,
                                             const float* delta, const float* pre, const Group& gr, int64_t d0,
-                                            const Cols<VEC, T> (&x)[S], const CodedRow& coded) {
+                                            const Cols<VEC, T> (&x)[S]) {
   const int64_t C = dm.C, W = dm.W, D = dm.D, u = gr.u;
   constexpr int64_t kStep = 32 * VEC;
   T* row = bank + (gr.s * dm.K + gr.slot) * D;
@@ -142,24 +169,35 @@ __device__ __forceinline__ void write_batch(const StepDims& dm, const StepPhase1
   for (int k = 0; k < S; ++k) {
     const int64_t d = d0 + k * kStep;
     if (d >= D) break;
-    if (snap) snapshot_store<VEC>(snap, d, x[k]);
-    if (kCoded && coded.out) snapshot_store_codes<VEC>(coded, d, x[k]);
     float dl[VEC], acc[VEC];
     load_cols<VEC>(pre + d, dl);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] = __fmaf_rn(w0, dl[i], cpe * x[k][i]);
     group_add<VEC>(p1.w_order + u * C * W, gr.lo + 1, gr.hi, w, delta + d, W, D, acc);
     store_cols<VEC>(row + d, acc);
+    if (snap) store_cols<VEC>(snap + d, acc);  // the written row, the same roundings
   }
 }
 
-// `input` is the input bank of a fresh output bank (the rows of groups from_input are read there), else `bank`.
-// kCoded: the snapshot has another dtype than the bank's (a kernel of its own, so that the bank-dtype one keeps its
-// registers).
+// After a group's row is written (by the whole warp): a coded snapshot of it (the warp reads the row back: its
+// scale needs the whole row's largest magnitude), and the slot's latest write moved to the group's entry.
+template <bool kCoded, typename T>
+__device__ __forceinline__ void after_write(const StepDims& dm, const ForwardIO& io, const T* bank, const Group& gr,
+                                            int32_t* last) {
+  if constexpr (kCoded) {
+    __syncwarp();  // the row's columns, stored by every lane, visible to the warp
+    snapshot_store_row(io, dm, gr.u, gr.g, bank + (gr.s * dm.K + gr.slot) * dm.D, gr.lane);
+  }
+  if (last && gr.lane == 0) last[gr.s * dm.K + gr.slot] = static_cast<int32_t>(gr.u * dm.C * dm.W + gr.g);
+}
+
+// `input` is the input bank of a fresh output bank (the rows of groups from_input are read there), else `bank`;
+// `last` the links' table (Links; null without residuals). kCoded: the snapshot has another dtype than the bank's
+// (a kernel of its own, so that the bank-dtype one keeps its registers).
 template <int VEC, typename T, bool kCoded>
 __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     fwd_write_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, const T* input, T* __restrict__ bank, int64_t c,
-                     ChunkRows rows, GroupTables tables) {
+                     ChunkRows rows, GroupTables tables, int32_t* last) {
   extern __shared__ __align__(16) float staged[];
   const int64_t D = dm.D, s = blockIdx.x, u = unit_of(dm, s, c);
   constexpr int S = segs_for(kWriteLaneBytes, VEC * static_cast<int>(sizeof(T)));
@@ -181,24 +219,12 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     stage_token(D, vecs, staged, pre);
     while (owned.next()) {
       const T* row = row_of(owned.gr);
-      CodedRow coded{nullptr, 0.f, io.snapshot_dtype};
-      if constexpr (kCoded) {
-        // The scale needs the whole row's maximum before the first code: a pass of loads over the row for it.
-        float amax = 0.f;
-        if (snapshot_scaled(io.snapshot_dtype) && snapshot_lane_codes<VEC>(io.snapshot_dtype)) {
-          for (int64_t d = d0; d < D; d += S * 32 * VEC) {
-            Cols<VEC, T> x[S];
-            load_batch(row, d, D, x);
-            amax = batch_amax(x, d, D, amax);
-          }
-        }
-        coded = snapshot_coded_row<VEC>(io, dm, u, owned.gr.g, row, owned.gr.lane, amax);
-      }
       for (int64_t d = d0; d < D; d += S * 32 * VEC) {
         Cols<VEC, T> x[S];
         load_batch(row, d, D, x);
-        write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], owned.gr, d, x, coded);
+        write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], owned.gr, d, x);
       }
+      after_write<kCoded>(dm, io, bank, owned.gr, last);
     }
     return;
   }
@@ -214,10 +240,8 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     const bool more = owned.next();
     Cols<VEC, T> y[S];
     if (more) load_batch(row_of(owned.gr), d0, D, y);
-    CodedRow coded{nullptr, 0.f, io.snapshot_dtype};
-    if constexpr (kCoded)  // the scale from the row's columns the lanes hold (the whole row)
-      coded = snapshot_coded_row<VEC>(io, dm, u, cur.g, row_of(cur), cur.lane, batch_amax(x, d0, D, 0.f));
-    write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], cur, d0, x, coded);
+    write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], cur, d0, x);
+    after_write<kCoded>(dm, io, bank, cur, last);
     if (!more) break;
     cur = owned.gr;
 #pragma unroll

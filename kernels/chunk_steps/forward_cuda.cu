@@ -5,7 +5,7 @@
 //
 //   gather            (stream, token, side): the G and Q0 rows
 //   apply the inverse (stream, 32-column slice): u = beta (v - G), delta = Minv u, y = Q0 + QK delta
-//   write             (stream, token; a warp per write group): snapshot, then cpe * S0 + sum_e w[e] delta[t_e]
+//   write             (stream, token; a warp per write group): cpe * S0 + sum_e w[e] delta[t_e], then its snapshot
 //
 // With packed sequences the write is packed.cuh's.
 #include <cuda_runtime.h>
@@ -32,8 +32,11 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
     return fwd_apply_inverse_kernel<kStaged(), kRows()>;
   });
   const size_t smem = kFwdApplySmem.bytes(dm.C, staged);
+  // The links' table: every slot without a write yet (-1) as the loop starts.
+  const Links links{save ? fa.last : nullptr, io.link_k, io.link_q};
   int rc = 0;
-  if (!fresh) rc = copy_whole(dm, input, bank, stream);  // none when input is bank
+  if (save) rc = static_cast<int>(cudaMemsetAsync(fa.last, 0xff, dm.streams() * dm.K * sizeof(int32_t), stream));
+  if (!rc && !fresh) rc = copy_whole(dm, input, bank, stream);  // none when input is bank
   if (!rc && fresh) {
     const TouchMap maps[2] = {{p1.k_idx, dm.W, kForwardStep, true, fa.w_tag},
                               {p1.q_idx, dm.R, kForwardStep, false, fa.r_tag}};
@@ -56,7 +59,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
     if (!rc) rc = smem_attribute(gather, rb.smem);
     for (int64_t c = 0; c < dm.NC && !rc; ++c) {
       rc = launch(pdl, gather, gather_grid, rb.threads, rb.smem, stream, dm, p1, static_cast<const T*>(bank), c,
-                  rows, seg);
+                  rows, seg, links);
       if (!rc)
         rc = launch(pdl, fwd_apply, slice_grid, dim3(dense_threads(dm.C, true, staged)), smem, stream, dm, p1, io, c,
                     rows);
@@ -69,7 +72,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
     const auto write = [&](int64_t c) {
       return launch(pdl, coded ? fwd_write_kernel<VEC, T, true> : fwd_write_kernel<VEC, T, false>, ol.grid, ol.block,
                     ol.smem, stream, dm, p1, io, fresh ? input : static_cast<const T*>(bank), bank, c, rows,
-                    group_tables.at(dm, c));
+                    group_tables.at(dm, c), links.last);
     };
     if (fresh)
       steps(fwd_gather_kernel<VEC, T, FreshView<T>>, write, FreshView<T>{input, fa.w_tag, fa.r_tag});
@@ -82,7 +85,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   if (!rc) rc = static_cast<int>(cudaMemsetAsync(sv.stamp, 0, dm.streams() * dm.K * sizeof(int32_t), stream));
   steps(fwd_gather_kernel<VEC, T, SegView<T>>, [&](int64_t c) {
     return launch(pdl, fwd_write_packed_kernel<VEC, T>, group_grid, dim3(kGroupWarps * 32), 0, stream, dm, p1, io,
-                  bank, c, rows, group_tables.at(dm, c), sv);
+                  bank, c, rows, group_tables.at(dm, c), sv, links.last);
   }, sv);
   return rc;
 }

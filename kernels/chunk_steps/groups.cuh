@@ -43,12 +43,13 @@ __host__ __device__ inline int64_t table_unit(const StepDims& dm, int64_t chunks
 // group, out[g] = {slot, lo, hi, first} for every group g < n (the packed kernels); or by first entry (the unpacked
 // kernels), out[first] = {slot, lo, hi, g} at the first sorted entry of every group with a slot in range, the rest
 // left as they are (filled with -1 before). With `first` (a fresh result's first steps; by first entry) `hi`
-// carries kFromInput when the group's kernel, at `step`, reads its row from the input. Nothing is written before
-// chain_start (backward_loop's ring relies on it).
+// carries kFromInput when the group's kernel, at `step`, reads its row from the input. With `links` (the backward's,
+// by first entry) the last field is the link of the group's first entry instead of g (ForwardIO::link_k,
+// link_q: where the group's S0 is). Nothing is written before chain_start (backward_loop's ring relies on it).
 __global__ void group_table_kernel(StepDims dm, const int32_t* __restrict__ order, const int32_t* __restrict__ group,
                                    const int32_t* __restrict__ idx, int64_t lanes, int64_t chunks, int64_t c0,
-                                   int64_t c1, bool by_first, const uint32_t* __restrict__ first, StepOf step,
-                                   GroupEntry* __restrict__ table) {
+                                   int64_t c1, bool by_first, const uint32_t* __restrict__ first,
+                                   const int32_t* __restrict__ links, StepOf step, GroupEntry* __restrict__ table) {
   chain_start();
   const int64_t n = dm.C * lanes, streams = dm.V * dm.P;
   for (int64_t b = blockIdx.y; b < streams * (c1 - c0); b += gridDim.y) {
@@ -71,7 +72,8 @@ __global__ void group_table_kernel(StepDims dm, const int32_t* __restrict__ orde
         out[g] = e;
       } else if (e.slot >= 0) {
         const bool from_input = f && f[e.slot] >= at;
-        out[e.first] = GroupEntry{e.slot, e.lo, e.hi | (from_input ? kFromInput : 0), static_cast<int32_t>(g)};
+        out[e.first] = GroupEntry{e.slot, e.lo, e.hi | (from_input ? kFromInput : 0),
+                                  links ? links[u * n + e.first] : static_cast<int32_t>(g)};
       }
     }
   }
@@ -81,7 +83,7 @@ __global__ void group_table_kernel(StepDims dm, const int32_t* __restrict__ orde
 // group) in chunk c: its unit u, its sorted entries [lo, hi), the first of them and its slot, from chunk c's
 // group table of a map with `lanes` lanes (W or R). False when the warp has no group.
 struct Group {
-  int64_t s, u, g;
+  int64_t s, u, g;  // g: the group; from the backward's tables by first entry, the link of its first entry
   int lane;
   int32_t lo, hi, slot, first;
   bool from_input;  // a fresh output bank's first write of the slot: the row is the input bank's
@@ -231,9 +233,6 @@ __device__ __forceinline__ void group_add(const int32_t* order, int32_t from, in
     for (int i = 0; i < VEC; ++i) acc[i] += coef[e] * x[i];
   }
 }
-
-// The forward write of one group, the columns of one batch of S segments per lane from d0 (x: the row's
-// segments, loaded): snapshot, then row = cpe * S0 + sum over the group's entries (sorted order) of w[e] * delta[t_e],
 
 }  // namespace
 }  // namespace sdm

@@ -131,6 +131,7 @@ struct TableMap {
   const int32_t* idx;
   int64_t lanes;
   StepOf step;
+  const int32_t* links = nullptr;  // the backward's: each entry's link, for the tables by first entry
 };
 
 // The tables of `maps` (the write map's, then the backward's read map's) for chunks [c0, c1) of every stream. By
@@ -150,7 +151,8 @@ int build_group_tables(bool pdl, const StepDims& dm, const ChunkTables& tables, 
     const TableMap& m = maps[i];
     if (m.lanes == 0) continue;
     const int rc = launch(pdl, group_table_kernel, unit_grid(units, dm.C * m.lanes), dim3(256), 0, stream, dm,
-                          m.order, m.group, m.idx, m.lanes, tables.chunks, c0, c1, by_first, first, m.step, out[i]);
+                          m.order, m.group, m.idx, m.lanes, tables.chunks, c0, c1, by_first, first,
+                          by_first ? m.links : nullptr, m.step, out[i]);
     if (rc) return rc;
   }
   return 0;
@@ -164,12 +166,13 @@ struct FreshArrays {
   int32_t* w_tag;
   int32_t* r_tag;
   float* zero_row;  // the backward's: a row of zeros (16-byte aligned), read for a zero cotangent's rows
+  int32_t* last;    // the forward's: each slot's latest stored write, as its snapshot entry (Links)
 };
 inline FreshArrays fresh_arrays_at(const StepDims& dm, GroupEntry* after_tables, bool forward) {
   uint32_t* first = reinterpret_cast<uint32_t*>(after_tables);
   int32_t* w_tag = reinterpret_cast<int32_t*>(first + dm.streams() * dm.K);
   int32_t* end = w_tag + dm.units() * dm.C * dm.W;
-  if (forward) return FreshArrays{first, w_tag, end, nullptr};
+  if (forward) return FreshArrays{first, w_tag, end, nullptr, end + dm.units() * dm.C * dm.R};
   const uintptr_t at = (reinterpret_cast<uintptr_t>(end) + 15) / 16 * 16;
   return FreshArrays{first, w_tag, nullptr, reinterpret_cast<float*>(at)};
 }

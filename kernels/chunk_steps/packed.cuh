@@ -53,15 +53,15 @@ __device__ __forceinline__ void slot_chain(const GroupEntry* table, int64_t n, c
 }
 
 // The gradient of a group's gathers (a read group, or a write group of an earlier segment in Phase A): for each
-// entry x (sorted order), out[x] = <vecs_x, row> (warp_dot), and target += sum coef[x] vecs_x, where vecs_x is the
-// row of D floats of x's token ((x / lanes) * D): dy and q_w for reads, dG and k_eff for writes.
-template <int VEC, typename V, typename T, typename GT>
+// entry x (sorted order), out[x] = <vecs_x, S0> (S0 a source of walk_two_sources), and target += sum coef[x] vecs_x,
+// where vecs_x is the row of D floats of x's token ((x / lanes) * D): dy and q_w for reads, dG and k_eff for writes.
+template <int VEC, typename V, typename Src, typename GT>
 __device__ __forceinline__ void gathers_gradient(const GroupEntry& e, const int32_t* order, const V* vecs,
-                                                 const float* coef, int64_t lanes, int64_t D, int lane, const T* row,
+                                                 const float* coef, int64_t lanes, int64_t D, int lane, const Src& s0,
                                                  GT* target, float* out) {
   for (int32_t k = e.lo; k < e.hi; ++k) {
     const int32_t x = order[k];
-    const float dot = warp_dot<VEC>(vecs + (x / lanes) * D, row, D, lane);
+    const float dot = source_dot<VEC>(s0, vecs + (x / lanes) * D, D, lane);
     if (lane == 0) out[x] = dot;
   }
   for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
@@ -73,12 +73,13 @@ __device__ __forceinline__ void gathers_gradient(const GroupEntry& e, const int3
 }
 
 // Forward write with packed sequences: the groups of the chunk's last segment only. The row starts from the row
-// as at its segment's start (the working row if current, else the initial bank's); the snapshot keeps the working
-// row as it was and the stamp snapshot its stamp; the row is then stamped seg0 + last.
+// as at its segment's start (the working row if current, else the initial bank's); the snapshot keeps the written
+// row and the stamp snapshot the row's stamp before; the row is then stamped seg0 + last, and the slot's latest
+// write (`latest`, the links' table: null without residuals) moves to the group's entry.
 template <int VEC, typename T>
 __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
     fwd_write_packed_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, T* __restrict__ bank, int64_t c,
-                            ChunkRows rows, GroupTables tables, SegView<T> sg) {
+                            ChunkRows rows, GroupTables tables, SegView<T> sg, int32_t* latest) {
   chain_start();
   Group gr;
   if (!warp_group(dm, c, tables.w, dm.W, &gr)) return;
@@ -91,34 +92,35 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
   T* row = bank + (s * K + gr.slot) * D;
   const T* old = current ? row : sg.initial + (s * K + gr.slot) * D;
   T* snap = snapshot_row<T>(io, dm, u, g);
-  snapshot_store_row(io, dm, u, g, static_cast<const T*>(row), gr.lane);
   const int32_t* order = p1.w_order + u * C * W;
   const float cpe = p1.cpe[u * C * W + gr.first];
   const float* delta = rows.delta + rows.at(dm, u, s);
   for (int64_t d = static_cast<int64_t>(gr.lane) * VEC; d < D; d += 32 * VEC) {
     float acc[VEC];
     load_cols<VEC>(old + d, acc);
-    if (snap) snapshot_store<VEC>(snap, d, static_cast<const T*>(row));
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] *= cpe;
     group_add<VEC>(order, gr.lo, gr.hi, p1.w + u * C * W, delta + d, W, D, acc);
     store_cols<VEC>(row + d, acc);
+    if (snap) store_cols<VEC>(snap + d, acc);
   }
-  __syncwarp();  // every lane has read the stamp
+  __syncwarp();  // every lane has read the stamp, and the written row is visible to the warp
+  snapshot_store_row(io, dm, u, g, static_cast<const T*>(row), gr.lane);  // a coded snapshot
   if (gr.lane == 0) {
     if (sg.stamp_snapshot) sg.stamp_snapshot[u * C * W + g] = stamp;
     sg.stamp[s * K + gr.slot] = sg.seg0[u] + last;
+    if (latest) latest[s * K + gr.slot] = static_cast<int32_t>(u * C * W + g);
   }
 }
 
 // Phase A with packed sequences, the stored groups (the chunk's last segment; one per slot): restore the stamp,
-// take the dots on the row as at the segment's start (the snapshot if current, else the initial bank's row), send
-// cpe dS1 + sum k_eff dG to the row's gradient if current, else to the initial bank's (the row's gradient is then
-// 0: the write replaced a row it did not read), restore the row.
+// take the dots on the row as at the segment's start (S0 through the group's link if current, else the initial
+// bank's row), send cpe dS1 + sum k_eff dG to the row's gradient if current, else to the initial bank's (the row's
+// gradient is then 0: the write replaced a row it did not read).
 template <int VEC, typename T, typename GT>
 __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
-    bwd_phase_a_packed_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, T* __restrict__ bank, GT* __restrict__ dbank,
-                              int64_t c, BackRows rows, GroupTables tables, SegView<T> sg) {
+    bwd_phase_a_packed_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, GT* __restrict__ dbank, int64_t c,
+                              BackRows rows, GroupTables tables, SegView<T> sg) {
   chain_start();
   Group gr;
   if (!warp_group(dm, c, tables.w, dm.W, &gr)) return;
@@ -131,15 +133,15 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
   const int64_t at = (s * K + gr.slot) * D;
   GT* drow = dbank + at;
   GT* target = current ? drow : static_cast<GT*>(sg.dinitial) + at;
-  const bool restored = snapshot_restore_row<VEC>(io, dm, u, g, bank + at, lane);
-  const T* snap = restored ? bank + at : snapshot_row<T>(io, dm, u, g);
-  const T* s0 = current ? snap : sg.initial + at;
   const int32_t* order = p1.w_order + u * C * W;
   const int64_t e0 = u * C * W + gr.first;
   const float cpe = p1.cpe[e0];
   const float* delta = io.delta + u * C * D;
   const float* dG = rows.dG + s * C * D;
-  phase_a_dots<VEC>(drow, s0, delta, dG, order, gr.lo, gr.hi, W, D, lane, io, u * C * W, e0);
+  const int32_t link = current ? io.link_k[e0] : -1;
+  with_s0_source<VEC, T, true>(io, dm, link, sg.initial + at, [&](const auto& s0) {
+    phase_a_dots<VEC>(drow, s0, delta, dG, order, gr.lo, gr.hi, W, D, lane, io, u * C * W, e0);
+  });
   for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
     float acc[VEC];
     load_cols<VEC>(drow + d, acc);
@@ -155,20 +157,19 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
     }
     group_add<VEC>(order, gr.lo, gr.hi, p1.k_eff + u * C * W, dG + d, W, D, acc);
     store_cols<VEC>(target + d, acc);
-    if (!restored) snapshot_restore<VEC>(bank + at, d, snap);
   }
   if (lane == 0) sg.stamp[s * K + gr.slot] = stamp;
 }
 
 // With packed sequences, the groups that add only their gathers' gradient, after Phase A's stored groups (on the
-// restored rows and stamps): kRead false, Phase A's groups of the chunk's earlier segments (not stored): dk_eff
+// restored stamps): kRead false, Phase A's groups of the chunk's earlier segments (not stored): dk_eff
 // and sum k_eff dG; kRead true, the read side: dq_w and sum q_w dy. Each goes to the row's gradient if current,
 // else to the initial bank's, with the dots on the row as at its segment's start; a slot's groups in segment
 // order, by one warp (slot_chain).
 template <int VEC, typename T, typename GT, bool kRead>
 __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
-    bwd_gathers_packed_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const T* __restrict__ bank,
-                              GT* __restrict__ dbank, int64_t c, BackRows rows, GroupTables tables, SegView<T> sg) {
+    bwd_gathers_packed_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, GT* __restrict__ dbank, int64_t c,
+                              BackRows rows, GroupTables tables, SegView<T> sg) {
   chain_start();
   const int64_t lanes = kRead ? dm.R : dm.W;
   Group gr;
@@ -193,8 +194,11 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
   slot_chain(table, n, local_u, lanes, K, gr.slot, gr.g, l, kRead ? last + 1 : last, [&](int64_t h, int32_t) {
     const GroupEntry e = table[h];
     const bool current = seg_current(sg, dm, s, u, e.first / lanes, gr.slot);
-    gathers_gradient<VEC>(e, order, vecs, coef, lanes, D, gr.lane, (current ? bank : sg.initial) + at,
-                          (current ? dbank : static_cast<GT*>(sg.dinitial)) + at, out);
+    const int32_t link = current ? (kRead ? io.link_q : io.link_k)[u * n + e.first] : -1;
+    with_s0_source<VEC, T, true>(io, dm, link, sg.initial + at, [&](const auto& s0) {
+      gathers_gradient<VEC>(e, order, vecs, coef, lanes, D, gr.lane, s0,
+                            (current ? dbank : static_cast<GT*>(sg.dinitial)) + at, out);
+    });
   });
 }
 
