@@ -43,7 +43,8 @@
   X(Arg, ::sdm_ffi::AnyBuffer, snapshot) SEP() X(Arg, ::sdm_ffi::F32, snapshot_scale) SEP()                   \
   X(Arg, ::sdm_ffi::S32, link_k) SEP() X(Arg, ::sdm_ffi::S32, link_q) SEP()                                     \
   X(Attr, int64_t, snapshot_dtype) SEP() X(Ret, ::sdm_ffi::AnyBuffer, dbank_out) SEP()                          \
-  X(Ret, ::sdm_ffi::F32, dk_eff) SEP() X(Ret, ::sdm_ffi::F32, dw) SEP() X(Ret, ::sdm_ffi::F32, dcpe) SEP() X(Ret, ::sdm_ffi::F32, dq_w) SEP() X(Ret, ::sdm_ffi::F32, dA) SEP()  \
+  X(Ret, ::sdm_ffi::F32, dk_eff) SEP() X(Ret, ::sdm_ffi::F32, dw) SEP() X(Ret, ::sdm_ffi::F32, dcpe) SEP()       \
+  X(Ret, ::sdm_ffi::F32, dq_w) SEP() X(Ret, ::sdm_ffi::F32, dA) SEP()                                             \
   X(Ret, ::sdm_ffi::F32, dQK) SEP() X(Ret, ::sdm_ffi::F32, dbeta) SEP() X(Ret, ::sdm_ffi::F32, dv) SEP()        \
   X(Ret, ::sdm_ffi::F32, workspace)
 
@@ -64,8 +65,8 @@
 namespace sdm_ffi {
 
 // Sizes from k_idx [V..., NC, P, C, W], q_idx [.., R], bank [V..., P, K, D]; with `shared_bank` (an input bank:
-// the forward's, the backward's) the bank may also be one [P_in, K, D] that the streams share (P_in dividing P; kernels/chunk_steps.h
-// StepDims::input_streams).
+// the forward's, the backward's) the bank may also be one [P_in, K, D] that the streams share (P_in dividing P;
+// kernels/chunk_steps.h StepDims::input_streams).
 inline ffi::Error StepDimsOf(const char* op, const ffi::AnyBuffer& bank, const S32& k_idx, const S32& q_idx,
                              sdm::StepDims* dm, bool shared_bank = false) {
   auto kd = k_idx.dimensions();
@@ -303,10 +304,12 @@ inline ffi::Error PrepareBackward(SDM_FFI_PARAMS(SDM_BACKWARD_BUFFERS), Backward
   return ffi::Error::Success();
 }
 
-// The segment buffers both directions share, checked: the initial bank (like the bank), each token's segment
-// within its chunk and each chunk's first segment.
+// The segment buffers both directions share, checked (the bank per stream, not shared): the initial bank (like the
+// bank), each token's segment within its chunk and each chunk's first segment.
 inline ffi::Error CheckSegmentInputs(const char* op, const sdm::StepDims& dm, const ffi::AnyBuffer& bank,
                                      const ffi::AnyBuffer& initial, const S32& local, const S32& seg0) {
+  if (dm.input_streams)
+    return ffi::Error::InvalidArgument(std::string(op) + ": packed sequences need the bank per stream, [..., P, K, D]");
   SDM_RETURN_IF_ERROR(CheckShape(op, "initial", initial, dm.V, {dm.P, dm.K, dm.D}));
   if (initial.element_type() != bank.element_type())
     return ffi::Error::InvalidArgument(std::string(op) + ": the initial bank must have the bank's dtype");
@@ -320,8 +323,6 @@ inline ffi::Error PrepareForwardSegments(const ForwardCall& call, const ffi::Any
                                          SDM_FFI_PARAMS(SDM_FORWARD_SEGMENT_BUFFERS), sdm::StepSegments* segments) {
   const char* op = "sdm_forward_packed";
   const sdm::StepDims& dm = call.dm;
-  if (dm.input_streams)
-    return ffi::Error::InvalidArgument(std::string(op) + ": packed sequences need the bank per stream, [..., P, K, D]");
   SDM_RETURN_IF_ERROR(CheckSegmentInputs(op, dm, bank, initial, local, seg0));
   SDM_RETURN_IF_ERROR(CheckShape(op, "stamp (result)", *stamp, dm.V, {dm.P, dm.K}));
   const bool save = call.io.snapshot != nullptr;

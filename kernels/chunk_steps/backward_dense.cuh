@@ -233,8 +233,6 @@ __global__ void __launch_bounds__(kDotsThreads, 2) bwd_dots_kernel(StepDims dm, 
   }
 }
 
-// Phase A's dots of a long group, each one warp_dot: dcpe = <dS1, S0> at the group's first entry e0, and per entry e
-
 }  // namespace
 }  // namespace sdm
 

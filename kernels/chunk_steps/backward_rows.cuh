@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   const float* delta = io.delta + u * C * D;
   const float* dG = rows.dG + s * C * D;
   const float* const vecs[2] = {delta, dG};
-  const T* in_rows = input + input_stream(dm, s) * K * D;
+  const T* in_rows = input + dm.input_stream(s) * K * D;
   for_owned_groups(dm, s, u, tables.w, W, vecs, staged, [&](const Group& gr, const float* const (&pre)[2]) {
     const int lane = gr.lane;
     const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   const int64_t C = dm.C, R = dm.R, D = dm.D, K = dm.K, s = blockIdx.x, u = unit_of(dm, s, c);
   const T* dy = static_cast<const T*>(io.dy) + u * C * D;
   const T* const vecs[1] = {dy};
-  const T* in_rows = input + input_stream(dm, s) * K * D;
+  const T* in_rows = input + dm.input_stream(s) * K * D;
   for_owned_groups(dm, s, u, tables.r, R, vecs, staged, [&](const Group& gr, const auto& pre) {
     const int lane = gr.lane;
     const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;

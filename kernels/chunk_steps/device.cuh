@@ -165,21 +165,10 @@ __device__ __forceinline__ void walk_two_sources(const SA& a, const SB& b, const
   }
 }
 
-// walk_two_sources over two rows in memory, `a` and `b` (dtypes A and B).
-template <int VEC, int NPRE, typename A, typename B, typename P, typename Body>
-__device__ __forceinline__ void walk_two_rows(const A* a, const B* b, const P* const (&pre)[NPRE], int64_t D,
-                                              int lane, Body body) {
-  walk_two_sources<VEC>(RowSource<VEC, A>{a}, RowSource<VEC, B>{b}, pre, D, lane, body);
-}
-
 __device__ __forceinline__ int64_t unit_of(const StepDims& dm, int64_t s, int64_t c) {
   return ((s / dm.P) * dm.NC + c) * dm.P + s % dm.P;
 }
 
-// The block of the forward's input bank that stream s reads (StepDims::input_streams).
-__device__ __forceinline__ int64_t input_stream(const StepDims& dm, int64_t s) {
-  return dm.input_streams ? s % dm.input_streams : s;
-}
 
 // Programmatic dependent launch (sm_90 and later): the host launches each kernel of a call so that its blocks may
 // start while the previous kernel on the stream drains (hiding the launch gap between the ~200-470 launches of a

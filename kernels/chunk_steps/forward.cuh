@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM)
     side(SegmentRows<T>{S, sg.initial + s * dm.K * dm.D, sg.stamp + s * dm.K, sg.seg0[u],
                         sg.local[u * dm.C + t] == 0, dm.K, dm.D}, p1.k_idx, p1.q_idx);
   } else if constexpr (std::is_same_v<Seg, FreshView<T>>) {
-    side(FreshRows<T>{S, sg.input + input_stream(dm, s) * dm.K * dm.D, dm.D}, sg.w_tag, sg.r_tag);
+    side(FreshRows<T>{S, sg.input + dm.input_stream(s) * dm.K * dm.D, dm.D}, sg.w_tag, sg.r_tag);
   } else {
     side(BankRows<T>{S, dm.K, dm.D}, p1.k_idx, p1.q_idx);
   }
@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   extern __shared__ __align__(16) float staged[];
   const int64_t D = dm.D, s = blockIdx.x, u = unit_of(dm, s, c);
   constexpr int S = segs_for(kWriteLaneBytes, VEC * static_cast<int>(sizeof(T)));
-  const int64_t in_s = input_stream(dm, s);
+  const int64_t in_s = dm.input_stream(s);
   const auto row_of = [&](const Group& gr) {
     return gr.from_input ? input + (in_s * dm.K + gr.slot) * D : bank + (s * dm.K + gr.slot) * D;
   };

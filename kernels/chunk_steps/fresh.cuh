@@ -70,7 +70,8 @@ __global__ void lane_tags_kernel(StepDims dm, const int32_t* __restrict__ idx, i
   }
 }
 
-// The rows no step writes, from the input (its block input_stream) into the result, or zeros for a null input.
+// The rows no step writes, from the input (its block StepDims::input_stream) into the result, or zeros for a null
+// input.
 // Each warp reads 32 rows' first steps in one load and copies the untouched rows among them (VEC columns per lane;
 // D a multiple of VEC): at model sizes nearly every row is written, so most warps skip all 32 of their rows after
 // that one load.
@@ -85,7 +86,7 @@ __global__ void copy_untouched_kernel(StepDims dm, const uint32_t* __restrict__ 
     const bool untouched = r0 + lane < rows && first[r0 + lane] == kUntouched;
     for (unsigned m = __ballot_sync(0xffffffffu, untouched); m != 0; m &= m - 1) {
       const int64_t row = r0 + __ffs(m) - 1, at = row * dm.D;
-      const int64_t in_at = (input_stream(dm, row / dm.K) * dm.K + row % dm.K) * dm.D;
+      const int64_t in_at = (dm.input_stream(row / dm.K) * dm.K + row % dm.K) * dm.D;
       for (int64_t col = lane * VEC; col < dm.D; col += 32 * VEC) {
         if (input == nullptr) {
           const float zeros[VEC] = {};

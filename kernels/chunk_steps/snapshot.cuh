@@ -133,12 +133,6 @@ struct CodedCols {
   __device__ __forceinline__ float operator[](int i) const {
     return rounded_to(coded_value<kT, VEC>(w, i, scale), static_cast<const T*>(nullptr));
   }
-  __device__ __forceinline__ void store(T* p) const {
-    float v[VEC];
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) v[i] = coded_value<kT, VEC>(w, i, scale);
-    store_cols<VEC>(p, v);
-  }
 };
 
 // Entry `entry`'s row in a snapshot coded as kT, as a source of walk_two_sources (device.cuh RowSource's
