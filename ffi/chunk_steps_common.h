@@ -23,14 +23,14 @@
 // packed sequences' (kernels/chunk_steps.h StepSegments).
 #define SDM_FORWARD_BUFFERS(X, SEP)                                                                             \
   X(Arg, ::sdm_ffi::AnyBuffer, bank) SEP() X(Arg, ::sdm_ffi::S32, k_idx) SEP() X(Arg, ::sdm_ffi::S32, q_idx)    \
-  SEP() X(Arg, ::sdm_ffi::F32, v) SEP() X(Arg, ::sdm_ffi::F32, beta) SEP() X(Arg, ::sdm_ffi::F32, k_eff) SEP()  \
-  X(Arg, ::sdm_ffi::F32, w) SEP() X(Arg, ::sdm_ffi::F32, cpe) SEP() X(Arg, ::sdm_ffi::F32, q_w) SEP()           \
-  X(Arg, ::sdm_ffi::F32, QK) SEP() X(Arg, ::sdm_ffi::S32, w_order) SEP() X(Arg, ::sdm_ffi::S32, w_group) SEP()  \
-  X(Arg, ::sdm_ffi::F32, minv) SEP() X(Ret, ::sdm_ffi::AnyBuffer, bank_out) SEP() X(Ret, ::sdm_ffi::F32, y)     \
-  SEP() X(Ret, ::sdm_ffi::F32, delta) SEP() X(Ret, ::sdm_ffi::F32, vg) SEP()                                    \
-  X(Ret, ::sdm_ffi::AnyBuffer, snapshot) SEP() X(Ret, ::sdm_ffi::F32, snapshot_scale) SEP()                  \
-  X(Ret, ::sdm_ffi::S32, link_k) SEP() X(Ret, ::sdm_ffi::S32, link_q) SEP()                                    \
-  X(Ret, ::sdm_ffi::F32, workspace) SEP() X(Attr, int64_t, snapshot_dtype)
+  SEP() X(Arg, ::sdm_ffi::AnyBuffer, v) SEP() X(Arg, ::sdm_ffi::F32, beta) SEP() X(Arg, ::sdm_ffi::F32, k_eff)  \
+  SEP() X(Arg, ::sdm_ffi::F32, w) SEP() X(Arg, ::sdm_ffi::F32, cpe) SEP() X(Arg, ::sdm_ffi::F32, q_w)           \
+  SEP() X(Arg, ::sdm_ffi::F32, QK) SEP() X(Arg, ::sdm_ffi::S32, w_order) SEP() X(Arg, ::sdm_ffi::S32, w_group)  \
+  SEP() X(Arg, ::sdm_ffi::F32, minv) SEP() X(Ret, ::sdm_ffi::AnyBuffer, bank_out)                               \
+  SEP() X(Ret, ::sdm_ffi::AnyBuffer, y) SEP() X(Ret, ::sdm_ffi::F32, delta) SEP() X(Ret, ::sdm_ffi::F32, vg)    \
+  SEP() X(Ret, ::sdm_ffi::AnyBuffer, snapshot) SEP() X(Ret, ::sdm_ffi::F32, snapshot_scale)                     \
+  SEP() X(Ret, ::sdm_ffi::S32, link_k) SEP() X(Ret, ::sdm_ffi::S32, link_q)                                     \
+  SEP() X(Ret, ::sdm_ffi::F32, workspace) SEP() X(Attr, int64_t, snapshot_dtype)
 
 #define SDM_BACKWARD_BUFFERS(X, SEP)                                                                            \
   X(Arg, ::sdm_ffi::AnyBuffer, bank) SEP() X(Arg, ::sdm_ffi::AnyBuffer, dbank) SEP()                            \
@@ -208,11 +208,13 @@ inline ffi::Error PrepareForward(SDM_FFI_PARAMS(SDM_FORWARD_BUFFERS), ForwardCal
   if (bank_out->element_type() != bank.element_type())
     return ffi::Error::InvalidArgument(std::string(op) + ": the result bank must have the input bank's dtype");
   SDM_RETURN_IF_ERROR(CheckShape(op, "y (result)", *y, dm.V, {dm.NC, dm.P, dm.C, dm.D}));
+  SDM_RETURN_IF_ERROR(CheckValueType(op, "v", v, bank.element_type()));
+  SDM_RETURN_IF_ERROR(CheckValueType(op, "y (result)", *y, bank.element_type()));
   SDM_RETURN_IF_ERROR(CheckResiduals(op, dm, bank, *delta, *vg, *snapshot, *snapshot_scale, *link_k, *link_q, type,
                                      &save));
   SDM_RETURN_IF_ERROR(CheckWorkspace(op, *workspace, sdm::forward_workspace_floats(dm)));
   call->p1 = Phase1View(k_idx, q_idx, k_eff, w, cpe, q_w, nullptr, QK, w_order, w_group, nullptr, nullptr, minv);
-  call->io = sdm::ForwardIO{v.typed_data(), beta.typed_data(), y->typed_data(),
+  call->io = sdm::ForwardIO{v.untyped_data(), beta.typed_data(), y->untyped_data(),
                             save ? delta->typed_data() : nullptr, save ? vg->typed_data() : nullptr,
                             save ? snapshot->untyped_data() : nullptr, type,
                             save && sdm::snapshot_scaled(type) ? snapshot_scale->typed_data() : nullptr,
@@ -262,8 +264,7 @@ inline ffi::Error PrepareBackward(SDM_FFI_PARAMS(SDM_BACKWARD_BUFFERS), Backward
   SDM_RETURN_IF_ERROR(
       CheckResiduals(op, dm, bank, delta, vg, snapshot, snapshot_scale, link_k, link_q, type, &save));
   if (!save) return ffi::Error::InvalidArgument(std::string(op) + ": the forward residuals are empty");
-  if (dy.element_type() != bank.element_type())
-    return ffi::Error::InvalidArgument(std::string(op) + ": dy must have the bank's dtype");
+  SDM_RETURN_IF_ERROR(CheckValueType(op, "dy", dy, bank.element_type()));
   const int64_t V = dm.V, NC = dm.NC, P = dm.P, C = dm.C, W = dm.W, R = dm.R;
   // A zero cotangent comes as [..., P, 0, D]: no buffer, its rows read as zeros.
   const auto dbank_dims = dbank.dimensions();

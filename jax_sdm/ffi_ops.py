@@ -288,7 +288,8 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_p
       snapshot_code: how the snapshot is stored (`SNAPSHOT_CODES`, `snapshot_arrays`).
 
     Returns:
-      A `Forward`: the final bank; `y`, `delta` and `vg = v - G` (G the gathers of the write lanes, the backward's
+      A `Forward`: the final bank; `y` in the bank's dtype (`v` goes in it too: the kernels widen it on load and
+      round the readings once on store); `delta` and `vg = v - G` (G the gathers of the write lanes, the backward's
       only use of `v`) float32, `snapshot` and `snapshot_scale` as `snapshot_arrays` says (each stored write
       group's row after its chunk's write), and the links `link_k [..., NC, P, C, W]`, `link_q [..., NC, P, C, R]`
       int32 (each entry's slot's latest write in an earlier chunk, as its snapshot entry, or -1). With `segments`, the
@@ -305,12 +306,13 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_p
         return jax.ShapeDtypeStruct(shape if save else (0,), dtype)
 
     snapshot, scale = snapshot_arrays(snapshot_code, tokens[:-1], C, W, D, bank.dtype)
-    results = dict(bank_out=jax.ShapeDtypeStruct(_stream_bank_shape(bank, k_idx), bank.dtype), y=jax.ShapeDtypeStruct(tokens + (D,), f32),
+    results = dict(bank_out=jax.ShapeDtypeStruct(_stream_bank_shape(bank, k_idx), bank.dtype),
+                   y=jax.ShapeDtypeStruct(tokens + (D,), bank.dtype),
                    delta=residual(tokens + (D,), f32), vg=residual(tokens + (D,), f32),
                    snapshot=residual(*snapshot), snapshot_scale=residual(*scale),
                    link_k=residual(k_idx.shape, i32), link_q=residual(q_idx.shape, i32),
                    workspace=_workspace(bank, k_idx, q_idx, backward=False))
-    operands = dict(bank=bank, k_idx=k_idx.astype(i32), q_idx=q_idx.astype(i32), v=v.astype(f32),
+    operands = dict(bank=bank, k_idx=k_idx.astype(i32), q_idx=q_idx.astype(i32), v=v.astype(bank.dtype),
                     beta=beta.astype(f32), minv=minv, snapshot_dtype=np.int64(snapshot_code),
                     **_phase1_operands(p1, ("k_eff", "w", "cpe", "q_w", "QK", "w_order", "w_group")))
     if segments is None:

@@ -176,7 +176,7 @@ def _forward_in_slabs(bank, tokens, dims, slab_tokens):
         minv = ffi_ops.solve_ffi(p1.A, inputs.beta)
         out = ffi_ops.forward_ffi(bank, inputs.k_idx, inputs.q_idx, inputs.v, inputs.beta, p1, minv, False,
                                   in_place=in_place)
-        y = layout.from_units(out.y.astype(bank.dtype), dims._replace(T=T_slab))
+        y = layout.from_units(out.y, dims._replace(T=T_slab))
         return out.bank, y, jnp.sum(p1.repeats, axis=0, dtype=jnp.int32)
 
     final, y0, repeats = run(bank, 0, slab, False)
@@ -201,9 +201,9 @@ def _forward_in_slabs(bank, tokens, dims, slab_tokens):
 
 
 def _sdm_kernels_fwd(inputs, num_slots, save=True, snapshot_code=0):
-    """The kernels' forward on `Inputs` in kernel layout (bank `[P, K, D]`): `((y [NC, P, C, D] float32, final_bank,
-    repeats [NC, P]), saved)`, `saved` the `Saved` residuals for the backward (None with `save=False`), the snapshot
-    stored as `snapshot_code` says (`ffi_ops.SNAPSHOT_CODES`).
+    """The kernels' forward on `Inputs` in kernel layout (bank `[P, K, D]`): `((y [NC, P, C, D] in the bank's dtype,
+    final_bank, repeats [NC, P]), saved)`, `saved` the `Saved` residuals for the backward (None with `save=False`),
+    the snapshot stored as `snapshot_code` says (`ffi_ops.SNAPSHOT_CODES`).
     `stream_kernels` runs it (and `_sdm_kernels_bwd`) per shard inside its custom VJP."""
     bank, packed = inputs.bank, inputs.packed
     p1_k_idx, p1_q_idx, p1_slots = _phase1_slots(inputs.k_idx, inputs.q_idx, packed, num_slots)
@@ -345,9 +345,9 @@ def _local_forward(save, static, *arrays):
     tree, dims = _local(static, arrays)
     if save or tree.packed is not None:
         (y, final, repeats), saved = _sdm_kernels_fwd(_kernel_inputs(tree, dims), dims.K, save, static[4])
-        # The readings leave in the bank's dtype (one rounding, as the op's result): their cotangent then comes in
-        # that dtype too, which the backward's kernels take as it is (half the bytes of float32 for bfloat16).
-        y = layout.from_units(y.astype(tree.bank.dtype), dims)
+        # The readings leave the kernels in the bank's dtype (one rounding, the op's result): their cotangent then
+        # comes in that dtype too, which the backward's kernels take as it is (half the bytes of float32 for bfloat16).
+        y = layout.from_units(y, dims)
         repeats = jnp.sum(repeats, axis=0, dtype=jnp.int32)
     else:
         (y, final, repeats), saved = _sdm_kernels_primal(tree.bank, tree, dims, static[1]), None

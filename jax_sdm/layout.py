@@ -225,12 +225,12 @@ def from_units(a, dims):
 
 def kernel_tokens(k_idx, k_val, x, v, beta, q_idx, q_val, dims):
     """The per-token arrays `[B, T, H, ...]` in kernel layout `[NC, P, C, ...]`, as the kernels take them: int32 ids
-    (`slot_ids`: -1 for every id outside `[0, K)`, and for the padding), float32 values, the gates `x` per write
-    lane. `v` may be None (then None)."""
+    (`slot_ids`: -1 for every id outside `[0, K)`, and for the padding), float32 weights and gates (`x` per write
+    lane), `v` in its own dtype (the bank's: the forward's kernels widen it on load). `v` may be None (then None)."""
     f32 = jnp.float32
     units = lambda a, fill=0: to_units(a, dims, fill)
     return (units(slot_ids(k_idx, dims.K), -1), units(k_val.astype(f32)), units(lane_gates(x, dims).astype(f32)),
-            None if v is None else units(v.astype(f32)), units(beta.astype(f32)), units(slot_ids(q_idx, dims.K), -1),
+            None if v is None else units(v), units(beta.astype(f32)), units(slot_ids(q_idx, dims.K), -1),
             units(q_val.astype(f32)))
 
 

@@ -49,9 +49,9 @@ struct StepPhase1 {
 };
 
 struct ForwardIO {
-  const float* v;     // [.., C, D]
+  const void* v;      // [.., C, D] the bank's dtype (the op takes the values in it: widened on load)
   const float* beta;  // [.., C]
-  float* y;           // [.., C, D] out
+  void* y;            // [.., C, D] out, the bank's dtype (the readings leave the op in it: rounded once on store)
   // Residuals for the backward; all null for a no-grad forward.
   float* delta;    // [.., C, D] the write vectors
   float* vg;       // [.., C, D] v - G, G the gathers sum_n k_eff S0[s] (the backward's only use of v and G)

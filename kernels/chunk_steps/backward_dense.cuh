@@ -32,10 +32,7 @@ __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
   if constexpr (kStaged) {
     stage_matrix_async(QK, C, sqk);
     stage_matrix_async(minv, C, smi);
-    if constexpr (std::is_same_v<T, float>)
-      stage_slice_async(dy, C, D, d0, sdy);
-    else  // widened on the way (cp.async copies bytes as they are), while the matrices' copies fly
-      stage_quads(C, sdy, [&](int t, int q) { return load_quad(dy + t * D, d0 + 4 * q, D); });
+    stage_slice(dy, C, D, d0, sdy);  // while the matrices' copies fly
     staged_wait();
   } else {
     prefetch_matrix(QK, C);

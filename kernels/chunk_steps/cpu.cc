@@ -192,22 +192,24 @@ struct S0Rows {
 
 // ---- The forward chunk step (MATH.md "The forward chunk step"): gather, apply the inverse, write.
 
-// Apply the inverse: u = beta (v - G), delta = Minv u, y = Q0 + QK delta. G becomes v - G when `save_vg`.
+// Apply the inverse: u = beta (v - G), delta = Minv u, y = Q0 + QK delta (v and y in the bank's dtype, the rest
+// float32). G becomes v - G when `save_vg`; `uvec` holds u, then the readings before their rounding.
+template <typename BankT>
 void apply_inverse(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, int64_t u, float* G, bool save_vg,
                    const float* Q0, float* uvec, float* delta) {
   const int64_t C = dm.C, D = dm.D;
-  const float* v = io.v + u * C * D;
+  const BankT* v = static_cast<const BankT*>(io.v) + u * C * D;
   const float* beta = io.beta + u * C;
-  float* y = io.y + u * C * D;
+  BankT* y = static_cast<BankT*>(io.y) + u * C * D;
   for (int64_t t = 0; t < C; ++t)
     for (int64_t d = 0; d < D; ++d) {
-      const float vg = v[t * D + d] - G[t * D + d];
+      const float vg = to_float(v[t * D + d]) - G[t * D + d];
       uvec[t * D + d] = beta[t] * vg;
       if (save_vg) G[t * D + d] = vg;
     }
   lower_times(p1.minv + u * C * C, uvec, C, D, delta);
-  lower_times(p1.QK + u * C * C, delta, C, D, y);
-  for (int64_t i = 0; i < C * D; ++i) y[i] += Q0[i];
+  lower_times(p1.QK + u * C * C, delta, C, D, uvec);
+  for (int64_t i = 0; i < C * D; ++i) y[i] = from_float<BankT>(uvec[i] + Q0[i]);
 }
 
 // The write: one writer per written row, its group summed in sorted order, then the written row stored in the
@@ -261,7 +263,7 @@ void forward_unit(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io,
   const auto row_of = [&](int32_t s, int64_t t) { return sg.row(S, s, t, D); };
   gather(row_of, p1.k_idx + u * C * W, p1.k_eff + u * C * W, C, W, K, D, G);
   gather(row_of, p1.q_idx + u * C * R, p1.q_w + u * C * R, C, R, K, D, Q0);
-  apply_inverse(dm, p1, io, u, G, io.vg != nullptr, Q0, sc.c.data(), delta);
+  apply_inverse<BankT>(dm, p1, io, u, G, io.vg != nullptr, Q0, sc.c.data(), delta);
   write_rows(dm, p1, io, u, S, sg, delta, sc.c.data(), last);  // u's scratch is free again
 }
 

@@ -111,6 +111,16 @@ __device__ __forceinline__ void stage_quads(int C, float* out, Quad quad) {
   }
 }
 
+// stage_slice_async for rows of the bank's dtype T: float32 asynchronously, bfloat16 widened on the way (cp.async
+// copies bytes as they are), its loads issued at once.
+template <typename T>
+__device__ __forceinline__ void stage_slice(const T* rows, int C, int64_t D, int64_t d0, float* out) {
+  if constexpr (std::is_same_v<T, float>)
+    stage_slice_async(rows, C, D, d0, out);
+  else
+    stage_quads(C, out, [&](int t, int q) { return load_quad(rows + t * D, d0 + 4 * q, D); });
+}
+
 // Rows per tile of the dense kernels' products. Unstaged, and in the dy part (one launch with many blocks per SM,
 // throughput-bound): 4 x 4 tiles, one 16-byte load of M feeding 16 multiply-adds. The in-loop kernels, staged, run
 // one block per SM and want its warps: one row a tile up to C = kLoopOneRowMaxC (512 threads at C = 64, where 4 x 4

@@ -277,6 +277,22 @@ __device__ __forceinline__ void store_quad(float* row, int64_t d, int64_t D, flo
     if (d + k < D) row[d + k] = v[k];
 }
 
+// The same into a bfloat16 row, each value rounded to nearest even (one 8-byte store when D % 4 == 0).
+__device__ __forceinline__ void store_quad(__nv_bfloat16* row, int64_t d, int64_t D, float4 x) {
+  const float v[4] = {x.x, x.y, x.z, x.w};
+  if (D % 4 == 0) {
+    if (d >= D) return;
+    alignas(8) __nv_bfloat16 e[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) from_f(e + k, v[k]);
+    *reinterpret_cast<uint2*>(row + d) = *reinterpret_cast<const uint2*>(e);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    if (d + k < D) from_f(row + d + k, v[k]);
+}
+
 __device__ __forceinline__ void fma_quad(float4& acc, float m, const float4& c) {
   acc.x += m * c.x;
   acc.y += m * c.y;

@@ -70,10 +70,11 @@ __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM)
   }
 }
 
-// Apply the inverse: u = beta (v - G), delta = Minv u, y = Q0 + QK delta. One block per (stream, kSlice-column
-// slice), one thread per tile (kRows rows, 4 columns: dense_tile_rows) and turn. Shared memory: u and delta
-// slices; staged, also the G and Q0 slices and Minv, QK.
-template <bool kStaged, int kRows>
+// Apply the inverse: u = beta (v - G), delta = Minv u, y = Q0 + QK delta (v and y in the bank's dtype T, widened
+// on load and rounded once on store). One block per (stream, kSlice-column slice), one thread per tile (kRows
+// rows, 4 columns: dense_tile_rows) and turn. Shared memory: u and delta slices; staged, also the G and Q0 slices
+// and Minv, QK.
+template <typename T, bool kStaged, int kRows>
 __global__ void fwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64_t c, ChunkRows rows) {
   extern __shared__ __align__(16) float sh[];
   const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
@@ -87,7 +88,8 @@ __global__ void fwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, ForwardIO i
   float* smi = sq0 + slice;
   float* sqk = smi + tile_rows(C) * ms;
   float* G = rows.G + rows.at(dm, u, s);  // the gathers; saving, v - G replaces them (the vg residual)
-  const float* v = io.v + u * C * D;
+  const T* v = static_cast<const T*>(io.v) + u * C * D;
+  T* y = static_cast<T*>(io.y) + u * C * D;
   const float* beta = io.beta + u * C;
   const float* minv = p1.minv + u * C * C;
   const float* QK = p1.QK + u * C * C;
@@ -97,7 +99,7 @@ __global__ void fwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, ForwardIO i
     // the gather (see chain_start), so they overlap its end; G and Q0 after.
     stage_matrix_async(minv, C, smi);
     stage_matrix_async(QK, C, sqk);
-    stage_slice_async(v, C, D, d0, su);
+    stage_slice(v, C, D, d0, su);
     chain_start();
     stage_slice_async(G, C, D, d0, sG);
     stage_slice_async(Q0, C, D, d0, sq0);
@@ -146,7 +148,7 @@ __global__ void fwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, ForwardIO i
       if (r0 + j >= C) break;
       const float4 q0 = kStaged ? reinterpret_cast<const float4*>(sq0 + (r0 + j) * kSlice)[q]
                                 : load_quad(Q0 + (r0 + j) * D, d, D);
-      store_quad(io.y + (u * C + r0 + j) * D, d, D,
+      store_quad(y + (r0 + j) * D, d, D,
                  make_float4(x[j].x + q0.x, x[j].y + q0.y, x[j].z + q0.z, x[j].w + q0.w));
     }
   });

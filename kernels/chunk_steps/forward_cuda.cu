@@ -29,7 +29,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   const FreshArrays fa = fresh_arrays_at(dm, group_tables.end(dm), true);
   const bool staged = dense_staged(dm.C, kStagedLoopMaxC, kFwdApplySmem);
   const auto fwd_apply = loop_dense_kernel(dm.C, staged, [](auto kStaged, auto kRows) {
-    return fwd_apply_inverse_kernel<kStaged(), kRows()>;
+    return fwd_apply_inverse_kernel<T, kStaged(), kRows()>;
   });
   const size_t smem = kFwdApplySmem.bytes(dm.C, staged);
   // The links' table: every slot without a write yet (-1) as the loop starts.

@@ -221,8 +221,8 @@ struct Phase1Out {
 };
 
 struct ForwardOut {
-  std::vector<float> y, delta, vg;
-  std::vector<float> bank;  // as float32 (bf16 banks widened) for the comparisons
+  std::vector<float> y, delta, vg;  // y as float32 (from the bank's dtype) for the comparisons
+  std::vector<float> bank;          // as float32 (bf16 banks widened) for the comparisons
   std::vector<float> snapshot;
   std::vector<int32_t> stamp, stamp_snapshot;  // packed sequences only
   std::vector<int32_t> link_k, link_q;         // with residuals
@@ -263,10 +263,11 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
   for (auto& v : k_val) v = nd(rng);
   for (auto& v : q_val) v = nd(rng);
   for (auto& v : x) v = -std::log1p(std::exp(nd(rng)));
-  std::vector<float> beta(size_t(N * C)), v(size_t(N * C * D));
-  std::vector<BankT> dy(v.size());  // the readings' cotangent, in the bank's dtype as the op passes it
+  std::vector<float> beta(size_t(N * C));
+  std::vector<BankT> v(size_t(N * C * D));  // the values, in the bank's dtype as the op takes them
+  std::vector<BankT> dy(v.size());          // the readings' cotangent, in the bank's dtype as the op passes it
   for (auto& b : beta) b = float(0.05 + 0.95 * ud(rng));
-  for (auto& f : v) f = nd(rng);
+  for (auto& f : v) f = from_float<BankT>(nd(rng));
   for (auto& f : dy) f = from_float<BankT>(nd(rng));
   std::vector<BankT> bank0(size_t(dm.streams() * K * D));
   for (auto& b : bank0) b = from_float<BankT>(nd(rng));
@@ -347,7 +348,8 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
     std::vector<BankT> bank = bank0, initial = bank0, input = bank0;
     std::vector<uint8_t> snap(save ? nsnap : 0, 0xff);  // NaN in either float dtype
     std::vector<float> scale(save ? nscale : 0, kNaN);
-    ForwardOut o{std::vector<float>(ncd, kNaN), std::vector<float>(save ? ncd : 0, kNaN),
+    std::vector<BankT> y(ncd, from_float<BankT>(kNaN));
+    ForwardOut o{{}, std::vector<float>(save ? ncd : 0, kNaN),
                  std::vector<float>(save ? ncd : 0, kNaN), {}, {}};
     o.stamp.assign(packed ? nstamp : 0, kPoison);
     o.stamp_snapshot.assign(packed && save ? nw : 0, kPoison);
@@ -357,7 +359,7 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
     const StepSegments* segments = segments_of(sg, initial, o.stamp, o.stamp_snapshot, nullptr);
     const ForwardIO io{v.data(),
                        beta.data(),
-                       o.y.data(),
+                       y.data(),
                        save ? o.delta.data() : nullptr,
                        save ? o.vg.data() : nullptr,
                        save ? snap.data() : nullptr,
@@ -382,6 +384,7 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
       forward_cpu<BankT>(dm, p1, io, bank.data(), segments);
     }
     if (!cuda && save) snap_cpu = snap, scale_cpu = scale;
+    o.y = as_float(y);
     o.bank = as_float(bank);
     o.snapshot = decoded(snap, scale);
     o.initial_kept = same_bits(initial, bank0);
