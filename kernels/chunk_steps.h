@@ -29,6 +29,12 @@ struct StepDims {
   int64_t unit(int64_t stream, int64_t c) const { return ((stream / P) * NC + c) * P + stream % P; }
   // The block of the input bank that stream s reads.
   SDM_HOST_DEVICE int64_t input_stream(int64_t s) const { return input_streams ? s % input_streams : s; }
+  // The same dims for a bank of every stream (the backward's gradient banks: only the forward's input is shared).
+  StepDims per_stream() const {
+    StepDims d = *this;
+    d.input_streams = 0;
+    return d;
+  }
 };
 
 // Phase-1 arrays the steps read (DESIGN.md "Phase 1"), and the solve's Minv.

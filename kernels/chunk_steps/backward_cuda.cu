@@ -47,13 +47,15 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const FreshArrays fa = fresh_arrays_at(dm, ring.end(dm), false);
   const GT* zero_row = reinterpret_cast<const GT*>(fa.zero_row);
   int rc = 0;
-  if (!fresh) rc = copy_whole(dm, dbank_in, dbank, stream);  // none when dbank_in is dbank
+  // The gradient banks are per stream whether or not the streams share the input bank.
+  const StepDims grads = dm.per_stream();
+  if (!fresh) rc = copy_whole(grads, dbank_in, dbank, stream);  // none when dbank_in is dbank
   if (!rc && fresh && dbank_in == nullptr)
     rc = static_cast<int>(cudaMemsetAsync(fa.zero_row, 0, dm.D * sizeof(GT), stream));
   if (!rc && fresh) {
     const TouchMap maps[2] = {{p1.k_idx, dm.W, kPhaseAStep, true, fa.w_tag},
                               {p1.q_idx, dm.R, kReadSideStep, true, nullptr}};
-    rc = prepare_fresh<kGVecOf<VEC, GT>>(pdl, dm, maps, fa.first, dbank_in, dbank, stream);
+    rc = prepare_fresh<kGVecOf<VEC, GT>>(pdl, grads, maps, fa.first, dbank_in, dbank, stream);
   }
   // The group tables hold ring.chunks chunks (table_unit): the batch of chunk c (c0 = c - c % ring.chunks up to
   // c0 + ring.chunks) is built before the loop reaches its last chunk, the first the loop runs (the last batch's
@@ -152,7 +154,7 @@ int backward_cuda(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
     if (!rc) rc = static_cast<int>(cudaMemsetAsync(p, 0, dm.units() * dm.C * n * sizeof(float), stream));
   }
   if (dm.streams() == 0 || dm.K == 0 || dm.D == 0 || rc) return rc;
-  if (dm.NC == 0 || dm.C == 0) return copy_whole(dm, dbank_in, dbank, stream);  // no steps: dbank is the cotangent
+  if (dm.NC == 0 || dm.C == 0) return copy_whole(dm.per_stream(), dbank_in, dbank, stream);  // dbank: the cotangent
   switch (vec_of(dm.D)) {
     case 8: return backward_loop<8>(dm, p1, io, bank, dbank_in, dbank, workspace, stream, segments);
     case 4: return backward_loop<4>(dm, p1, io, bank, dbank_in, dbank, workspace, stream, segments);

@@ -419,7 +419,11 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
       const std::vector<GradT> cotangent = dbank;
       if (!packed) std::fill(dbank.begin(), dbank.end(), from_float<GradT>(kNaN));
       const GradT* in = packed ? dbank.data() : zero_cotangent ? nullptr : cotangent.data();
-      *rc = backward_cuda<BankT, GradT>(dm, p1, io, bank.data(), in, dbank.data(), ws.data(), nullptr, segments);
+      // With a shared input the backward reads the shared blocks too (its gradient banks stay per stream).
+      *rc = c.shared_in ? backward_cuda<BankT, GradT>(dm_in, p1, io, shared_input.data(), in, dbank.data(), ws.data(),
+                                                      nullptr, segments)
+                        : backward_cuda<BankT, GradT>(dm, p1, io, bank.data(), in, dbank.data(), ws.data(), nullptr,
+                                                      segments);
       if (!packed && !zero_cotangent && !same_bits(cotangent, dbank0)) {
         std::printf("  FAIL backward_cuda changed the cotangent\n");
         *rc = -1;
