@@ -93,7 +93,13 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   }
   const dim3 group_block(kGroupWarps * 32);
   const OwnerLaunch phase_a = owner_launch(dm, 2), read_side = owner_launch(dm, 1);
-  const bool coded = io.snapshot_dtype != SnapshotDtype::kBank;
+  // Phase A and the read side of the call's snapshot dtype (a kernel for each: snapshot.cuh with_s0_source).
+  const auto phase_a_kernel = by_snapshot_dtype(io.snapshot_dtype, [](auto kSnap) {
+    return bwd_phase_a_kernel<VEC, T, GT, kSnap()>;
+  });
+  const auto read_side_kernel = by_snapshot_dtype(io.snapshot_dtype, [](auto kSnap) {
+    return bwd_read_side_kernel<VEC, T, GT, kSnap()>;
+  });
   SegView<T> sv{};
   if (segments) {
     sv = SegView<T>{segments->local, segments->seg0, static_cast<const T*>(segments->initial), segments->stamp,
@@ -120,13 +126,11 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
       continue;
     }
     if (!rc)
-      rc = launch(pdl, coded ? bwd_phase_a_kernel<VEC, T, GT, true> : bwd_phase_a_kernel<VEC, T, GT, false>,
-                  phase_a.grid, phase_a.block, phase_a.smem, stream, dm, p1, io, input, dbank, dbank_in, zero_row, c,
-                  rows, tables);
+      rc = launch(pdl, phase_a_kernel, phase_a.grid, phase_a.block, phase_a.smem, stream, dm, p1, io, input, dbank,
+                  dbank_in, zero_row, c, rows, tables);
     if (!rc)
-      rc = launch(pdl, coded ? bwd_read_side_kernel<VEC, T, GT, true> : bwd_read_side_kernel<VEC, T, GT, false>,
-                  read_side.grid, read_side.block, read_side.smem, stream, dm, p1, io, input, dbank, dbank_in,
-                  zero_row, c, tables);
+      rc = launch(pdl, read_side_kernel, read_side.grid, read_side.block, read_side.smem, stream, dm, p1, io, input,
+                  dbank, dbank_in, zero_row, c, tables);
   }
   if (!rc) {
     rc = launch(pdl, bwd_dots_kernel<T>, dim3(dm.units(), (dm.C + kDotsTile - 1) / kDotsTile), dim3(kDotsThreads), 0,

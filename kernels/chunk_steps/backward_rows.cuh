@@ -78,9 +78,8 @@ __device__ __forceinline__ const GT* fresh_source(const Group& gr, const GT* inp
 // Phase A, one block per (stream, token) whose warps take the write groups the token heads (for_owned_groups): per
 // group the dots dcpe, dw and dk_eff on the row before the chunk's write (S0, through the group's link: the
 // backward's group tables carry it as the group's `g`) and the gradient row dS0 = cpe dS1 + sum k_eff dG. `input`
-// is the forward's input bank. kCoded: the snapshot has another dtype than the bank's (a kernel of its own, so that
-// the bank-dtype one keeps its registers).
-template <int VEC, typename T, typename GT, bool kCoded>
+// is the forward's input bank; kSnap the snapshot's dtype (a kernel for each: with_s0_source).
+template <int VEC, typename T, typename GT, SnapshotDtype kSnap>
 __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     bwd_phase_a_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const T* __restrict__ input,
                        GT* __restrict__ dbank, const GT* dbank_in, const GT* zero_row, int64_t c, BackRows rows,
@@ -101,7 +100,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     const int64_t e0 = u * C * W + gr.first;
     const float cpe = p1.cpe[e0];
     const float* k_eff = p1.k_eff + u * C * W;
-    with_s0_source<VEC, T, kCoded>(io, dm, static_cast<int32_t>(gr.g), in_rows + slot * D, [&](const auto& s0) {
+    with_s0_source<VEC, T, kSnap>(io, dm, static_cast<int32_t>(gr.g), in_rows + slot * D, [&](const auto& s0) {
       if (hi - lo > kInlineEntries) {  // long groups (rare): the dots first, then the gradient row
         phase_a_dots<VEC>(dsrc, s0, delta, dG, order, lo, hi, W, D, lane, io, u * C * W, e0);
         for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
@@ -166,7 +165,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
 // The read side, after Phase A, one block per (stream, token) whose warps take the read groups the token heads:
 // dq_w = <dy, S0[s]> per entry and the gradient row dS0 += sum q_w dy, S0 through the group's link (the group's
 // `g` in the backward's tables) as in Phase A.
-template <int VEC, typename T, typename GT, bool kCoded>
+template <int VEC, typename T, typename GT, SnapshotDtype kSnap>
 __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     bwd_read_side_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, const T* __restrict__ input,
                          GT* __restrict__ dbank, const GT* dbank_in, const GT* zero_row, int64_t c,
@@ -184,7 +183,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     GT* drow = dbank + (s * K + slot) * D;  // read at dsrc, as in Phase A
     const GT* dsrc = fresh_source(gr, dbank_in, dbank, zero_row, (s * K + slot) * D);
     const float* q_w = p1.q_w + u * C * R;
-    with_s0_source<VEC, T, kCoded>(io, dm, static_cast<int32_t>(gr.g), in_rows + slot * D, [&](const auto& row) {
+    with_s0_source<VEC, T, kSnap>(io, dm, static_cast<int32_t>(gr.g), in_rows + slot * D, [&](const auto& row) {
       if (hi - lo > kInlineEntries) {
         for (int32_t k = lo; k < hi; ++k) {
           const int32_t r = order[k];

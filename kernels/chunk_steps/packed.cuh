@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
   const float* delta = io.delta + u * C * D;
   const float* dG = rows.dG + s * C * D;
   const int32_t link = current ? io.link_k[e0] : -1;
-  with_s0_source<VEC, T, true>(io, dm, link, sg.initial + at, [&](const auto& s0) {
+  with_any_s0_source<VEC>(io, dm, link, sg.initial + at, [&](const auto& s0) {
     phase_a_dots<VEC>(drow, s0, delta, dG, order, gr.lo, gr.hi, W, D, lane, io, u * C * W, e0);
   });
   for (int64_t d = static_cast<int64_t>(lane) * VEC; d < D; d += 32 * VEC) {
@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
     const GroupEntry e = table[h];
     const bool current = seg_current(sg, dm, s, u, e.first / lanes, gr.slot);
     const int32_t link = current ? (kRead ? io.link_q : io.link_k)[u * n + e.first] : -1;
-    with_s0_source<VEC, T, true>(io, dm, link, sg.initial + at, [&](const auto& s0) {
+    with_any_s0_source<VEC>(io, dm, link, sg.initial + at, [&](const auto& s0) {
       gathers_gradient<VEC>(e, order, vecs, coef, lanes, D, gr.lane, s0,
                             (current ? dbank : static_cast<GT*>(sg.dinitial)) + at, out);
     });

@@ -160,24 +160,57 @@ struct CodedRowSource {
   }
 };
 
+// Snapshot entry `entry`'s row as a source of walk_two_sources: a RowSource of the bank's dtype T (kT kBank), or a
+// CodedRowSource of kT.
+template <int VEC, typename T, SnapshotDtype kT>
+__device__ __forceinline__ auto snapshot_source(const BackwardIO& io, const StepDims& dm, int32_t entry) {
+  if constexpr (kT == SnapshotDtype::kBank)
+    return RowSource<VEC, T>{static_cast<const T*>(io.snapshot) + static_cast<int64_t>(entry) * dm.D};
+  else
+    return CodedRowSource<VEC, T, kT>(io, dm, entry);
+}
+
 // body(source) with S0 of a group of the backward, the row of its slot as it was before the chunk: the snapshot
-// entry `link` (a RowSource of the bank's dtype; with kCoded, of any snapshot dtype: a CodedRowSource of another
-// one), or for -1 the input bank's row `input_row`.
-template <int VEC, typename T, bool kCoded, typename Body>
+// entry `link` of a snapshot stored as kT, or for -1 the input bank's row `input_row`. Phase A and the read side
+// have a kernel per snapshot dtype, so each compiles two sources' paths (the registers of one).
+template <int VEC, typename T, SnapshotDtype kT, typename Body>
 __device__ __forceinline__ void with_s0_source(const BackwardIO& io, const StepDims& dm, int32_t link,
                                                const T* input_row, Body body) {
   if (link < 0) return body(RowSource<VEC, T>{input_row});
-  if (!kCoded || io.snapshot_dtype == SnapshotDtype::kBank)
-    return body(RowSource<VEC, T>{static_cast<const T*>(io.snapshot) + static_cast<int64_t>(link) * dm.D});
-  if constexpr (kCoded) {
-    switch (io.snapshot_dtype) {
-      case SnapshotDtype::kBf16:
-        return body(CodedRowSource<VEC, T, SnapshotDtype::kBf16>(io, dm, link));
-      case SnapshotDtype::kFloat8:
-        return body(CodedRowSource<VEC, T, SnapshotDtype::kFloat8>(io, dm, link));
-      default:
-        return body(CodedRowSource<VEC, T, SnapshotDtype::kInt4>(io, dm, link));
-    }
+  return body(snapshot_source<VEC, T, kT>(io, dm, link));
+}
+
+// The same with the call's snapshot dtype picked at run time (the packed sequences' kernels: one for every dtype).
+template <int VEC, typename T, typename Body>
+__device__ __forceinline__ void with_any_s0_source(const BackwardIO& io, const StepDims& dm, int32_t link,
+                                                   const T* input_row, Body body) {
+  if (link < 0) return body(RowSource<VEC, T>{input_row});
+  switch (io.snapshot_dtype) {
+    case SnapshotDtype::kBank:
+      return body(snapshot_source<VEC, T, SnapshotDtype::kBank>(io, dm, link));
+    case SnapshotDtype::kBf16:
+      return body(snapshot_source<VEC, T, SnapshotDtype::kBf16>(io, dm, link));
+    case SnapshotDtype::kFloat8:
+      return body(snapshot_source<VEC, T, SnapshotDtype::kFloat8>(io, dm, link));
+    default:
+      return body(snapshot_source<VEC, T, SnapshotDtype::kInt4>(io, dm, link));
+  }
+}
+
+// pick(kT) for the snapshot dtype `type` as a compile-time constant (std::integral_constant): the instance of a
+// kernel compiled for it.
+template <typename Pick>
+auto by_snapshot_dtype(SnapshotDtype type, Pick pick) {
+  using D = SnapshotDtype;
+  switch (type) {
+    case D::kBank:
+      return pick(std::integral_constant<D, D::kBank>{});
+    case D::kBf16:
+      return pick(std::integral_constant<D, D::kBf16>{});
+    case D::kFloat8:
+      return pick(std::integral_constant<D, D::kFloat8>{});
+    default:
+      return pick(std::integral_constant<D, D::kInt4>{});
   }
 }
 
