@@ -257,13 +257,24 @@ def test_a_bfloat16_bank_with_a_float32_gradient_bank():
         assert rel_err(g[k], g_ref[k]) < BOUNDS["float8_e4m3fn"], k
 
 
-@pytest.mark.parametrize("impl", [pytest.param("xla", marks=pytest.mark.slow), "reference"])  # xla: slow to compile
+@pytest.mark.parametrize("impl", ["xla", "reference"])
 def test_the_pure_jax_paths_ignore_it(impl):
+    """The pure-JAX paths' training step is the same program whatever `snapshot_dtype` (compared as programs: two
+    compiles of one program may differ in their last bits on a GPU, whose autotuning picks among kernels by time)."""
     args = random_problem(3, T=40, K=32, D=8, W=3, R=3)
     dy, dbank = cotangents(3, args)
-    op = functools.partial(sdm_write_read, impl=impl)
-    assert_same_bits(outputs_and_grads(op, args, dy, dbank, snapshot_dtype="int4"),
-                     outputs_and_grads(op, args, dy, dbank))
+    rest = {k: v for k, v in args.items() if k not in FLOAT_ARGS}
+
+    def program(**kw):
+        def loss(floats):
+            y, final = sdm_write_read(**floats, **rest, impl=impl, **kw)
+            return jnp.sum(y * dy) + jnp.sum(final * dbank)
+
+        return jax.jit(jax.grad(loss)).lower({k: jnp.asarray(args[k]) for k in FLOAT_ARGS}).as_text()
+
+    plain = program()
+    assert program(snapshot_dtype="int4") == plain
+    assert program(snapshot_dtype=jnp.bfloat16) == plain
 
 
 @pytest.mark.parametrize("bank_dtype, bad", [(np.float32, jnp.float16), (np.float32, "float8_e5m2"),
