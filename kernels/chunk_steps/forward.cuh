@@ -183,12 +183,12 @@ __device__ __forceinline__ void write_batch(const StepDims& dm, const StepPhase1
 
 // After a group's row is written (by the whole warp): a coded snapshot of it (the warp reads the row back: its
 // scale needs the whole row's largest magnitude), and the slot's latest write moved to the group's entry.
-template <bool kCoded, typename T>
+template <bool kCoded, int VEC, typename T>
 __device__ __forceinline__ void after_write(const StepDims& dm, const ForwardIO& io, const T* bank, const Group& gr,
                                             int32_t* last) {
   if constexpr (kCoded) {
     __syncwarp();  // the row's columns, stored by every lane, visible to the warp
-    snapshot_store_row(io, dm, gr.u, gr.g, bank + (gr.s * dm.K + gr.slot) * dm.D, gr.lane);
+    snapshot_store_row<VEC>(io, dm, gr.u, gr.g, bank + (gr.s * dm.K + gr.slot) * dm.D, gr.lane);
   }
   if (last && gr.lane == 0) last[gr.s * dm.K + gr.slot] = static_cast<int32_t>(gr.u * dm.C * dm.W + gr.g);
 }
@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
         load_batch(row, d, D, x);
         write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], owned.gr, d, x);
       }
-      after_write<kCoded>(dm, io, bank, owned.gr, last);
+      after_write<kCoded, VEC>(dm, io, bank, owned.gr, last);
     }
     return;
   }
@@ -243,7 +243,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     Cols<VEC, T> y[S];
     if (more) load_batch(row_of(owned.gr), d0, D, y);
     write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], cur, d0, x);
-    after_write<kCoded>(dm, io, bank, cur, last);
+    after_write<kCoded, VEC>(dm, io, bank, cur, last);
     if (!more) break;
     cur = owned.gr;
 #pragma unroll

@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
     if (snap) store_cols<VEC>(snap + d, acc);
   }
   __syncwarp();  // every lane has read the stamp, and the written row is visible to the warp
-  snapshot_store_row(io, dm, u, g, static_cast<const T*>(row), gr.lane);  // a coded snapshot
+  snapshot_store_row<VEC>(io, dm, u, g, static_cast<const T*>(row), gr.lane);  // a coded snapshot
   if (gr.lane == 0) {
     if (sg.stamp_snapshot) sg.stamp_snapshot[u * C * W + g] = stamp;
     sg.stamp[s * K + gr.slot] = sg.seg0[u] + last;

@@ -9,6 +9,8 @@
 #ifndef JAX_SDM_KERNELS_CHUNK_STEPS_SNAPSHOT_CUH_
 #define JAX_SDM_KERNELS_CHUNK_STEPS_SNAPSHOT_CUH_
 
+#include <cuda_fp8.h>
+
 #include <type_traits>
 
 #include "kernels/chunk_steps/device.cuh"
@@ -36,27 +38,110 @@ __device__ __forceinline__ int64_t snapshot_coded_at(SnapshotDtype t, const Step
   return entry * snapshot_row_bytes(t, dm.D, 0);
 }
 
+// The float8 codes of two values already over the scale (a in the low byte), float8_e4m3_of's: from sm_89 on the
+// hardware's conversion, which rounds to nearest even and saturates finite values at 448 as float8_e4m3_of does, one
+// instruction for both; NaN is set to float8_e4m3_of's 0x7f whatever its sign. The host (tests/cuda_emu's
+// emulation of the conversion) takes the same path.
+__device__ __forceinline__ uint32_t float8_e4m3_pair(float a, float b) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
+  float2 ab;
+  ab.x = a, ab.y = b;
+  uint32_t c = __nv_cvt_float2_to_fp8x2(ab, __NV_SATFINITE, __NV_E4M3);
+  if (a != a) c = (c & 0xff00u) | 0x7fu;
+  if (b != b) c = (c & 0x00ffu) | 0x7f00u;
+  return c;
+#else
+  return float8_e4m3_of(a) | static_cast<uint32_t>(float8_e4m3_of(b)) << 8;
+#endif
+}
+
+// N bytes (1, 2, 4, 8 or 16, aligned to N) from the words w, in one store.
+template <int N>
+__device__ __forceinline__ void store_bytes(uint8_t* p, const uint32_t (&w)[(N + 3) / 4]) {
+  if constexpr (N == 16) {
+    uint4 v;
+    v.x = w[0], v.y = w[1], v.z = w[2], v.w = w[3];
+    *reinterpret_cast<uint4*>(p) = v;
+  } else if constexpr (N == 8) {
+    uint2 v;
+    v.x = w[0], v.y = w[1];
+    *reinterpret_cast<uint2*>(p) = v;
+  } else if constexpr (N == 4) {
+    *reinterpret_cast<uint32_t*>(p) = w[0];
+  } else if constexpr (N == 2) {
+    *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(w[0]);
+  } else {
+    static_assert(N == 1, "1, 2, 4, 8 or 16 bytes");
+    *p = static_cast<uint8_t>(w[0]);
+  }
+}
+
+// Stores the codes of columns [d, d + VEC) of a row coded as t (kBf16, kFloat8, or kInt4 with VEC even) from x,
+// in one store of the lane's bytes: snapshot_byte's codes (bf16_bits_of, snapshot_encode).
+template <int VEC, typename T>
+__device__ __forceinline__ void snapshot_store_codes(SnapshotDtype t, uint8_t* out, float inverse, int64_t d,
+                                                     const Cols<VEC, T>& x) {
+  if (t == SnapshotDtype::kBf16) {
+    uint32_t w[(2 * VEC + 3) / 4] = {};
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) w[i / 2] |= static_cast<uint32_t>(bf16_bits_of(x[i])) << (16 * (i % 2));
+    store_bytes<2 * VEC>(out + 2 * d, w);
+  } else if (t == SnapshotDtype::kFloat8) {
+    uint32_t w[(VEC + 3) / 4] = {};
+#pragma unroll
+    for (int i = 0; i < VEC; i += 2) {
+      const float a = snapshot_scaled_value(x[i], inverse);
+      const float b = i + 1 < VEC ? snapshot_scaled_value(x[i + 1], inverse) : 0.f;
+      w[i / 4] |= float8_e4m3_pair(a, b) << (8 * (i % 4));
+    }
+    if constexpr (VEC == 1) w[0] &= 0xffu;  // the pair's second code is not the lane's
+    store_bytes<VEC>(out + d, w);
+  } else if constexpr (VEC % 2 == 0) {  // int4: column d + i in nibble i of the lane's bytes (d is even)
+    uint32_t w[(VEC / 2 + 3) / 4] = {};
+#pragma unroll
+    for (int i = 0; i < VEC; ++i)
+      w[i / 8] |= static_cast<uint32_t>(snapshot_encode(t, x[i], inverse)) << (4 * (i % 8));
+    store_bytes<VEC / 2>(out + d / 2, w);
+  }
+}
+
 // A snapshot of another dtype than the bank's (bfloat16 of a float32 bank, float8, int4) of group g's written row,
-// by the whole warp of the group after the write (the row's columns visible to the warp): the row's largest
-// magnitude (a warp maximum, exact in any order), its scale (lane 0 stores it), then the coded bytes, a lane a
-// 4-byte word (a byte where rows are not 4-byte aligned; snapshot_byte: one writer per byte, two int4 codes in
-// one). Nothing for a forward without residuals or a snapshot of the bank's dtype (snapshot_row).
-template <typename T>
+// by the whole warp of the group after the write (the row's columns visible to the warp), each lane over the
+// segments of VEC columns it wrote (d = VEC lane + 32 VEC k; VEC divides D): the row's largest magnitude (a warp
+// maximum, exact in any order), its scale (lane 0 stores it), then each segment's codes in one store
+// (snapshot_store_codes). Int4 with VEC odd (a byte shared by two lanes) goes a byte at a time instead, a lane a
+// 4-byte word where rows are 4-byte aligned (one writer per byte: snapshot_byte). Nothing for a forward without
+// residuals or a snapshot of the bank's dtype (snapshot_row).
+template <int VEC, typename T>
 __device__ __forceinline__ void snapshot_store_row(const ForwardIO& io, const StepDims& dm, int64_t u, int64_t g,
                                                    const T* row, int lane) {
   const SnapshotDtype t = io.snapshot_dtype;
   if (!io.snapshot || t == SnapshotDtype::kBank) return;
-  const int64_t D = dm.D;
+  const int64_t D = dm.D, entry = u * dm.C * dm.W + g, first = static_cast<int64_t>(lane) * VEC;
+  const bool by_segment = VEC % 2 == 0 || t != SnapshotDtype::kInt4;
   float scale = 0.f;
   if (snapshot_scaled(t)) {
     float amax = 0.f;
-    for (int64_t d = lane; d < D; d += 32) amax = fmaxf(amax, fabsf(to_f(row[d])));
+    for (int64_t d = first; d < D; d += 32 * VEC) {
+      Cols<VEC, T> x;
+      x.load(row + d);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    }
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     scale = snapshot_scale(t, amax);
-    if (lane == 0) io.snapshot_scale[u * dm.C * dm.W + g] = scale;
+    if (lane == 0) io.snapshot_scale[entry] = scale;
   }
   const float inverse = snapshot_inverse(scale);
-  uint8_t* out = static_cast<uint8_t*>(io.snapshot) + snapshot_coded_at(t, dm, u * dm.C * dm.W + g);
+  uint8_t* out = static_cast<uint8_t*>(io.snapshot) + snapshot_coded_at(t, dm, entry);
+  if (by_segment) {
+    for (int64_t d = first; d < D; d += 32 * VEC) {
+      Cols<VEC, T> x;
+      x.load(row + d);
+      snapshot_store_codes<VEC>(t, out, inverse, d, x);
+    }
+    return;
+  }
   const auto elem = [&](int64_t d) { return to_f(row[d]); };
   const int64_t bytes = snapshot_row_bytes(t, D, 0);
   if (bytes % 4 == 0) {  // every row 4-byte aligned: a word per lane (4x fewer store transactions than bytes)
