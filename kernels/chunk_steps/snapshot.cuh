@@ -38,21 +38,38 @@ __device__ __forceinline__ int64_t snapshot_coded_at(SnapshotDtype t, const Step
   return entry * snapshot_row_bytes(t, dm.D, 0);
 }
 
-// The float8 codes of two values already over the scale (a in the low byte), float8_e4m3_of's: from sm_89 on the
-// hardware's conversion, which rounds to nearest even and saturates finite values at 448 as float8_e4m3_of does, one
-// instruction for both; NaN is set to float8_e4m3_of's 0x7f whatever its sign. The host (tests/cuda_emu's
-// emulation of the conversion) takes the same path.
-__device__ __forceinline__ uint32_t float8_e4m3_pair(float a, float b) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
-  float2 ab;
-  ab.x = a, ab.y = b;
-  uint32_t c = __nv_cvt_float2_to_fp8x2(ab, __NV_SATFINITE, __NV_E4M3);
-  if (a != a) c = (c & 0xff00u) | 0x7fu;
-  if (b != b) c = (c & 0x00ffu) | 0x7f00u;
-  return c;
-#else
-  return float8_e4m3_of(a) | static_cast<uint32_t>(float8_e4m3_of(b)) << 8;
-#endif
+// The bytes of VEC columns of a coded row (kBf16, kFloat8, kInt4).
+template <int VEC>
+constexpr int kBf16Bytes = 2 * VEC;
+template <int VEC>
+constexpr int kFloat8Bytes = VEC;
+template <int VEC>
+constexpr int kInt4Bytes = VEC / 2 > 0 ? VEC / 2 : 1;
+
+// The bytes of VEC columns of a row coded as kT (kBf16, kFloat8, or kInt4: with VEC odd, the byte that holds the
+// lane's column).
+template <SnapshotDtype kT, int VEC>
+constexpr int kCodedBytes = kT == SnapshotDtype::kBf16     ? kBf16Bytes<VEC>
+                            : kT == SnapshotDtype::kFloat8 ? kFloat8Bytes<VEC>
+                                                           : kInt4Bytes<VEC>;
+
+// Through the read-only path: the backward never writes the snapshot, and the loads may then pass the row's stores.
+template <int N>
+__device__ __forceinline__ void load_bytes(const uint8_t* p, uint32_t (&w)[(N + 3) / 4]) {
+  if constexpr (N == 16) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  } else if constexpr (N == 8) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    w[0] = v.x, w[1] = v.y;
+  } else if constexpr (N == 4) {
+    w[0] = __ldg(reinterpret_cast<const unsigned int*>(p));
+  } else if constexpr (N == 2) {
+    w[0] = __ldg(reinterpret_cast<const unsigned short*>(p));
+  } else {
+    static_assert(N == 1, "1, 2, 4, 8 or 16 bytes");
+    w[0] = __ldg(reinterpret_cast<const unsigned char*>(p));
+  }
 }
 
 // N bytes (1, 2, 4, 8 or 16, aligned to N) from the words w, in one store.
@@ -76,18 +93,35 @@ __device__ __forceinline__ void store_bytes(uint8_t* p, const uint32_t (&w)[(N +
   }
 }
 
+// The float8 codes of two values already over the scale (a in the low byte), float8_e4m3_of's: from sm_89 on the
+// hardware's conversion, which rounds to nearest even and saturates finite values at 448 as float8_e4m3_of does, one
+// instruction for both; NaN is set to float8_e4m3_of's 0x7f whatever its sign. The host (tests/cuda_emu's
+// emulation of the conversion) takes the same path.
+__device__ __forceinline__ uint32_t float8_e4m3_pair(float a, float b) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
+  float2 ab;
+  ab.x = a, ab.y = b;
+  uint32_t c = __nv_cvt_float2_to_fp8x2(ab, __NV_SATFINITE, __NV_E4M3);
+  if (a != a) c = (c & 0xff00u) | 0x7fu;
+  if (b != b) c = (c & 0x00ffu) | 0x7f00u;
+  return c;
+#else
+  return float8_e4m3_of(a) | static_cast<uint32_t>(float8_e4m3_of(b)) << 8;
+#endif
+}
+
 // Stores the codes of columns [d, d + VEC) of a row coded as t (kBf16, kFloat8, or kInt4 with VEC even) from x,
 // in one store of the lane's bytes: snapshot_byte's codes (bf16_bits_of, snapshot_encode).
 template <int VEC, typename T>
 __device__ __forceinline__ void snapshot_store_codes(SnapshotDtype t, uint8_t* out, float inverse, int64_t d,
                                                      const Cols<VEC, T>& x) {
   if (t == SnapshotDtype::kBf16) {
-    uint32_t w[(2 * VEC + 3) / 4] = {};
+    uint32_t w[(kBf16Bytes<VEC> + 3) / 4] = {};
 #pragma unroll
     for (int i = 0; i < VEC; ++i) w[i / 2] |= static_cast<uint32_t>(bf16_bits_of(x[i])) << (16 * (i % 2));
-    store_bytes<2 * VEC>(out + 2 * d, w);
+    store_bytes<kBf16Bytes<VEC>>(out + 2 * d, w);
   } else if (t == SnapshotDtype::kFloat8) {
-    uint32_t w[(VEC + 3) / 4] = {};
+    uint32_t w[(kFloat8Bytes<VEC> + 3) / 4] = {};
 #pragma unroll
     for (int i = 0; i < VEC; i += 2) {
       const float a = snapshot_scaled_value(x[i], inverse);
@@ -95,13 +129,13 @@ __device__ __forceinline__ void snapshot_store_codes(SnapshotDtype t, uint8_t* o
       w[i / 4] |= float8_e4m3_pair(a, b) << (8 * (i % 4));
     }
     if constexpr (VEC == 1) w[0] &= 0xffu;  // the pair's second code is not the lane's
-    store_bytes<VEC>(out + d, w);
+    store_bytes<kFloat8Bytes<VEC>>(out + d, w);
   } else if constexpr (VEC % 2 == 0) {  // int4: column d + i in nibble i of the lane's bytes (d is even)
-    uint32_t w[(VEC / 2 + 3) / 4] = {};
+    uint32_t w[(kInt4Bytes<VEC> + 3) / 4] = {};
 #pragma unroll
     for (int i = 0; i < VEC; ++i)
       w[i / 8] |= static_cast<uint32_t>(snapshot_encode(t, x[i], inverse)) << (4 * (i % 8));
-    store_bytes<VEC / 2>(out + d / 2, w);
+    store_bytes<kInt4Bytes<VEC>>(out + d / 2, w);
   }
 }
 
@@ -156,40 +190,6 @@ __device__ __forceinline__ void snapshot_store_row(const ForwardIO& io, const St
     for (int64_t b = lane; b < bytes; b += 32) out[b] = snapshot_byte(t, b, D, inverse, elem);
   }
 }
-
-// Through the read-only path: the backward never writes the snapshot, and the loads may then pass the row's stores.
-template <int N>
-__device__ __forceinline__ void load_bytes(const uint8_t* p, uint32_t (&w)[(N + 3) / 4]) {
-  if constexpr (N == 16) {
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
-    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-  } else if constexpr (N == 8) {
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
-    w[0] = v.x, w[1] = v.y;
-  } else if constexpr (N == 4) {
-    w[0] = __ldg(reinterpret_cast<const unsigned int*>(p));
-  } else if constexpr (N == 2) {
-    w[0] = __ldg(reinterpret_cast<const unsigned short*>(p));
-  } else {
-    static_assert(N == 1, "1, 2, 4, 8 or 16 bytes");
-    w[0] = __ldg(reinterpret_cast<const unsigned char*>(p));
-  }
-}
-
-// The bytes of VEC columns of a coded row (kBf16, kFloat8, kInt4).
-template <int VEC>
-constexpr int kBf16Bytes = 2 * VEC;
-template <int VEC>
-constexpr int kFloat8Bytes = VEC;
-template <int VEC>
-constexpr int kInt4Bytes = VEC / 2 > 0 ? VEC / 2 : 1;
-
-// The bytes of VEC columns of a row coded as kT (kBf16, kFloat8, or kInt4: with VEC odd, the byte that holds the
-// lane's column).
-template <SnapshotDtype kT, int VEC>
-constexpr int kCodedBytes = kT == SnapshotDtype::kBf16     ? kBf16Bytes<VEC>
-                            : kT == SnapshotDtype::kFloat8 ? kFloat8Bytes<VEC>
-                                                           : kInt4Bytes<VEC>;
 
 // The value column i of a lane's VEC columns stands for, from their codes `w` as load_bytes gives them (a row coded
 // as kT, of scale `scale`).
