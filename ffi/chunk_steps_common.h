@@ -132,22 +132,23 @@ inline ffi::Error SnapshotDtypeOf(const char* op, int64_t code, sdm::SnapshotDty
   return ffi::Error::Success();
 }
 
-// The snapshot as `type` stores it (kernels/snapshot_codec.h): [.., C*W, D] of the bank's dtype or bfloat16, or
-// [.., C*W, row bytes] uint8; with a scale per row [.., C*W] float32 for the scaled codes, else an empty scale.
+// The snapshot as `type` stores it (kernels/snapshot_codec.h), for every chunk but the last
+// (StepDims::snapshot_chunks): [V, NC - 1, P, C*W, D] of the bank's dtype or bfloat16, or [V, NC - 1, P, C*W, row
+// bytes] uint8; with a scale per row [V, NC - 1, P, C*W] float32 for the scaled codes, else an empty scale.
 template <typename ScaleT>
 ffi::Error CheckSnapshot(const char* op, const sdm::StepDims& dm, const ffi::AnyBuffer& bank, sdm::SnapshotDtype type,
                          const ffi::AnyBuffer& snapshot, const ScaleT& scale) {
-  const int64_t rows = dm.C * dm.W;
+  const int64_t rows = dm.C * dm.W, chunks = dm.snapshot_chunks();
   const bool coded = type == sdm::SnapshotDtype::kFloat8 || type == sdm::SnapshotDtype::kInt4;
   const int64_t cols = coded ? sdm::snapshot_row_bytes(type, dm.D, 1) : dm.D;
-  SDM_RETURN_IF_ERROR(CheckShape(op, "snapshot", snapshot, dm.V, {dm.NC, dm.P, rows, cols}));
+  SDM_RETURN_IF_ERROR(CheckShape(op, "snapshot", snapshot, dm.V, {chunks, dm.P, rows, cols}));
   const ffi::DataType want = type == sdm::SnapshotDtype::kBank ? bank.element_type()
                              : type == sdm::SnapshotDtype::kBf16 ? ffi::DataType::BF16
                                                                  : ffi::DataType::U8;
   if (snapshot.element_type() != want)
     return ffi::Error::InvalidArgument(std::string(op) + ": the snapshot's dtype does not match snapshot_dtype " +
                                        std::to_string(static_cast<int>(type)));
-  if (sdm::snapshot_scaled(type)) return CheckShape(op, "snapshot_scale", scale, dm.V, {dm.NC, dm.P, rows});
+  if (sdm::snapshot_scaled(type)) return CheckShape(op, "snapshot_scale", scale, dm.V, {chunks, dm.P, rows});
   if (scale.element_count() != 0)
     return ffi::Error::InvalidArgument(std::string(op) + ": snapshot_scale must be empty for snapshot_dtype " +
                                        std::to_string(static_cast<int>(type)));

@@ -225,9 +225,11 @@ SNAPSHOT_CODES = {None: 0, "bfloat16": 1, "float8_e4m3fn": 2, "int4": 3}
 
 def snapshot_arrays(code, units, C, W, D, bank_dtype):
     """The snapshot's shape and dtype for storage `code` (`SNAPSHOT_CODES`), and its scales': `((shape, dtype),
-    (shape, dtype))` for the unit shape `units` (`[..., NC, P]`). The bank's dtype or bfloat16 `[..., C*W, D]`;
-    float8 codes `[..., C*W, D]` and int4 codes two a byte `[..., C*W, ceil(D/2)]` as uint8, with a float32 scale
-    per row `[..., C*W]` (an empty `[..., 0]` scale for the unscaled codes)."""
+    (shape, dtype))` for the unit shape `units` (`[..., NC, P]`). Every chunk but the last (no later chunk reads a
+    row through the last one's writes: `[..., NC - 1, P]` units, none for one chunk) of: the bank's dtype or
+    bfloat16 `[..., C*W, D]`; float8 codes `[..., C*W, D]` and int4 codes two a byte `[..., C*W, ceil(D/2)]` as
+    uint8, with a float32 scale per row `[..., C*W]` (an empty `[..., 0]` scale for the unscaled codes)."""
+    units = units[:-2] + (max(units[-2] - 1, 0), units[-1])
     rows = units + (C * W,)
     if code in (0, 1):
         return (rows + (D,), bank_dtype if code == 0 else jnp.bfloat16), (units + (0,), jnp.float32)

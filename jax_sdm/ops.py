@@ -167,8 +167,9 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=N
         chunked form (`"xla"`) keeps it in float32 (the rows rounded as stored, the gradient not), the token loop
         works in float32 throughout.
       snapshot_dtype: how the kernels' forward (`impl="ffi"`) stores, for the backward, the rows each chunk writes
-        (the snapshot, the largest part of the training memory: `T * W * D` elements per stream; docs/MATH.md
-        "Snapshot storage"). None (the default): the bank's dtype, exact (so is the
+        (the snapshot, the largest part of the training memory: `(T - C) * W * D` elements per stream at chunk size
+        `C`, every chunk's rows but the last's; docs/MATH.md "Snapshot storage"). None (the default): the bank's
+        dtype, exact (so is the
         bank's own dtype, e.g. `jnp.bfloat16` for a bfloat16 bank). `jnp.bfloat16` for a float32 bank: half the
         bytes, each element rounded to nearest even. `"float8_e4m3fn"`: a byte per element and a float32 scale per
         row (the row's largest magnitude / 448). `"int4"` (experimental: gradient errors near 1e-1): two elements a

@@ -27,6 +27,12 @@ struct StepDims {
   int64_t units() const { return V * NC * P; }
   int64_t streams() const { return V * P; }
   int64_t unit(int64_t stream, int64_t c) const { return ((stream / P) * NC + c) * P + stream % P; }
+  // The snapshot keeps the write groups of every chunk but the last: no later chunk reads a row through the last
+  // one's, so it has [V, NC - 1, P] units of C * W entries, and unit u's group g (u of a chunk before the last) is
+  // entry snapshot_entry(u, g).
+  int64_t snapshot_chunks() const { return NC > 1 ? NC - 1 : 0; }
+  SDM_HOST_DEVICE int64_t snapshot_entry(int64_t u, int64_t g) const { return (u - u / (NC * P) * P) * C * W + g; }
+  SDM_HOST_DEVICE bool stores_snapshot(int64_t u) const { return (u / P) % NC != NC - 1; }
   // The block of the input bank that stream s reads.
   SDM_HOST_DEVICE int64_t input_stream(int64_t s) const { return input_streams ? s % input_streams : s; }
   // The same dims for a bank of every stream (the backward's gradient banks: only the forward's input is shared).
@@ -61,8 +67,8 @@ struct ForwardIO {
   // Residuals for the backward; all null for a no-grad forward.
   float* delta;    // [.., C, D] the write vectors
   float* vg;       // [.., C, D] v - G, G the gathers sum_n k_eff S0[s] (the backward's only use of v and G)
-  void* snapshot;  // [.., C*W, row bytes] the written row of each stored write group (after the chunk's write; its
-  // entry u * C * W + g counts over the whole call), stored as snapshot_dtype says (kernels/snapshot_codec.h: rows
+  void* snapshot;  // [.., C*W, row bytes] the written row of each stored write group (after the chunk's write;
+  // StepDims::snapshot_entry, chunks but the last), stored as snapshot_dtype says (kernels/snapshot_codec.h: rows
   // of snapshot_row_bytes; kBank: [.., C*W, D] of the bank's dtype)
   SnapshotDtype snapshot_dtype = SnapshotDtype::kBank;
   float* snapshot_scale = nullptr;  // [.., C*W] each stored row's scale (kFloat8, kInt4; else null)

@@ -200,6 +200,14 @@ def kernel_layout(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims):
     return kernel_path.Inputs(bank, *layout.kernel_tokens(k_idx, k_val, g, v, beta, q_idx, q_val, dims), None)
 
 
+def stored_groups(w_group):
+    """Which entries of the forward's snapshot hold a row, from Phase 1's `w_group` `[..., NC, P, C*W + 1]`: the
+    write groups of every chunk but the last (`[..., NC - 1, P, C*W]`; entries past a unit's group count are never
+    written or read, so they hold whatever the buffer held)."""
+    group = np.asarray(w_group)
+    return (group[..., 1:] > group[..., :-1])[..., :-1, :, :]
+
+
 def product_key_brute_force(x, factors, k):
     """`product_key_topk`'s slot ids `[..., k]` the slow way, for tests: every slot scored (numpy, float32 sums in
     factor order) and all of them sorted by (score desc with NaN last, rank tuple lexicographic), the order that

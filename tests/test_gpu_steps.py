@@ -10,7 +10,7 @@ import pytest
 from jax_sdm import ffi_ops, layout
 from jax_sdm.testing import random_problem
 
-from .helpers import kernel_layout, rel_err
+from .helpers import kernel_layout, rel_err, stored_groups
 
 
 def poison_allocator(device, nbytes=1 << 28):
@@ -51,10 +51,8 @@ def run_steps(device, bank, k_idx, q_idx, v, beta, p1, minv, dy, dbank):
 
 
 def written_snapshot_rows(fwd, inputs):
-    """The forward's outputs with the snapshot's unwritten rows zeroed: snapshot rows exist for the write groups
-    only (rows past a unit's group count are never written or read, so they hold whatever the buffer held)."""
-    group = np.asarray(inputs[5].w_group)
-    used = (group[..., 1:] > group[..., :-1])[..., None]
+    """The forward's outputs with the snapshot's unwritten rows zeroed (`stored_groups`)."""
+    used = stored_groups(inputs[5].w_group)[..., None]
     return fwd[:4] + (np.where(used, np.asarray(fwd[4], np.float32), 0),) + fwd[5:]
 
 

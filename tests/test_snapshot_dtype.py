@@ -15,7 +15,7 @@ import pytest
 from jax_sdm import ffi_ops, sdm_write_read
 from jax_sdm.testing import random_problem
 
-from .helpers import FLOAT_ARGS, cotangents, outputs_and_grads, rel_err
+from .helpers import FLOAT_ARGS, cotangents, ffi_calls, outputs_and_grads, rel_err, stored_groups
 from .test_gpu_steps import kernel_inputs
 
 LOSSY = (jnp.bfloat16, "float8_e4m3fn", "int4")
@@ -73,8 +73,7 @@ def stored(seed, code, device=None, chunk=16, bank=None, keep_rows=False, **shap
     fwd = jax.jit(functools.partial(ffi_ops.forward_ffi, save=True, snapshot_code=code))
     exact = np.asarray(jax.jit(functools.partial(ffi_ops.forward_ffi, save=True))(*inputs).snapshot)
     out = fwd(*inputs)
-    group = np.asarray(inputs[5].w_group)
-    used = group[..., 1:] > group[..., :-1]
+    used = stored_groups(inputs[5].w_group)
     return np.asarray(out.snapshot), np.asarray(out.snapshot_scale), exact.astype(np.float32), used
 
 
@@ -242,6 +241,24 @@ def test_against_the_token_loop(bank_dtype, snapshot_dtype, segments):
         assert err > err0 or name_of(snapshot_dtype) == "bfloat16", (k, err, err0)  # the snapshot is lossy
 
 
+@pytest.mark.parametrize("T", [32, 33, 64])
+@pytest.mark.parametrize("snapshot_dtype", (None,) + LOSSY)
+def test_the_last_chunk_stores_no_snapshot(T, snapshot_dtype):
+    """The snapshot holds every chunk's writes but the last's (none at all for one chunk: T 32 at chunk 32): with a
+    last chunk of 1 token (T 33) or 32 (T 64), each option's gradients are the token loop's within its bound."""
+    args = random_problem(T, B=1, T=T, H=2, K=24, D=16, W=3, R=3)
+    dy, dbank = cotangents(T, args)
+    _, _, g_ref = token_loop64(args, dy, dbank)
+    fwd = jax.make_jaxpr(lambda a: jax.vjp(lambda b: sdm_write_read(**dict(a, bank=b), impl="ffi", chunk_size=32,
+                                                                  snapshot_dtype=snapshot_dtype), a["bank"]))(args)
+    (call,) = ffi_calls(fwd.jaxpr, "sdm_forward")
+    assert call.outvars[4].aval.shape[:2] == ((T - 1) // 32, 2)  # [NC - 1, P, C*W, ...]
+    _, _, g = run(args, dy, dbank, snapshot_dtype=snapshot_dtype)
+    bound = BOUNDS[name_of(snapshot_dtype)] if snapshot_dtype is not None else 1e-5
+    for k in FLOAT_ARGS:
+        assert rel_err(g[k], g_ref[k]) < bound, (k, rel_err(g[k], g_ref[k]))
+
+
 @pytest.mark.parametrize("snapshot_dtype", LOSSY)
 def test_each_option_bitwise_repeatable(snapshot_dtype):
     args, dy, dbank, _, _ = problem("float32")
@@ -319,22 +336,22 @@ def test_the_layer_refuses_a_bad_value():
 
 def test_the_training_step_holds_the_smaller_snapshot():
     """XLA's buffer assignment of a jitted training step: each option's temporaries are smaller by the snapshot's
-    saving (T * W rows per stream of D elements: 4 bytes each for a float32 bank; bfloat16 2, float8 1 and int4
-    1/2, plus a float32 scale per row for the last two)."""
-    B, T, H, K, D, W = 1, 1024, 2, 256, 64, 8
+    saving ((T - chunk) * W rows per stream, every chunk's but the last's, of D elements: 4 bytes each for a
+    float32 bank; bfloat16 2, float8 1 and int4 1/2, plus a float32 scale per row for the last two)."""
+    B, T, H, K, D, W, chunk = 1, 1024, 2, 256, 64, 8, 64
     args = random_problem(4, B=B, T=T, H=H, K=K, D=D, W=W, R=W)
 
     def temp_bytes(snapshot_dtype):
         def loss(bank, k_val, v, q_val):
             y, final = sdm_write_read(bank, args["k_idx"], k_val, v, args["beta"], args["g"], args["q_idx"], q_val,
-                                      impl="ffi", chunk_size=64, snapshot_dtype=snapshot_dtype)
+                                      impl="ffi", chunk_size=chunk, snapshot_dtype=snapshot_dtype)
             return jnp.sum(y) + jnp.sum(final)
 
         step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
         floats = [args[k] for k in ("bank", "k_val", "v", "q_val")]
         return step.lower(*floats).compile().memory_analysis().temp_size_in_bytes
 
-    rows = B * H * T * W
+    rows = B * H * (T - chunk) * W
     today = temp_bytes(None)
     for name, row_bytes in (("bfloat16", 2 * D), ("float8_e4m3fn", D + 4), ("int4", D // 2 + 4)):
         saving = rows * (4 * D - row_bytes)

@@ -121,11 +121,11 @@ struct Scratch {
   explicit Scratch(int64_t n) : a(n), b(n), c(n), d(n), e(n) {}
 };
 
-// The snapshot (MATH.md "The forward chunk step", "Snapshot storage"; ForwardIO::snapshot): per unit and write
-// group g, the row of the group's slot after the chunk's write, entry u * C * W + g of the call, stored as
-// snapshot_dtype says (kernels/snapshot_codec.h). The forward stores it (store); the backward reads the row as it
-// was before a chunk through a link (load: the decoded row, rounded to the bank's dtype). This is the only code
-// that knows its layout.
+// The snapshot (MATH.md "The forward chunk step", "Snapshot storage"; ForwardIO::snapshot): per unit and write group g
+// of a chunk before the last, the row of the group's slot after the chunk's write, entry StepDims::snapshot_entry(u, g)
+// of the call, stored as snapshot_dtype says (kernels/snapshot_codec.h). The forward stores it (store); the backward
+// reads the row as it was before a chunk through a link (load: the decoded row, rounded to the bank's dtype). This is
+// the only code that knows its layout.
 template <typename BankT>
 struct Snapshot {
   SnapshotDtype type;
@@ -223,6 +223,7 @@ void write_rows(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, i
   const int32_t* group = p1.w_group + u * (C * W + 1);
   const float* w = p1.w + u * C * W;
   const Snapshot<BankT> snap(io.snapshot, io.snapshot_scale, io.snapshot_dtype, dm);
+  const bool store = snap && dm.stores_snapshot(u);
   for (int64_t g = 0; g < C * W; ++g) {
     int32_t lo, hi;
     const int32_t s = group_slot(order, group, k_idx, g, K, &lo, &hi);
@@ -241,9 +242,9 @@ void write_rows(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, i
     }
     for (int64_t d = 0; d < D; ++d) row[d] = from_float<BankT>(acc[d]);
     if (sg.local) sg.stamp[s] = sg.seg0 + sg.last;
-    if (snap) {
-      snap.store(u * C * W + g, row);
-      last[s] = static_cast<int32_t>(u * C * W + g);
+    if (store) {
+      snap.store(dm.snapshot_entry(u, g), row);
+      last[s] = static_cast<int32_t>(dm.snapshot_entry(u, g));
     }
   }
 }

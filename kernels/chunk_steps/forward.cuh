@@ -190,7 +190,7 @@ __device__ __forceinline__ void after_write(const StepDims& dm, const ForwardIO&
     __syncwarp();  // the row's columns, stored by every lane, visible to the warp
     snapshot_store_row<VEC>(io, dm, gr.u, gr.g, bank + (gr.s * dm.K + gr.slot) * dm.D, gr.lane);
   }
-  if (last && gr.lane == 0) last[gr.s * dm.K + gr.slot] = static_cast<int32_t>(gr.u * dm.C * dm.W + gr.g);
+  if (last && gr.lane == 0) last[gr.s * dm.K + gr.slot] = static_cast<int32_t>(dm.snapshot_entry(gr.u, gr.g));
 }
 
 // `input` is the input bank of a fresh output bank (the rows of groups from_input are read there), else `bank`;

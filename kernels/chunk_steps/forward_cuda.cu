@@ -34,6 +34,12 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   const size_t smem = kFwdApplySmem.bytes(dm.C, staged);
   // The links' table: every slot without a write yet (-1) as the loop starts.
   const Links links{save ? fa.last : nullptr, io.link_k, io.link_q};
+  // The last chunk's write stores no snapshot and moves no link: no later chunk reads a row through them.
+  ForwardIO last_io = io;
+  last_io.snapshot = nullptr;
+  last_io.snapshot_scale = nullptr;
+  const auto write_io = [&](int64_t c) -> const ForwardIO& { return c + 1 < dm.NC ? io : last_io; };
+  const auto write_links = [&](int64_t c) { return c + 1 < dm.NC ? links.last : nullptr; };
   int rc = 0;
   if (save) rc = static_cast<int>(cudaMemsetAsync(fa.last, 0xff, dm.streams() * dm.K * sizeof(int32_t), stream));
   if (!rc && !fresh) rc = copy_whole(dm, input, bank, stream);  // none when input is bank
@@ -68,11 +74,12 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   };
   if (!segments) {
     const OwnerLaunch ol = owner_launch(dm, 1);
-    const bool coded = io.snapshot && io.snapshot_dtype != SnapshotDtype::kBank;
     const auto write = [&](int64_t c) {
+      const ForwardIO& wio = write_io(c);
+      const bool coded = wio.snapshot && wio.snapshot_dtype != SnapshotDtype::kBank;
       return launch(pdl, coded ? fwd_write_kernel<VEC, T, true> : fwd_write_kernel<VEC, T, false>, ol.grid, ol.block,
-                    ol.smem, stream, dm, p1, io, fresh ? input : static_cast<const T*>(bank), bank, c, rows,
-                    group_tables.at(dm, c), links.last);
+                    ol.smem, stream, dm, p1, wio, fresh ? input : static_cast<const T*>(bank), bank, c, rows,
+                    group_tables.at(dm, c), write_links(c));
     };
     if (fresh)
       steps(fwd_gather_kernel<VEC, T, FreshView<T>>, write, FreshView<T>{input, fa.w_tag, fa.r_tag});
@@ -84,8 +91,8 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
                       segments->stamp_snapshot, nullptr};
   if (!rc) rc = static_cast<int>(cudaMemsetAsync(sv.stamp, 0, dm.streams() * dm.K * sizeof(int32_t), stream));
   steps(fwd_gather_kernel<VEC, T, SegView<T>>, [&](int64_t c) {
-    return launch(pdl, fwd_write_packed_kernel<VEC, T>, group_grid, dim3(kGroupWarps * 32), 0, stream, dm, p1, io,
-                  bank, c, rows, group_tables.at(dm, c), sv, links.last);
+    return launch(pdl, fwd_write_packed_kernel<VEC, T>, group_grid, dim3(kGroupWarps * 32), 0, stream, dm, p1,
+                  write_io(c), bank, c, rows, group_tables.at(dm, c), sv, write_links(c));
   }, sv);
   return rc;
 }

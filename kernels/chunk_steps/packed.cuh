@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
   if (gr.lane == 0) {
     if (sg.stamp_snapshot) sg.stamp_snapshot[u * C * W + g] = stamp;
     sg.stamp[s * K + gr.slot] = sg.seg0[u] + last;
-    if (latest) latest[s * K + gr.slot] = static_cast<int32_t>(u * C * W + g);
+    if (latest) latest[s * K + gr.slot] = static_cast<int32_t>(dm.snapshot_entry(u, g));
   }
 }
 

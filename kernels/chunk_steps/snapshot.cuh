@@ -1,11 +1,11 @@
 // The snapshot of the CUDA chunk steps (docs/MATH.md "The forward chunk step": the snapshot, "Snapshot storage";
-// kernels/chunk_steps.h ForwardIO::snapshot): for every unit and stored write group g, the row of the group's slot
-// as the chunk's write left it, entry u * C * W + g. In the bank's dtype the forward's write kernels store it with
-// the row (snapshot_row), VEC columns per lane at a time; in another dtype (kernels/snapshot_codec.h) the group's
-// warp reads the written row back and codes it (snapshot_store_row). The backward reads a row as it was before a
-// chunk through the links (ForwardIO::link_k, link_q): the snapshot entry, or the input bank's row (with_s0_source:
-// a row of the bank's dtype, or a coded row decoded where it is used, CodedRowSource). These functions are the only
-// code that knows how a snapshot row is stored.
+// kernels/chunk_steps.h ForwardIO::snapshot): for every unit of a chunk before the last and stored write group g, the
+// row of the group's slot as the chunk's write left it, entry StepDims::snapshot_entry(u, g). In the bank's dtype the
+// forward's write kernels store it with the row (snapshot_row), VEC columns per lane at a time; in another dtype
+// (kernels/snapshot_codec.h) the group's warp reads the written row back and codes it (snapshot_store_row). The
+// backward reads a row as it was before a chunk through the links (ForwardIO::link_k, link_q): the snapshot entry, or
+// the input bank's row (with_s0_source: a row of the bank's dtype, or a coded row decoded where it is used,
+// CodedRowSource). These functions are the only code that knows how a snapshot row is stored.
 #ifndef JAX_SDM_KERNELS_CHUNK_STEPS_SNAPSHOT_CUH_
 #define JAX_SDM_KERNELS_CHUNK_STEPS_SNAPSHOT_CUH_
 
@@ -29,7 +29,7 @@ template <typename T, SnapshotKernel kKind = SnapshotKernel::kAny>
 __device__ __forceinline__ T* snapshot_row(const ForwardIO& io, const StepDims& dm, int64_t u, int64_t g) {
   if (kKind == SnapshotKernel::kCoded || !io.snapshot) return nullptr;
   if (kKind == SnapshotKernel::kAny && io.snapshot_dtype != SnapshotDtype::kBank) return nullptr;
-  return static_cast<T*>(io.snapshot) + (u * dm.C * dm.W + g) * dm.D;
+  return static_cast<T*>(io.snapshot) + dm.snapshot_entry(u, g) * dm.D;
 }
 
 // Where entry `entry`'s row starts, in bytes, in a snapshot of another dtype than the bank's (its scale, if any, is
@@ -151,7 +151,7 @@ __device__ __forceinline__ void snapshot_store_row(const ForwardIO& io, const St
                                                    const T* row, int lane) {
   const SnapshotDtype t = io.snapshot_dtype;
   if (!io.snapshot || t == SnapshotDtype::kBank) return;
-  const int64_t D = dm.D, entry = u * dm.C * dm.W + g, first = static_cast<int64_t>(lane) * VEC;
+  const int64_t D = dm.D, entry = dm.snapshot_entry(u, g), first = static_cast<int64_t>(lane) * VEC;
   const bool by_segment = VEC % 2 == 0 || t != SnapshotDtype::kInt4;
   float scale = 0.f;
   if (snapshot_scaled(t)) {

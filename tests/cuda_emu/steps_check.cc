@@ -315,16 +315,18 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
 
   const int64_t fwd_ws_floats = forward_workspace_floats(dm), bwd_ws_floats = backward_workspace_floats(dm);
   const size_t ncd = size_t(N * C * D), nstamp = size_t(dm.streams() * K);
-  const size_t nsnap = size_t(N * C * W * snapshot_row_bytes(snapshot_dtype, D, sizeof(BankT)));
-  const size_t nscale = snapshot_scaled(snapshot_dtype) ? size_t(N * C * W) : 0;
-  // The snapshot decoded to float32 per element, [N, C*W, D].
+  // The snapshot's rows: every chunk's write groups but the last's (StepDims::snapshot_entry).
+  const int64_t snap_rows = dm.V * dm.snapshot_chunks() * dm.P * C * W;
+  const size_t nsnap = size_t(snap_rows * snapshot_row_bytes(snapshot_dtype, D, sizeof(BankT)));
+  const size_t nscale = snapshot_scaled(snapshot_dtype) ? size_t(snap_rows) : 0;
+  // The snapshot decoded to float32 per element, [snap_rows, D].
   auto decoded = [&](const std::vector<uint8_t>& snap, const std::vector<float>& scale) {
     if (snapshot_dtype == SnapshotDtype::kBank) {
       std::vector<BankT> rows(snap.size() / sizeof(BankT));
       if (!snap.empty()) std::memcpy(rows.data(), snap.data(), snap.size());
       return as_float(rows);
     }
-    const int64_t rows = snap.empty() ? 0 : N * C * W, bytes = snapshot_row_bytes(snapshot_dtype, D, 0);
+    const int64_t rows = snap.empty() ? 0 : snap_rows, bytes = snapshot_row_bytes(snapshot_dtype, D, 0);
     std::vector<float> out(size_t(rows * D));
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t d = 0; d < D; ++d)
