@@ -45,7 +45,7 @@
   X(Attr, int64_t, snapshot_dtype) SEP() X(Ret, ::sdm_ffi::AnyBuffer, dbank_out) SEP()                          \
   X(Ret, ::sdm_ffi::F32, dk_eff) SEP() X(Ret, ::sdm_ffi::F32, dw) SEP() X(Ret, ::sdm_ffi::F32, dcpe) SEP()       \
   X(Ret, ::sdm_ffi::F32, dq_w) SEP() X(Ret, ::sdm_ffi::F32, dA) SEP()                                             \
-  X(Ret, ::sdm_ffi::F32, dQK) SEP() X(Ret, ::sdm_ffi::F32, dbeta) SEP() X(Ret, ::sdm_ffi::F32, dv) SEP()        \
+  X(Ret, ::sdm_ffi::F32, dQK) SEP() X(Ret, ::sdm_ffi::F32, dbeta) SEP() X(Ret, ::sdm_ffi::AnyBuffer, dv) SEP()  \
   X(Ret, ::sdm_ffi::F32, workspace)
 
 // Packed sequences: the initial bank, each token's segment within its chunk (local) and each chunk's first segment
@@ -287,13 +287,14 @@ inline ffi::Error PrepareBackward(SDM_FFI_PARAMS(SDM_BACKWARD_BUFFERS), Backward
   SDM_RETURN_IF_ERROR(CheckShape(op, "dQK", *dQK, V, {NC, P, C, C}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "dbeta", *dbeta, V, {NC, P, C}));
   SDM_RETURN_IF_ERROR(CheckShape(op, "dv", *dv, V, {NC, P, C, dm.D}));
+  SDM_RETURN_IF_ERROR(CheckValueType(op, "dv (result)", *dv, bank.element_type()));
   SDM_RETURN_IF_ERROR(CheckWorkspace(op, *workspace, sdm::backward_workspace_floats(dm)));
   call->p1 = Phase1View(k_idx, q_idx, k_eff, w, cpe, q_w, &A, QK, w_order, w_group, &r_order, &r_group, minv);
   call->io = sdm::BackwardIO{beta.typed_data(),    dy.untyped_data(),
                              delta.typed_data(),   vg.typed_data(),     snapshot.untyped_data(),
                              dk_eff->typed_data(), dw->typed_data(),
                              dcpe->typed_data(),   dq_w->typed_data(),  dA->typed_data(),
-                             dQK->typed_data(),    dbeta->typed_data(), dv->typed_data(),
+                             dQK->typed_data(),    dbeta->typed_data(), dv->untyped_data(),
                              type,                 sdm::snapshot_scaled(type) ? snapshot_scale.typed_data() : nullptr,
                              link_k.typed_data(),  link_q.typed_data()};
   call->type = bank.element_type();

@@ -340,7 +340,8 @@ def backward_ffi(bank, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snaps
     whole-bank copy of a `dbank` the caller keeps). `dbank`'s dtype is the working gradient bank's: float32, or the
     bank's bfloat16 (float32 inside each step, rounded once per written row). `dy`, the readings' cotangent
     `[..., NC, P, C, D]`, goes to the kernels in the bank's dtype (they widen it on load): the readings leave the
-    op in that dtype, so their cotangent is exact there at half float32's bytes.
+    op in that dtype, so their cotangent is exact there at half float32's bytes. `v`'s cotangent `dv` comes back
+    in the bank's dtype too (`v`'s in the op), rounded once on store.
 
     `snapshot`, `snapshot_scale`, `link_k`, `link_q`: the forward's residuals, the snapshot stored as
     `snapshot_code` says (`snapshot_arrays`; a None scale: the empty scale of an unscaled code). The backward reads
@@ -359,7 +360,8 @@ def backward_ffi(bank, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snaps
     results = dict(dbank_out=jax.ShapeDtypeStruct(_stream_bank_shape(bank, k_idx), dbank.dtype),
                    dk_eff=like(p1.k_eff), dw=like(p1.w), dcpe=like(p1.cpe), dq_w=like(p1.q_w), dA=like(p1.A),
                    dQK=like(p1.QK), dbeta=jax.ShapeDtypeStruct(beta.shape, f32),
-                   dv=jax.ShapeDtypeStruct(dy.shape, f32), workspace=_workspace(bank, k_idx, q_idx, backward=True))
+                   dv=jax.ShapeDtypeStruct(dy.shape, bank.dtype),  # v's dtype: the op takes v in the bank's
+                   workspace=_workspace(bank, k_idx, q_idx, backward=True))
     operands = dict(bank=bank, dbank=dbank, dy=dy.astype(bank.dtype), k_idx=k_idx.astype(i32),
                     q_idx=q_idx.astype(i32), beta=beta.astype(f32), minv=minv, delta=delta, vg=vg, snapshot=snapshot,
                     snapshot_scale=snapshot_scale, link_k=link_k, link_q=link_q,

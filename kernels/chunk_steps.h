@@ -94,7 +94,7 @@ struct BackwardIO {
   float* dA;              // [.., C, C]
   float* dQK;             // [.., C, C]
   float* dbeta;           // [.., C]
-  float* dv;              // [.., C, D]
+  void* dv;               // [.., C, D] out, the bank's dtype (v's: rounded once on store)
   SnapshotDtype snapshot_dtype = SnapshotDtype::kBank;  // as the forward stored the snapshot (ForwardIO)
   const float* snapshot_scale = nullptr;
   const int32_t* link_k = nullptr;  // the forward's links (ForwardIO)
@@ -163,9 +163,14 @@ inline int64_t forward_workspace_floats(const StepDims& dims) {
   return step_rows_floats(dims) + 4 * dims.units() * dims.C * dims.W + 2 * dims.streams() * dims.K +
          dims.units() * dims.C * (dims.W + dims.R);
 }
+// The backward's du ring (BackRows::du): the batch of table_chunks chunks' du, [chunks, streams, C, D] float32,
+// after everything else (16-byte aligned).
+inline int64_t backward_du_ring_at(const StepDims& dims) {
+  return (step_rows_floats(dims) + 4 * dims.streams() * table_chunks(dims) * dims.C * (dims.W + dims.R) +
+          dims.streams() * dims.K + dims.units() * dims.C * dims.W + (dims.D + 3) / 4 * 4 + 4 + 3) / 4 * 4;
+}
 inline int64_t backward_workspace_floats(const StepDims& dims) {
-  return step_rows_floats(dims) + 4 * dims.streams() * table_chunks(dims) * dims.C * (dims.W + dims.R) +
-         dims.streams() * dims.K + dims.units() * dims.C * dims.W + (dims.D + 3) / 4 * 4 + 4;
+  return backward_du_ring_at(dims) + table_chunks(dims) * dims.streams() * dims.C * dims.D;
 }
 // With `segments` (packed sequences, null without) the loops follow forward_cpu / backward_cpu's semantics; the
 // stamps are zeroed by the forward (cudaMemsetAsync) and restored to zero by the backward.

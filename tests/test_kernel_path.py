@@ -86,6 +86,20 @@ def test_no_grad_forward_saves_nothing():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_backward_keeps_no_float32_array_of_the_values(dtype):
+    """The backward's results hold no float32 `[NC, P, C, D]` array beside the gradient bank: the adjoint `du` lives
+    in a chunk's scratch of the workspace and `dv` leaves in the bank's dtype (the values' in the op), the same
+    gradient as the token loop's."""
+    args = random_problem(3, B=2, T=40, H=2, K=16, D=12, W=3, R=2, dtype=dtype)
+    loss = lambda v: jnp.sum(ffi_op(**dict(args, v=v), chunk_size=8)[0].astype(jnp.float32) ** 2)
+    grad = jax.make_jaxpr(jax.grad(loss))(args["v"])
+    (bwd,) = ffi_calls(grad.jaxpr, "sdm_backward")
+    tokens = [v.aval for v in bwd.outvars if v.aval.shape[-1:] == (12,) and v.aval.ndim == 4]
+    assert [(a.shape, a.dtype) for a in tokens] == [((5, 4, 8, 12), jnp.dtype(dtype))]  # dv only
+    check_against_reference(ffi_op, args, 8, 1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_forward_makes_no_copy_of_a_kept_bank(dtype):
     """The final bank is a result of its own: with the bank not donated (the caller keeps it), the compiled forward
     copies no whole bank before the kernels (the kernels read each row from the initial bank until its first

@@ -1,16 +1,15 @@
 // The CUDA backward chunk loop, backward_cuda (kernels/chunk_steps.h; docs/MATH.md "Backward of a chunk";
 // docs/DESIGN.md "Backward steps"): the math of cpu.cc laid out for the GPU, chunks in reverse.
 //
-//   before the loop, all chunks at once (they do not depend on the bank):
-//     dy part           (unit, 32-column slice): du = Minv^T QK^T dy, kept in dv's buffer       backward_dense.cuh
-//   per chunk, in reverse:
+//   per chunk, in reverse (in batches of table_chunks chunks, du in a ring of a batch's):
+//     dy part           (the batch's first: chunk, stream, 32-column slice): du = Minv^T QK^T dy  backward_dense.cuh
 //     GWR               (stream, token): gwr = sum_n w dS1[s] (gradient rows)                    backward_rows.cuh
 //     apply the inverse (stream, slice): du += Minv^T gwr, dG = -beta du                         backward_dense.cuh
 //     Phase A           (stream, token; a warp per write group): dcpe, dw, dk_eff, the gradient
 //                       row (S0 through the links from the snapshot or the input bank)           backward_rows.cuh
 //     read side         (stream, token; a warp per read group): dS0 += q_w dy, dq_w              backward_rows.cuh
-//   after the loop, all chunks at once:
-//     dots              (unit, tile of 64 token rows): dA, dQK, dbeta, dv = beta du              backward_dense.cuh
+//     dots              (the batch's last: chunk, stream, tile of 64 token rows): dA, dQK, dbeta,
+//                       dv = beta du                                                             backward_dense.cuh
 //
 // With packed sequences Phase A and the read side are packed.cuh's. The gradient bank is float32 or, for bfloat16
 // banks, bfloat16 (GT): its rows are read into float32 and rounded once where a kernel writes them.
@@ -30,7 +29,7 @@ template <int VEC, typename T, typename GT>
 int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, const T* input, const GT* dbank_in,
                   GT* dbank, float* workspace, cudaStream_t stream, const StepSegments* segments) {
   const int64_t n = dm.streams() * dm.C * dm.D;
-  const BackRows rows{workspace, workspace + n};
+  const BackRows rows{workspace, workspace + n, workspace + backward_du_ring_at(dm)};
   const ChunkTables ring(dm, workspace, table_chunks(dm), true);
   const bool pdl = use_pdl();
   const bool dy_staged = dense_staged(dm.C, kStagedDyMaxC, kDySmem);
@@ -81,16 +80,13 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
   const dim3 write_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
   const dim3 read_grid(dm.streams(), (dm.C * dm.R + kGroupWarps - 1) / kGroupWarps);
+  const unsigned dots_tiles = static_cast<unsigned>((dm.C + kDotsTile - 1) / kDotsTile);
   constexpr int kGVec = kGVecOf<VEC, GT>;
   const RowBlock rb = row_block(dm.D, kGVec, dm.W, kGwrGatherParts);
   const auto gwr = segments ? bwd_gwr_kernel<kGVec, GT, true, false>
                    : fresh  ? bwd_gwr_kernel<kGVec, GT, false, true>
                             : bwd_gwr_kernel<kGVec, GT, false, false>;
   if (!rc) rc = smem_attribute(gwr, rb.smem);
-  if (!rc) {
-    rc = launch(pdl, bwd_dy, dim3(dm.units(), (dm.D + kSlice - 1) / kSlice),
-                dim3(dense_threads(dm.C, false, dy_staged)), dy_smem, stream, dm, p1, io);
-  }
   const dim3 group_block(kGroupWarps * 32);
   const OwnerLaunch phase_a = owner_launch(dm, 2), read_side = owner_launch(dm, 1);
   // Phase A and the read side of the call's snapshot dtype (a kernel for each: snapshot.cuh with_s0_source).
@@ -106,13 +102,23 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
                     segments->stamp_snapshot, segments->dinitial};
   }
   for (int64_t c = dm.NC - 1; c >= 0 && !rc; --c) {
-    if (c % ring.chunks == ring.chunks - 1 && c != dm.NC - 1 && (rc = build_batch(c)) != 0) break;
+    // The batch of chunks c0 .. top, top first: its tables (the last batch's were built before the loop) and its
+    // dy part first, its dots after its last chunk.
+    const int64_t c0 = c - c % ring.chunks, top = std::min(c0 + ring.chunks, dm.NC) - 1;
+    const unsigned batch_blocks = static_cast<unsigned>((top - c0 + 1) * dm.streams());
+    if (c == top && c != dm.NC - 1 && (rc = build_batch(c)) != 0) break;
     const GroupTables tables = ring.at(dm, c);
-    rc = launch(pdl, gwr, row_grid, rb.threads, rb.smem, stream, dm, p1, static_cast<const GT*>(dbank), dbank_in,
-                static_cast<const int32_t*>(fa.w_tag), c, rows, sv.local);
+    BackRows chunk_rows = rows;  // du: chunk c's place in the ring
+    chunk_rows.du += (c - c0) * n;
+    if (c == top)
+      rc = launch(pdl, bwd_dy, dim3(batch_blocks, slice_grid.y), dim3(dense_threads(dm.C, false, dy_staged)), dy_smem,
+                  stream, dm, p1, io, c0, rows);
+    if (!rc)
+      rc = launch(pdl, gwr, row_grid, rb.threads, rb.smem, stream, dm, p1, static_cast<const GT*>(dbank), dbank_in,
+                  static_cast<const int32_t*>(fa.w_tag), c, rows, sv.local);
     if (!rc)
       rc = launch(pdl, bwd_apply, slice_grid, dim3(dense_threads(dm.C, true, staged)), apply_smem, stream, dm, p1,
-                  io, c, rows);
+                  io, c, chunk_rows);
     if (segments) {  // Phase A (the stored groups, then the earlier segments' groups) and the read side
       if (!rc)
         rc = launch(pdl, bwd_phase_a_packed_kernel<VEC, T, GT>, write_grid, group_block, 0, stream, dm, p1, io, dbank,
@@ -123,18 +129,17 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
       if (!rc)
         rc = launch(pdl, bwd_gathers_packed_kernel<VEC, T, GT, true>, read_grid, group_block, 0, stream, dm, p1, io,
                     dbank, c, rows, tables, sv);
-      continue;
+    } else {
+      if (!rc)
+        rc = launch(pdl, phase_a_kernel, phase_a.grid, phase_a.block, phase_a.smem, stream, dm, p1, io, input, dbank,
+                    dbank_in, zero_row, c, rows, tables);
+      if (!rc)
+        rc = launch(pdl, read_side_kernel, read_side.grid, read_side.block, read_side.smem, stream, dm, p1, io, input,
+                    dbank, dbank_in, zero_row, c, tables);
     }
-    if (!rc)
-      rc = launch(pdl, phase_a_kernel, phase_a.grid, phase_a.block, phase_a.smem, stream, dm, p1, io, input, dbank,
-                  dbank_in, zero_row, c, rows, tables);
-    if (!rc)
-      rc = launch(pdl, read_side_kernel, read_side.grid, read_side.block, read_side.smem, stream, dm, p1, io, input,
-                  dbank, dbank_in, zero_row, c, tables);
-  }
-  if (!rc) {
-    rc = launch(pdl, bwd_dots_kernel<T>, dim3(dm.units(), (dm.C + kDotsTile - 1) / kDotsTile), dim3(kDotsThreads), 0,
-                stream, dm, p1, io);
+    if (!rc && c == c0)
+      rc = launch(pdl, bwd_dots_kernel<T>, dim3(batch_blocks, dots_tiles), dim3(kDotsThreads), 0, stream, dm, p1, io,
+                  c0, rows);
   }
   return rc;
 }

@@ -1,7 +1,9 @@
 // The backward's dense kernels (docs/MATH.md "Backward of a chunk": the readings, the inverse's adjoint and the
-// dots): before the chunk loop, the dy part of the adjoint for every chunk at once (bwd_dy_kernel: du = Minv^T QK^T
-// dy); in the loop, per chunk, its bank-dependent part (bwd_apply_inverse_kernel: du += Minv^T gwr, dG = -beta du);
-// after the loop, for every chunk at once, dA, dQK, dbeta and dv = beta du (bwd_dots_kernel).
+// dots): in the loop, per batch of chunks, the dy part of the adjoint before the batch's first chunk (bwd_dy_kernel:
+// du = Minv^T QK^T dy); per chunk its bank-dependent part (bwd_apply_inverse_kernel: du += Minv^T gwr, dG = -beta
+// du); after the batch's last chunk dA, dQK, dbeta and dv = beta du (bwd_dots_kernel). du lives in a ring of a
+// batch's chunks (BackRows), not in an array of every chunk (the training step's largest after the snapshot and
+// the residuals), and a batch's launches keep the blocks of many chunks.
 #ifndef JAX_SDM_KERNELS_CHUNK_STEPS_BACKWARD_DENSE_CUH_
 #define JAX_SDM_KERNELS_CHUNK_STEPS_BACKWARD_DENSE_CUH_
 
@@ -12,16 +14,20 @@
 namespace sdm {
 namespace {
 
-// Before the loop, every unit at once: du = Minv^T (QK^T dy), the part of the adjoint that does not depend on
-// the bank; one block per (unit, column slice). Shared memory: the dy and QK^T dy slices; staged, QK and Minv.
+// du = Minv^T (QK^T dy), the part of the adjoint that does not depend on the bank, for the batch of chunks from c0
+// into its ring (BackRows::du); one block per (chunk of the batch, stream, column slice). Shared memory: the dy and
+// QK^T dy slices; staged, QK and Minv. The previous batch's dots kernel, which read the ring, has completed at
+// chain_start.
 template <typename T, bool kStaged>
-__global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
+__global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c0, BackRows rows) {
   chain_start();
   constexpr int kRows = kWideTileRows;
   extern __shared__ __align__(16) float sh[];
   const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
-  const int64_t D = dm.D;
-  const int64_t u = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
+  const int64_t D = dm.D, streams = dm.V * dm.P;
+  const int64_t s = blockIdx.x % streams, u = unit_of(dm, s, c0 + blockIdx.x / streams);
+  const int64_t d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
+  float* du = rows.du + static_cast<int64_t>(blockIdx.x) * C * D;
   float* sdy = sh;
   float* sdd = sdy + slice;
   float* sqk = sdd + slice;
@@ -53,12 +59,12 @@ __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
     tri_tile<true, kStaged, kRows>(kStaged ? smi : minv, ms, sdd, r0, q, C, x);
 #pragma unroll
     for (int j = 0; j < kRows; ++j)
-      if (r0 + j < C) store_quad(io.dv + (u * C + r0 + j) * D, d0 + 4 * q, D, x[j]);
+      if (r0 + j < C) store_quad(du + (r0 + j) * D, d0 + 4 * q, D, x[j]);
   });
 }
 
-// In the loop: du += Minv^T gwr (the bank-dependent part of the inverse's adjoint), dG = -beta du. Shared memory:
-// the gwr slice; staged, also the du slice and Minv.
+// Chunk c: du += Minv^T gwr (the bank-dependent part of the inverse's adjoint), dG = -beta du; `rows.du` the
+// chunk's place in the ring. Shared memory: the gwr slice; staged, also the du slice and Minv.
 template <bool kStaged, int kRows>
 __global__ void bwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackRows rows) {
   extern __shared__ __align__(16) float sh[];
@@ -71,9 +77,9 @@ __global__ void bwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, BackwardIO 
   float* smi = sdu + slice;
   const float* minv = p1.minv + u * C * C;
   const float* gwr = rows.gwr + s * C * D;
-  float* du = io.dv + u * C * D;
+  float* du = rows.du + s * C * D;
   if constexpr (kStaged) {
-    // Minv and du (the dy part's, written before the loop; only this kernel adds to it) are final before the
+    // Minv and du (the dy part's, at least two launches before; only this kernel adds to it) are final before the
     // previous kernel: staged before chain_start waits for the GWR gather, as in fwd_apply_inverse_kernel; gwr after.
     stage_matrix_async(minv, C, smi);
     stage_slice_async(du, C, D, d0, sdu);
@@ -104,16 +110,17 @@ __global__ void bwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, BackwardIO 
   });
 }
 
-// After the loop, every unit at once, one block per (unit, tile of kDotsTile token rows i): with
+// After the adjoints of the batch of chunks from c0, one block per (chunk of the batch, stream, tile of kDotsTile
+// token rows i): with
 // a_ij = <du_i, delta_j> and q_ij = <dy_i, delta_j> (each one thread's sum over d ascending),
 //   dA[i, j] = -beta_i a_ij (j < i),  dQK[i, j] = q_ij (j <= i),  0 elsewhere,
 //   dbeta_i = <du_i, v_i - G_i> - sum_{j < i} A[i, j] a_ij   (= <du_i, v_i - G_i - (A delta)_i>),
-// and dv_i = beta_i du_i in place of du_i. The block walks the tiles (i0, j0), j0 <= i0, of kDotsTile x kDotsTile
+// and dv_i = beta_i du_i (in the bank's dtype, v's). The block walks the tiles (i0, j0), j0 <= i0, of kDotsTile x kDotsTile
 // cells; their rows are staged in shared memory kDotsCols columns at a time, transposed ([column][row]), and thread
 // (ti, tj) computes the 4 x 4 cells (i0 + 4 ti + r, j0 + 4 tj + c): per column three 16-byte loads (4 du, 4 dy,
 // 4 delta) feed 32 products (half the shared-memory loads per product of tiles with one row per thread). The
 // diagonal tile (j0 = i0) is the last one a block computes: while staging it, each thread also writes dv = beta du
-// over the du element it loaded (its last read) and each thread adds its columns' share of <du_i, v_i - G_i>.
+// of the du element it loaded and each thread adds its columns' share of <du_i, v_i - G_i>.
 // Every sum runs in a fixed order.
 constexpr int kDotsTile = 64;
 constexpr int kDotsCols = 32;                              // columns staged per step
@@ -122,18 +129,22 @@ constexpr int kDotsThreads = kDotsSide * kDotsSide;        // 256
 constexpr int kDotsStride = kDotsTile + 4;                 // floats per staged column: 16-byte rows, no bank conflicts
 constexpr int kDotsStaged = kDotsTile * kDotsCols / kDotsThreads;  // elements each thread stages per array: 8
 
-template <typename T>  // dy's dtype, the bank's
-__global__ void __launch_bounds__(kDotsThreads, 2) bwd_dots_kernel(StepDims dm, StepPhase1 p1, BackwardIO io) {
+template <typename T>  // dy's and dv's dtype, the bank's
+__global__ void __launch_bounds__(kDotsThreads, 2)
+    bwd_dots_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c0, BackRows rows) {
   chain_start();
   const T* dy = static_cast<const T*>(io.dy);
+  T* dv = static_cast<T*>(io.dv);
   __shared__ __align__(16) float sdu[kDotsCols][kDotsStride], sdy[kDotsCols][kDotsStride],
       sdl[kDotsCols][kDotsStride];
   __shared__ __align__(16) float svg[kDotsCols][kDotsStride];  // v - G on the diagonal tile
   __shared__ float red[kDotsTile][kDotsSide + 1];
   const int64_t C = dm.C, D = dm.D;
-  const int64_t u = blockIdx.x, i0 = static_cast<int64_t>(blockIdx.y) * kDotsTile;
+  const int64_t streams = dm.V * dm.P, s = blockIdx.x % streams, u = unit_of(dm, s, c0 + blockIdx.x / streams);
+  const int64_t i0 = static_cast<int64_t>(blockIdx.y) * kDotsTile;
   const int t = threadIdx.x, ti = t / kDotsSide, tj = t % kDotsSide;
   const int64_t base = u * C * D;
+  const float* du_rows = rows.du + static_cast<int64_t>(blockIdx.x) * C * D;
   float part[4] = {};  // this thread's shares of dbeta_i, rows i0 + 4 ti + r
   for (int64_t j0 = 0; j0 <= i0; j0 += kDotsTile) {  // j0 > i0: every cell masked
     const bool diag = j0 == i0;
@@ -148,13 +159,13 @@ __global__ void __launch_bounds__(kDotsThreads, 2) bwd_dots_kernel(StepDims dm, 
         const int64_t d = d0 + dd;
         const bool in_i = i0 + r < C && d < D, in_j = j0 + r < C && d < D;
         const int64_t ki = base + (i0 + r) * D + d, kj = base + (j0 + r) * D + d;
-        const float du = in_i ? io.dv[ki] : 0.f;  // du until written back as dv below
+        const float du = in_i ? du_rows[(i0 + r) * D + d] : 0.f;
         sdu[dd][r] = du;
         sdy[dd][r] = in_i ? to_f(dy[ki]) : 0.f;
         sdl[dd][r] = in_j ? io.delta[kj] : 0.f;
         if (diag) {
           svg[dd][r] = in_i ? io.vg[ki] : 0.f;
-          if (in_i) io.dv[ki] = io.beta[u * C + i0 + r] * du;
+          if (in_i) from_f(dv + ki, io.beta[u * C + i0 + r] * du);
         }
       }
       __syncthreads();

@@ -312,13 +312,14 @@ void readings_adjoint(const StepDims& dm, const StepPhase1& p1, const BackwardIO
 }
 
 // The inverse's adjoint (delta = Minv u, u = beta (v - G)): du = Minv^T ddelta, dA = strict_tril(-beta du delta^T),
-// dbeta = <du, v - G - A delta>, dv = beta du, dG = -beta du.
+// dbeta = <du, v - G - A delta>, dv = beta du (in the bank's dtype, v's), dG = -beta du.
+template <typename BankT>
 void inverse_adjoint(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, int64_t u,
                      const UnitBackward& b) {
   const int64_t C = dm.C, D = dm.D;
   float* dA = io.dA + u * C * C;
   float* dbeta = io.dbeta + u * C;
-  float* dv = io.dv + u * C * D;
+  BankT* dv = static_cast<BankT*>(io.dv) + u * C * D;
   lower_transpose_times(p1.minv + u * C * C, b.ddelta, C, D, b.du);
   lower_times(p1.A + u * C * C, b.delta, C, D, b.tmp);  // A is strictly lower: tmp = A delta
   for (int64_t i = 0; i < C; ++i) {
@@ -328,7 +329,7 @@ void inverse_adjoint(const StepDims& dm, const StepPhase1& p1, const BackwardIO&
     for (int64_t d = 0; d < D; ++d) {
       const int64_t k = i * D + d;
       db += b.du[k] * (b.vg[k] - b.tmp[k]);
-      dv[k] = b.beta[i] * b.du[k];
+      dv[k] = from_float<BankT>(b.beta[i] * b.du[k]);
       b.dG[k] = -b.beta[i] * b.du[k];
     }
     dbeta[i] = db;
@@ -431,7 +432,7 @@ void backward_unit(const StepDims& dm, const StepPhase1& p1, const BackwardIO& i
                        sc.a.data(), sc.c.data(), sc.d.data(), sc.b.data()};
   gwr(dm, p1, io, u, dS, sg, b);
   readings_adjoint(dm, p1, io, u, b);
-  inverse_adjoint(dm, p1, io, u, b);
+  inverse_adjoint<BankT>(dm, p1, io, u, b);
   std::fill(io.dk_eff + u * C * W, io.dk_eff + (u + 1) * C * W, 0.f);
   std::fill(io.dcpe + u * C * W, io.dcpe + (u + 1) * C * W, 0.f);
   phase_a(dm, p1, io, u, src, dS, sg, dI, b, true);

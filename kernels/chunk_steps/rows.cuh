@@ -26,11 +26,13 @@ struct ChunkRows {
   }
 };
 
-// Backward scratch ([streams, C, D] float32 each). du (the adjoint of u = beta (v - G)) lives in dv's buffer,
-// one [C, D] block per unit, until the dots kernel turns it into dv = beta du.
+// Backward scratch ([streams, C, D] float32): gwr and dG of the chunk the loop is at, and du (the adjoint of
+// u = beta (v - G)) in a ring of a batch of chunks ([chunks, streams, C, D], backward_du_ring_floats): from the dy
+// part, the apply-inverse kernel adding its bank-dependent part, until the dots kernel turns it into dv = beta du.
 struct BackRows {
   float* gwr;
   float* dG;
+  float* du;
 };
 
 // The rows a gather reads: slot s's row of one bank (has(s): s is in range; an out-of-range id touches no row).
