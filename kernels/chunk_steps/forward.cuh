@@ -212,40 +212,34 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   const float* pre[1];
   // The group table and the rows this kernel reads were final before the kernel it follows (applying the
   // inverse) started, which waited for the gather, which waited for the previous chunk's write: the table rows and
-  // the first group's row are loaded before chain_start waits for its predecessor, so those loads overlap its end;
-  // delta after.
+  // the first group's first batch are loaded before chain_start waits for its predecessor, so those loads overlap
+  // its end; delta after.
+  // The warp's items are its groups' batches of S segments a lane (a row of D columns is ceil(D / kBatch) of them),
+  // in order: the next item's batch (the row's next one, or the next group's first) is loaded before this one's is
+  // written, so that a batch is always in flight, whether a row takes one batch or several.
+  constexpr int64_t kBatch = S * 32 * VEC;
   OwnedGroups owned(dm, s, u, tables.w, dm.W);
   const int64_t d0 = static_cast<int64_t>(owned.gr.lane) * VEC;
-  if (D > S * 32 * VEC) {  // rows of several batches: one group at a time
-    chain_start();
-    stage_token(D, vecs, staged, pre);
-    while (owned.next()) {
-      const T* row = row_of(owned.gr);
-      for (int64_t d = d0; d < D; d += S * 32 * VEC) {
-        Cols<VEC, T> x[S];
-        load_batch(row, d, D, x);
-        write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], owned.gr, d, x);
-      }
-      after_write<kCoded, VEC>(dm, io, bank, owned.gr, last);
-    }
-    return;
-  }
-  // Rows of one batch: the next group's row is loaded before this one's is written (two rows in flight per warp).
   const bool any = owned.next();
   Group cur = owned.gr;
+  int64_t b = 0;  // the item's first column, past d0 (the same for the whole warp)
   Cols<VEC, T> x[S];
   if (any) load_batch(row_of(cur), d0, D, x);
   chain_start();
   stage_token(D, vecs, staged, pre);
   if (!any) return;
   for (;;) {
-    const bool more = owned.next();
+    const bool row_done = b + kBatch >= D;
+    const bool more = !row_done || owned.next();
+    const Group next = row_done ? owned.gr : cur;
+    const int64_t next_b = row_done ? 0 : b + kBatch;
     Cols<VEC, T> y[S];
-    if (more) load_batch(row_of(owned.gr), d0, D, y);
-    write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], cur, d0, x);
-    after_write<kCoded, VEC>(dm, io, bank, cur, last);
+    if (more) load_batch(row_of(next), d0 + next_b, D, y);
+    write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], cur, d0 + b, x);
+    if (row_done) after_write<kCoded, VEC>(dm, io, bank, cur, last);
     if (!more) break;
-    cur = owned.gr;
+    cur = next;
+    b = next_b;
 #pragma unroll
     for (int k = 0; k < S; ++k) x[k] = y[k];
   }

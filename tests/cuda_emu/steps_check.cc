@@ -597,6 +597,8 @@ int main(int argc, char** argv) {
       {2, 2, 3, 6, 2, 2, 50, 16, false, false, 0.0, 0, 0, 3}, // V > 1: each problem's streams read the one input
       // 34: C > 64 not a multiple of 4: the in-loop solves' two-row tiles, the last one's second row past C
       {1, 2, 2, 101, 3, 2, 70, 40, true, false, 0.05, 3},
+      // 35: bf16 rows of several of the forward write's batches (VEC 8: 1024 columns a batch), the last one partial
+      {1, 3, 2, 4, 2, 2, 6, 2056, true, true, 0.1, 0},
   };
   if (argc > 1 && std::string(argv[1]) == "shape") {  // shape V NC P C W R K D BANK GRAD INVALID PAD [SEED [SEGS]]
     if (argc < 14) {
