@@ -150,8 +150,9 @@ constexpr bool kChunkStepsPdl = SDM_CUDA_PDL != 0;
 // backward's, then its C * R read groups, for table_chunks chunks: a ring rebuilt per batch of chunks), then each
 // slot's first writing step ([streams, K] uint32) and the row tags of the gather lanes ([units, C, W] int32, and the
 // forward's also [units, C, R]; see "fresh result" below), then the forward's latest write of each slot ([streams,
-// K] int32: the links' table) and the backward's row of D zeros (16-byte aligned).
-// BankT is float or __nv_bfloat16 (passed as sdm::bf16, same layout). Returns the first cudaError_t met, 0 on success.
+// K] int32: the links' table) and the backward's row of D zeros (16-byte aligned), and last the backward's du ring
+// (backward_du_ring_at). BankT is float or __nv_bfloat16 (passed as sdm::bf16, same layout). Returns the first
+// cudaError_t met, 0 on success.
 inline int64_t step_rows_floats(const StepDims& dims) { return dims.V * ((3 * dims.P * dims.C * dims.D + 3) / 4 * 4); }
 // The backward's group tables hold ceil(NC / kTableBatches) chunks (0 for none): a quarter of the 2 * 16 MiB of
 // tables for all chunks at the flagship (the workspace is live at the training step's memory peak), for at most
