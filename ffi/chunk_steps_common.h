@@ -328,7 +328,8 @@ inline ffi::Error PrepareForwardSegments(const ForwardCall& call, const ffi::Any
   const sdm::StepDims& dm = call.dm;
   SDM_RETURN_IF_ERROR(CheckSegmentInputs(op, dm, bank, initial, local, seg0));
   SDM_RETURN_IF_ERROR(CheckShape(op, "stamp (result)", *stamp, dm.V, {dm.P, dm.K}));
-  const bool save = call.io.snapshot != nullptr;
+  // With residuals delta is never empty (the snapshot is, for one chunk: its data may then be null).
+  const bool save = call.io.delta != nullptr;
   if (save) {
     SDM_RETURN_IF_ERROR(
         CheckShape(op, "stamp_snapshot (result)", *stamp_snapshot, dm.V, {dm.NC, dm.P, dm.C * dm.W}));
