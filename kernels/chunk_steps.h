@@ -32,7 +32,7 @@ struct StepDims {
   // entry snapshot_entry(u, g).
   int64_t snapshot_chunks() const { return NC > 1 ? NC - 1 : 0; }
   SDM_HOST_DEVICE int64_t snapshot_entry(int64_t u, int64_t g) const { return (u - u / (NC * P) * P) * C * W + g; }
-  SDM_HOST_DEVICE bool stores_snapshot(int64_t u) const { return (u / P) % NC != NC - 1; }
+  bool stores_snapshot(int64_t c) const { return c + 1 < NC; }  // whether chunk c's writes go to the snapshot
   // The block of the input bank that stream s reads.
   SDM_HOST_DEVICE int64_t input_stream(int64_t s) const { return input_streams ? s % input_streams : s; }
   // The same dims for a bank of every stream (the backward's gradient banks: only the forward's input is shared).

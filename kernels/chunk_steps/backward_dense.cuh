@@ -14,6 +14,18 @@
 namespace sdm {
 namespace {
 
+// A block of a launch over the batch of chunks from c0 (blockIdx.x = k * streams + s: chunk c0 + k, stream s): its
+// unit and its chunk's du in the ring (BackRows::du, [chunks, streams, C, D] in the same order).
+struct BatchBlock {
+  int64_t u;
+  float* du;
+};
+__device__ __forceinline__ BatchBlock batch_block(const StepDims& dm, int64_t c0, const BackRows& rows) {
+  const int64_t streams = dm.V * dm.P;
+  return {unit_of(dm, blockIdx.x % streams, c0 + blockIdx.x / streams),
+          rows.du + static_cast<int64_t>(blockIdx.x) * dm.C * dm.D};
+}
+
 // du = Minv^T (QK^T dy), the part of the adjoint that does not depend on the bank, for the batch of chunks from c0
 // into its ring (BackRows::du); one block per (chunk of the batch, stream, column slice). Shared memory: the dy and
 // QK^T dy slices; staged, QK and Minv. The previous batch's dots kernel, which read the ring, has completed at
@@ -24,10 +36,10 @@ __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t
   constexpr int kRows = kWideTileRows;
   extern __shared__ __align__(16) float sh[];
   const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
-  const int64_t D = dm.D, streams = dm.V * dm.P;
-  const int64_t s = blockIdx.x % streams, u = unit_of(dm, s, c0 + blockIdx.x / streams);
-  const int64_t d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
-  float* du = rows.du + static_cast<int64_t>(blockIdx.x) * C * D;
+  const int64_t D = dm.D, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
+  const BatchBlock bb = batch_block(dm, c0, rows);
+  const int64_t u = bb.u;
+  float* du = bb.du;
   float* sdy = sh;
   float* sdd = sdy + slice;
   float* sqk = sdd + slice;
@@ -115,12 +127,12 @@ __global__ void bwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, BackwardIO 
 // a_ij = <du_i, delta_j> and q_ij = <dy_i, delta_j> (each one thread's sum over d ascending),
 //   dA[i, j] = -beta_i a_ij (j < i),  dQK[i, j] = q_ij (j <= i),  0 elsewhere,
 //   dbeta_i = <du_i, v_i - G_i> - sum_{j < i} A[i, j] a_ij   (= <du_i, v_i - G_i - (A delta)_i>),
-// and dv_i = beta_i du_i (in the bank's dtype, v's). The block walks the tiles (i0, j0), j0 <= i0, of kDotsTile x kDotsTile
-// cells; their rows are staged in shared memory kDotsCols columns at a time, transposed ([column][row]), and thread
-// (ti, tj) computes the 4 x 4 cells (i0 + 4 ti + r, j0 + 4 tj + c): per column three 16-byte loads (4 du, 4 dy,
-// 4 delta) feed 32 products (half the shared-memory loads per product of tiles with one row per thread). The
-// diagonal tile (j0 = i0) is the last one a block computes: while staging it, each thread also writes dv = beta du
-// of the du element it loaded and each thread adds its columns' share of <du_i, v_i - G_i>.
+// and dv_i = beta_i du_i (in the bank's dtype, v's). The block walks the tiles (i0, j0), j0 <= i0, of kDotsTile x
+// kDotsTile cells; their rows are staged in shared memory kDotsCols columns at a time, transposed ([column][row]), and
+// thread (ti, tj) computes the 4 x 4 cells (i0 + 4 ti + r, j0 + 4 tj + c): per column three 16-byte loads (4 du, 4 dy,
+// 4 delta) feed 32 products (half the shared-memory loads per product of tiles with one row per thread). The diagonal
+// tile (j0 = i0) is the last one a block computes: while staging it, each thread also writes dv = beta du of the du
+// element it loaded and each thread adds its columns' share of <du_i, v_i - G_i>.
 // Every sum runs in a fixed order.
 constexpr int kDotsTile = 64;
 constexpr int kDotsCols = 32;                              // columns staged per step
@@ -140,11 +152,11 @@ __global__ void __launch_bounds__(kDotsThreads, 2)
   __shared__ __align__(16) float svg[kDotsCols][kDotsStride];  // v - G on the diagonal tile
   __shared__ float red[kDotsTile][kDotsSide + 1];
   const int64_t C = dm.C, D = dm.D;
-  const int64_t streams = dm.V * dm.P, s = blockIdx.x % streams, u = unit_of(dm, s, c0 + blockIdx.x / streams);
-  const int64_t i0 = static_cast<int64_t>(blockIdx.y) * kDotsTile;
+  const BatchBlock bb = batch_block(dm, c0, rows);
+  const int64_t u = bb.u, i0 = static_cast<int64_t>(blockIdx.y) * kDotsTile;
   const int t = threadIdx.x, ti = t / kDotsSide, tj = t % kDotsSide;
   const int64_t base = u * C * D;
-  const float* du_rows = rows.du + static_cast<int64_t>(blockIdx.x) * C * D;
+  const float* du_rows = bb.du;
   float part[4] = {};  // this thread's shares of dbeta_i, rows i0 + 4 ti + r
   for (int64_t j0 = 0; j0 <= i0; j0 += kDotsTile) {  // j0 > i0: every cell masked
     const bool diag = j0 == i0;

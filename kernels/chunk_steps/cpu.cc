@@ -223,7 +223,7 @@ void write_rows(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, i
   const int32_t* group = p1.w_group + u * (C * W + 1);
   const float* w = p1.w + u * C * W;
   const Snapshot<BankT> snap(io.snapshot, io.snapshot_scale, io.snapshot_dtype, dm);
-  const bool store = snap && dm.stores_snapshot(u);
+  const bool store = snap && dm.stores_snapshot(u / dm.P % dm.NC);
   for (int64_t g = 0; g < C * W; ++g) {
     int32_t lo, hi;
     const int32_t s = group_slot(order, group, k_idx, g, K, &lo, &hi);

@@ -38,8 +38,8 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   ForwardIO last_io = io;
   last_io.snapshot = nullptr;
   last_io.snapshot_scale = nullptr;
-  const auto write_io = [&](int64_t c) -> const ForwardIO& { return c + 1 < dm.NC ? io : last_io; };
-  const auto write_links = [&](int64_t c) { return c + 1 < dm.NC ? links.last : nullptr; };
+  const auto write_io = [&](int64_t c) -> const ForwardIO& { return dm.stores_snapshot(c) ? io : last_io; };
+  const auto write_links = [&](int64_t c) { return dm.stores_snapshot(c) ? links.last : nullptr; };
   int rc = 0;
   if (save) rc = static_cast<int>(cudaMemsetAsync(fa.last, 0xff, dm.streams() * dm.K * sizeof(int32_t), stream));
   if (!rc && !fresh) rc = copy_whole(dm, input, bank, stream);  // none when input is bank

@@ -27,7 +27,7 @@ struct ChunkRows {
 };
 
 // Backward scratch ([streams, C, D] float32): gwr and dG of the chunk the loop is at, and du (the adjoint of
-// u = beta (v - G)) in a ring of a batch of chunks ([chunks, streams, C, D], backward_du_ring_floats): from the dy
+// u = beta (v - G)) in a ring of a batch of chunks ([chunks, streams, C, D] at backward_du_ring_at): from the dy
 // part, the apply-inverse kernel adding its bank-dependent part, until the dots kernel turns it into dv = beta du.
 struct BackRows {
   float* gwr;
