@@ -150,9 +150,9 @@ constexpr bool kChunkStepsPdl = SDM_CUDA_PDL != 0;
 // backward's, then its C * R read groups, for table_chunks chunks: a ring rebuilt per batch of chunks), then each
 // slot's first writing step ([streams, K] uint32) and the row tags of the gather lanes ([units, C, W] int32, and the
 // forward's also [units, C, R]; see "fresh result" below), then the forward's latest write of each slot ([streams,
-// K] int32: the links' table) and the backward's row of D zeros (16-byte aligned), and last the backward's du ring
-// (backward_du_ring_at). BankT is float or __nv_bfloat16 (passed as sdm::bf16, same layout). Returns the first
-// cudaError_t met, 0 on success.
+// K] int32: the links' table) and the backward's row of D zeros (16-byte aligned), then the backward's du ring
+// (backward_du_ring_at) and last its dbeta shares (backward_dbeta_parts_at). BankT is float or __nv_bfloat16
+// (passed as sdm::bf16, same layout). Returns the first cudaError_t met, 0 on success.
 inline int64_t step_rows_floats(const StepDims& dims) { return dims.V * ((3 * dims.P * dims.C * dims.D + 3) / 4 * 4); }
 // The backward's group tables hold ceil(NC / kTableBatches) chunks (0 for none): a quarter of the 2 * 16 MiB of
 // tables for all chunks at the flagship (the workspace is live at the training step's memory peak), for at most
@@ -170,8 +170,15 @@ inline int64_t backward_du_ring_at(const StepDims& dims) {
   return (step_rows_floats(dims) + 4 * dims.streams() * table_chunks(dims) * dims.C * (dims.W + dims.R) +
           dims.streams() * dims.K + dims.units() * dims.C * dims.W + (dims.D + 3) / 4 * 4 + 4 + 3) / 4 * 4;
 }
-inline int64_t backward_workspace_floats(const StepDims& dims) {
+// The backward's dots (dA, dQK, dbeta) run by pairs of tiles of kDotsTile token rows; each pair's share of dbeta
+// waits in [units, dots_tiles, C] float32 after the du ring (backward_dbeta_parts_at) until a row's shares are added.
+constexpr int kDotsTile = 64;
+SDM_HOST_DEVICE inline int64_t dots_tiles(const StepDims& dims) { return (dims.C + kDotsTile - 1) / kDotsTile; }
+inline int64_t backward_dbeta_parts_at(const StepDims& dims) {
   return backward_du_ring_at(dims) + table_chunks(dims) * dims.streams() * dims.C * dims.D;
+}
+inline int64_t backward_workspace_floats(const StepDims& dims) {
+  return backward_dbeta_parts_at(dims) + dims.units() * dots_tiles(dims) * dims.C;
 }
 // With `segments` (packed sequences, null without) the loops follow forward_cpu / backward_cpu's semantics; the
 // stamps are zeroed by the forward (cudaMemsetAsync) and restored to zero by the backward.

@@ -8,8 +8,9 @@
 //     Phase A           (stream, token; a warp per write group): dcpe, dw, dk_eff, the gradient
 //                       row (S0 through the links from the snapshot or the input bank)           backward_rows.cuh
 //     read side         (stream, token; a warp per read group): dS0 += q_w dy, dq_w              backward_rows.cuh
-//     dots              (the batch's last: chunk, stream, tile of 64 token rows): dA, dQK, dbeta,
-//                       dv = beta du                                                             backward_dense.cuh
+//     dots              (the batch's last: chunk, stream, pair of tiles of 64 token rows): dA, dQK,
+//                       dbeta's shares, dv = beta du                                             backward_dense.cuh
+//   dbeta               (unit, token row): the shares added                                      backward_dense.cuh
 //
 // With packed sequences Phase A and the read side are packed.cuh's. The gradient bank is float32 or, for bfloat16
 // banks, bfloat16 (GT): its rows are read into float32 and rounded once where a kernel writes them.
@@ -29,7 +30,8 @@ template <int VEC, typename T, typename GT>
 int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io, const T* input, const GT* dbank_in,
                   GT* dbank, float* workspace, cudaStream_t stream, const StepSegments* segments) {
   const int64_t n = dm.streams() * dm.C * dm.D;
-  const BackRows rows{workspace, workspace + n, workspace + backward_du_ring_at(dm)};
+  const BackRows rows{workspace, workspace + n, workspace + backward_du_ring_at(dm),
+                      workspace + backward_dbeta_parts_at(dm)};
   const ChunkTables ring(dm, workspace, table_chunks(dm), true);
   const bool pdl = use_pdl();
   const bool dy_staged = dense_staged(dm.C, kStagedDyMaxC, kDySmem);
@@ -76,11 +78,12 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   if (!rc) rc = build_batch(dm.NC - 1);
   if (!rc) rc = smem_attribute(bwd_dy, dy_smem);
   if (!rc) rc = smem_attribute(bwd_apply, apply_smem);
+  if (!rc) rc = smem_attribute(bwd_dots_kernel<T>, sizeof(DotsShared));
   const dim3 row_grid(dm.streams(), dm.C);
   const dim3 slice_grid(dm.streams(), (dm.D + kSlice - 1) / kSlice);
   const dim3 write_grid(dm.streams(), (dm.C * dm.W + kGroupWarps - 1) / kGroupWarps);
   const dim3 read_grid(dm.streams(), (dm.C * dm.R + kGroupWarps - 1) / kGroupWarps);
-  const unsigned dots_tiles = static_cast<unsigned>((dm.C + kDotsTile - 1) / kDotsTile);
+  const unsigned dots_pairs = static_cast<unsigned>(dots_tiles(dm) * (dots_tiles(dm) + 1) / 2);
   constexpr int kGVec = kGVecOf<VEC, GT>;
   const RowBlock rb = row_block(dm.D, kGVec, dm.W, kGwrGatherParts);
   const auto gwr = segments ? bwd_gwr_kernel<kGVec, GT, true, false>
@@ -138,8 +141,13 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
                     dbank, dbank_in, zero_row, c, tables);
     }
     if (!rc && c == c0)
-      rc = launch(pdl, bwd_dots_kernel<T>, dim3(batch_blocks, dots_tiles), dim3(kDotsThreads), 0, stream, dm, p1, io,
-                  c0, rows);
+      rc = launch(pdl, bwd_dots_kernel<T>, dim3(batch_blocks, dots_pairs), dim3(kDotsThreads), sizeof(DotsShared),
+                  stream, dm, p1, io, c0, rows);
+  }
+  if (!rc) {
+    const int64_t threads = 256, cells = dm.units() * dm.C;
+    rc = launch(pdl, bwd_dbeta_kernel, dim3(static_cast<unsigned>((cells + threads - 1) / threads)),
+                dim3(static_cast<unsigned>(threads)), 0, stream, dm, io, rows);
   }
   return rc;
 }

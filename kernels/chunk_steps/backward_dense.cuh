@@ -1,9 +1,9 @@
 // The backward's dense kernels (docs/MATH.md "Backward of a chunk": the readings, the inverse's adjoint and the
 // dots): in the loop, per batch of chunks, the dy part of the adjoint before the batch's first chunk (bwd_dy_kernel:
 // du = Minv^T QK^T dy); per chunk its bank-dependent part (bwd_apply_inverse_kernel: du += Minv^T gwr, dG = -beta
-// du); after the batch's last chunk dA, dQK, dbeta and dv = beta du (bwd_dots_kernel). du lives in a ring of a
-// batch's chunks (BackRows), not in an array of every chunk (the training step's largest after the snapshot and
-// the residuals), and a batch's launches keep the blocks of many chunks.
+// du); after the batch's last chunk dA, dQK, dbeta's shares and dv = beta du (bwd_dots_kernel); after the loop dbeta
+// (bwd_dbeta_kernel). du lives in a ring of a batch's chunks (BackRows), not in an array of every chunk (the
+// training step's largest after the snapshot and the residuals).
 #ifndef JAX_SDM_KERNELS_CHUNK_STEPS_BACKWARD_DENSE_CUH_
 #define JAX_SDM_KERNELS_CHUNK_STEPS_BACKWARD_DENSE_CUH_
 
@@ -122,70 +122,95 @@ __global__ void bwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, BackwardIO 
   });
 }
 
-// After the adjoints of the batch of chunks from c0, one block per (chunk of the batch, stream, tile of kDotsTile
-// token rows i): with
-// a_ij = <du_i, delta_j> and q_ij = <dy_i, delta_j> (each one thread's sum over d ascending),
+// After the adjoints of the batch of chunks from c0, one block per (chunk of the batch, stream, pair of tiles
+// (i0, j0), j0 <= i0, of kDotsTile token rows: blockIdx.y, dots_pair): with a_ij = <du_i, delta_j> and
+// q_ij = <dy_i, delta_j>,
 //   dA[i, j] = -beta_i a_ij (j < i),  dQK[i, j] = q_ij (j <= i),  0 elsewhere,
 //   dbeta_i = <du_i, v_i - G_i> - sum_{j < i} A[i, j] a_ij   (= <du_i, v_i - G_i - (A delta)_i>),
-// and dv_i = beta_i du_i (in the bank's dtype, v's). The block walks the tiles (i0, j0), j0 <= i0, of kDotsTile x
-// kDotsTile cells; their rows are staged in shared memory kDotsCols columns at a time, transposed ([column][row]), and
-// thread (ti, tj) computes the 4 x 4 cells (i0 + 4 ti + r, j0 + 4 tj + c): per column three 16-byte loads (4 du, 4 dy,
-// 4 delta) feed 32 products (half the shared-memory loads per product of tiles with one row per thread). The diagonal
-// tile (j0 = i0) is the last one a block computes: while staging it, each thread also writes dv = beta du of the du
-// element it loaded and each thread adds its columns' share of <du_i, v_i - G_i>.
-// Every sum runs in a fixed order.
-constexpr int kDotsTile = 64;
+// and dv_i = beta_i du_i (in the bank's dtype, v's). A block per pair of tiles, not per row of tiles, and two teams
+// of 256 threads a block splitting the columns: a batch's launch is a quarter of the chunks, and its blocks must still
+// fill the GPU with short ones (a block per row of tiles left most SMs idle behind the diagonal rows' two tiles).
+// Team k sums the 32-column steps d0 = (2 m + k) kDotsCols; the steps' rows are staged in shared memory transposed
+// ([column][row]) and thread (ti, tj) of a team computes the 4 x 4 cells (i0 + 4 ti + r, j0 + 4 tj + c): per column
+// three 16-byte loads (4 du, 4 dy, 4 delta) feed 32 products. Each cell is team 0's sum plus team 1's, each over d
+// ascending. On the diagonal pair (j0 = i0) each thread also writes dv = beta du of the du element it stages and adds
+// its columns' share of <du_i, v_i - G_i>. A pair's share of dbeta_i goes to dbeta_parts ([units, dots_tiles, C], by
+// j0's tile): bwd_dbeta_kernel adds a row's shares after the loop. Every sum runs in a fixed order.
 constexpr int kDotsCols = 32;                              // columns staged per step
 constexpr int kDotsSide = kDotsTile / 4;                   // threads per tile side: 16
-constexpr int kDotsThreads = kDotsSide * kDotsSide;        // 256
+constexpr int kDotsTeamThreads = kDotsSide * kDotsSide;    // 256
+constexpr int kDotsTeams = 2;
+constexpr int kDotsThreads = kDotsTeams * kDotsTeamThreads;
 constexpr int kDotsStride = kDotsTile + 4;                 // floats per staged column: 16-byte rows, no bank conflicts
-constexpr int kDotsStaged = kDotsTile * kDotsCols / kDotsThreads;  // elements each thread stages per array: 8
+constexpr int kDotsStaged = kDotsTile * kDotsCols / kDotsTeamThreads;  // elements each thread stages per array: 8
+
+// A team's staged columns; after the sums, team 1's cells pass to team 0 through its staging (kDotsExchange floats).
+struct DotsStage {
+  float du[kDotsCols][kDotsStride], dy[kDotsCols][kDotsStride], delta[kDotsCols][kDotsStride];
+  float vg[kDotsCols][kDotsStride];  // v - G on the diagonal pair
+};
+constexpr int kDotsExchange = 2 * 16 * kDotsTeamThreads;  // a and q, 4 x 4 cells a thread
+static_assert(kDotsExchange * sizeof(float) <= sizeof(DotsStage), "team 1's cells pass through its staging");
+struct DotsShared {
+  DotsStage team[kDotsTeams];
+  float red[kDotsTile][kDotsTeams * kDotsSide + 1];  // dbeta's shares by (row, team and tj)
+};
+
+// Pair y of a row of tiles' pairs (0, 0), (1, 0), (1, 1), (2, 0), ...: tile rows i0 / kDotsTile and j0 / kDotsTile.
+__device__ __forceinline__ void dots_pair(int y, int& it, int& jt) {
+  it = 0;
+  while ((it + 1) * (it + 2) / 2 <= y) ++it;
+  jt = y - it * (it + 1) / 2;
+}
 
 template <typename T>  // dy's and dv's dtype, the bank's
-__global__ void __launch_bounds__(kDotsThreads, 2)
+__global__ void __launch_bounds__(kDotsThreads, 1)
     bwd_dots_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c0, BackRows rows) {
   chain_start();
   const T* dy = static_cast<const T*>(io.dy);
   T* dv = static_cast<T*>(io.dv);
-  __shared__ __align__(16) float sdu[kDotsCols][kDotsStride], sdy[kDotsCols][kDotsStride],
-      sdl[kDotsCols][kDotsStride];
-  __shared__ __align__(16) float svg[kDotsCols][kDotsStride];  // v - G on the diagonal tile
-  __shared__ float red[kDotsTile][kDotsSide + 1];
+  extern __shared__ __align__(16) float dots_sh[];
+  DotsShared& sh = *reinterpret_cast<DotsShared*>(dots_sh);
   const int64_t C = dm.C, D = dm.D;
   const BatchBlock bb = batch_block(dm, c0, rows);
-  const int64_t u = bb.u, i0 = static_cast<int64_t>(blockIdx.y) * kDotsTile;
-  const int t = threadIdx.x, ti = t / kDotsSide, tj = t % kDotsSide;
+  int it, jt;
+  dots_pair(static_cast<int>(blockIdx.y), it, jt);
+  const int64_t u = bb.u, i0 = static_cast<int64_t>(it) * kDotsTile, j0 = static_cast<int64_t>(jt) * kDotsTile;
+  const bool diag = it == jt;
+  const int team = threadIdx.x / kDotsTeamThreads, t = threadIdx.x % kDotsTeamThreads;
+  const int ti = t / kDotsSide, tj = t % kDotsSide;
+  DotsStage& st = sh.team[team];
   const int64_t base = u * C * D;
   const float* du_rows = bb.du;
   float part[4] = {};  // this thread's shares of dbeta_i, rows i0 + 4 ti + r
-  for (int64_t j0 = 0; j0 <= i0; j0 += kDotsTile) {  // j0 > i0: every cell masked
-    const bool diag = j0 == i0;
-    float a[4][4] = {}, q[4][4] = {};
-    for (int64_t d0 = 0; d0 < D; d0 += kDotsCols) {
-      // A warp stages 4 rows x 8 columns per round: 32 bytes of each row from global memory, and its transposed
-      // stores (row + 68 column) fall in 32 distinct banks.
-#pragma unroll 4  // 8 unrolled spill at 2 blocks per SM
-      for (int n = 0; n < kDotsStaged; ++n) {
-        const int w = n * (kDotsThreads / 32) + t / 32, lane = t % 32;
-        const int r = 4 * (w % kDotsSide) + lane % 4, dd = 8 * (w / kDotsSide) + lane / 4;
-        const int64_t d = d0 + dd;
-        const bool in_i = i0 + r < C && d < D, in_j = j0 + r < C && d < D;
-        const int64_t ki = base + (i0 + r) * D + d, kj = base + (j0 + r) * D + d;
-        const float du = in_i ? du_rows[(i0 + r) * D + d] : 0.f;
-        sdu[dd][r] = du;
-        sdy[dd][r] = in_i ? to_f(dy[ki]) : 0.f;
-        sdl[dd][r] = in_j ? io.delta[kj] : 0.f;
-        if (diag) {
-          svg[dd][r] = in_i ? io.vg[ki] : 0.f;
-          if (in_i) from_f(dv + ki, io.beta[u * C + i0 + r] * du);
-        }
+  float a[4][4] = {}, q[4][4] = {};
+  for (int64_t m0 = 0; m0 < D; m0 += kDotsTeams * kDotsCols) {  // both teams take every step's barriers
+    const int64_t d0 = m0 + team * kDotsCols;
+    // A warp stages 4 rows x 8 columns per round: 32 bytes of each row from global memory, and its transposed
+    // stores (row + 68 column) fall in 32 distinct banks. Columns past D stage zeros.
+#pragma unroll 4
+    for (int n = 0; n < kDotsStaged; ++n) {
+      const int w = n * (kDotsTeamThreads / 32) + t / 32, lane = t % 32;
+      const int r = 4 * (w % kDotsSide) + lane % 4, dd = 8 * (w / kDotsSide) + lane / 4;
+      const int64_t d = d0 + dd;
+      const bool in_i = i0 + r < C && d < D, in_j = j0 + r < C && d < D;
+      const int64_t ki = base + (i0 + r) * D + d, kj = base + (j0 + r) * D + d;
+      const float du = in_i ? du_rows[(i0 + r) * D + d] : 0.f;
+      st.du[dd][r] = du;
+      st.dy[dd][r] = in_i ? to_f(dy[ki]) : 0.f;
+      st.delta[dd][r] = in_j ? io.delta[kj] : 0.f;
+      if (diag) {
+        st.vg[dd][r] = in_i ? io.vg[ki] : 0.f;
+        if (in_i) from_f(dv + ki, io.beta[u * C + i0 + r] * du);
       }
-      __syncthreads();
+    }
+    __syncthreads();
+    if (d0 < D) {
 #pragma unroll 4
       for (int dd = 0; dd < kDotsCols; ++dd) {
-        const float4 x4 = *reinterpret_cast<const float4*>(&sdu[dd][4 * ti]);
-        const float4 z4 = *reinterpret_cast<const float4*>(&sdy[dd][4 * ti]);
-        const float4 l4 = *reinterpret_cast<const float4*>(&sdl[dd][4 * tj]);
+        const float4 x4 = *reinterpret_cast<const float4*>(&st.du[dd][4 * ti]);
+        const float4 z4 = *reinterpret_cast<const float4*>(&st.dy[dd][4 * ti]);
+        const float4 l4 = *reinterpret_cast<const float4*>(&st.delta[dd][4 * tj]);
         const float x[4] = {x4.x, x4.y, x4.z, x4.w}, z[4] = {z4.x, z4.y, z4.z, z4.w},
                     l[4] = {l4.x, l4.y, l4.z, l4.w};
 #pragma unroll
@@ -200,10 +225,27 @@ __global__ void __launch_bounds__(kDotsThreads, 2)
       if (diag) {
         for (int dd = tj; dd < kDotsCols; dd += kDotsSide) {
 #pragma unroll
-          for (int r = 0; r < 4; ++r) part[r] += sdu[dd][4 * ti + r] * svg[dd][4 * ti + r];
+          for (int r = 0; r < 4; ++r) part[r] += st.du[dd][4 * ti + r] * st.vg[dd][4 * ti + r];
         }
       }
-      __syncthreads();
+    }
+    __syncthreads();
+  }
+  // Team 1's cells to team 0 (after the last barrier nobody reads the staging).
+  float* exchange = &sh.team[1].du[0][0];
+  if (team == 1) {
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      exchange[k * kDotsTeamThreads + t] = a[k / 4][k % 4];
+      exchange[(16 + k) * kDotsTeamThreads + t] = q[k / 4][k % 4];
+    }
+  }
+  __syncthreads();
+  if (team == 0) {
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      a[k / 4][k % 4] += exchange[k * kDotsTeamThreads + t];
+      q[k / 4][k % 4] += exchange[(16 + k) * kDotsTeamThreads + t];
     }
     const int64_t jc = j0 + 4 * tj;  // this thread's first column
 #pragma unroll
@@ -233,24 +275,35 @@ __global__ void __launch_bounds__(kDotsThreads, 2)
           dQK_row[jc + c] = dq[c];
         }
       }
+      if (diag) {  // the tiles past the diagonal: every cell masked
+        for (int64_t j = i0 + kDotsTile + tj; j < C; j += kDotsSide) {
+          dA_row[j] = 0.f;
+          dQK_row[j] = 0.f;
+        }
+      }
     }
   }
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {  // the tiles past the diagonal: every cell masked
-    const int64_t i = i0 + 4 * ti + r;
-    if (i >= C) break;
-    for (int64_t j = i0 + kDotsTile + tj; j < C; j += kDotsSide) {
-      io.dA[(u * C + i) * C + j] = 0.f;
-      io.dQK[(u * C + i) * C + j] = 0.f;
-    }
-    red[4 * ti + r][tj] = part[r];
-  }
+  for (int r = 0; r < 4; ++r) sh.red[4 * ti + r][team * kDotsSide + tj] = part[r];
   __syncthreads();
-  if (t < kDotsTile && i0 + t < C) {
-    float x = red[t][0];
-    for (int k = 1; k < kDotsSide; ++k) x += red[t][k];
-    io.dbeta[u * C + i0 + t] = x;
+  if (threadIdx.x < kDotsTile && i0 + threadIdx.x < C) {
+    float x = sh.red[threadIdx.x][0];
+    for (int k = 1; k < kDotsTeams * kDotsSide; ++k) x += sh.red[threadIdx.x][k];
+    rows.dbeta_parts[(u * dots_tiles(dm) + jt) * C + i0 + threadIdx.x] = x;
   }
+}
+
+// After the loop: dbeta_i, the shares of row i's pairs of tiles (bwd_dots_kernel) added in j0's order. A thread per
+// (unit, row).
+__global__ void bwd_dbeta_kernel(StepDims dm, BackwardIO io, BackRows rows) {
+  chain_start();
+  const int64_t C = dm.C, k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (k >= dm.V * dm.NC * dm.P * C) return;
+  const int64_t u = k / C, i = k % C, tiles = dots_tiles(dm);
+  const float* parts = rows.dbeta_parts + u * tiles * C + i;
+  float x = parts[0];
+  for (int64_t jt = 1; jt <= i / kDotsTile; ++jt) x += parts[jt * C];
+  io.dbeta[k] = x;
 }
 
 }  // namespace

@@ -33,6 +33,7 @@ struct BackRows {
   float* gwr;
   float* dG;
   float* du;
+  float* dbeta_parts;  // the dots' shares of dbeta ([units, dots_tiles, C] at backward_dbeta_parts_at)
 };
 
 // The rows a gather reads: slot s's row of one bank (has(s): s is in range; an out-of-range id touches no row).
