@@ -183,27 +183,50 @@ struct OwnedGroups {
     gr.first = static_cast<int32_t>(t * lanes + entry(k));
     return true;
   }
+  // The group next() hands out after the current one, into `out` (its slot, entries, link and source) when it is in
+  // the round already loaded: false at the round's end (the next round's groups are unknown before its table load).
+  __device__ __forceinline__ bool peek(Group& out) const {
+    if (todo == 0) return false;
+    const int k = __ffs(todo) - 1;
+    out = gr;
+    out.slot = __shfl_sync(0xffffffffu, e.x, k);
+    out.lo = __shfl_sync(0xffffffffu, e.y, k);
+    const int32_t hi = __shfl_sync(0xffffffffu, e.z, k);
+    out.hi = hi & ~kFromInput;
+    out.from_input = (hi & kFromInput) != 0;
+    out.g = __shfl_sync(0xffffffffu, e.w, k);
+    return true;
+  }
 };
 
-// body(group, vectors) for every group the warp takes, the token's vectors staged first. Vectors in the bank's
-// dtype (V, the read side's dy) are widened to float32 on their way into shared memory (cp.async copies bytes as
-// they are); too long to stage, body gets them where they are, in their dtype (`pre` then has another type).
-template <int NV, typename V, typename Body>
+// body(group, vectors) for every group the warp takes, the token's vectors staged first; before it, ahead(next
+// group) where the warp's next group is known (OwnedGroups::peek), so that its rows can be requested a group early.
+// Vectors in the bank's dtype (V, the read side's dy) are widened to float32 on their way into shared memory
+// (cp.async copies bytes as they are); too long to stage, body gets them where they are, in their dtype (`pre` then
+// has another type).
+template <int NV, typename V, typename Ahead, typename Body>
 __device__ __forceinline__ void for_owned_groups(const StepDims& dm, int64_t s, int64_t u, const GroupEntry* table,
                                                  int64_t lanes, const V* const (&vecs)[NV], float* staged,
-                                                 Body body) {
+                                                 Ahead ahead, Body body) {
   OwnedGroups owned(dm, s, u, table, lanes);
+  const auto each = [&](const auto& pre) {
+    while (owned.next()) {
+      Group next;
+      if (owned.peek(next)) ahead(next);
+      body(owned.gr, pre);
+    }
+  };
   if constexpr (std::is_same_v<V, float>) {
     const float* pre[NV];
     stage_token(dm.D, vecs, staged, pre);
-    while (owned.next()) body(owned.gr, pre);
+    each(pre);
   } else {
     const int64_t D = dm.D, t = blockIdx.y, stride = owner_stride(D);
     if (NV * stride > kOwnerStageFloats) {
       const V* pre[NV];
 #pragma unroll
       for (int i = 0; i < NV; ++i) pre[i] = vecs[i] + t * D;
-      while (owned.next()) body(owned.gr, pre);
+      each(pre);
       return;
     }
     const float* pre[NV];
@@ -214,7 +237,7 @@ __device__ __forceinline__ void for_owned_groups(const StepDims& dm, int64_t s, 
       pre[i] = staged + i * stride;
     }
     __syncthreads();
-    while (owned.next()) body(owned.gr, pre);
+    each(pre);
   }
 }
 

@@ -1,7 +1,7 @@
 """Rewrites a CUDA source (kernels/phase1_cuda.cu, a file of kernels/chunk_steps/) for the host emulation (cuda_emu.h; the
 CUDA headers are the shims in shim/): the block's shared arrays (one block runs at a time, so static ones are
-plain statics and the dynamic one is the launch's buffer), inline PTX (prefetch hints: no-ops on the host) and
-the kernel launches `kernel<...><<<grid, block, smem, stream>>>(args)`.
+plain statics and the dynamic one is the launch's buffer), inline PTX (prefetch hints: a one-byte read of their
+address on the host) and the kernel launches `kernel<...><<<grid, block, smem, stream>>>(args)`.
 
     python3 transform.py IN.cu OUT.inc [LAUNCHES]
 
@@ -18,6 +18,9 @@ s = re.sub(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w ]+?)\s+(\w+)\[\]
 # __shared__ [__align__(N)] T name[...];  ->  a static of the block (one block runs at a time)
 s = re.sub(r"\b__shared__\s+__align__\((\d+)\)\s+", r"alignas(\1) static ", s)
 s = re.sub(r"\b__shared__\s+", "static ", s)
+# prefetch hints read one byte of their address (ASan finds one outside the buffers), other inline PTX goes
+s = re.sub(r'asm\s+volatile\s*\("prefetch\.global\.L[12] \[%0\];"\s*::\s*"l"\((.*?)\)\);', r"emu::touch(\1);", s,
+           flags=re.S)
 s = re.sub(r'asm\s+volatile\s*\(".*?"\s*::.*?\);', ";", s, flags=re.S)
 s, n = re.subn(r"(\w+(?:<[^<>;]*>)?)\s*<<<(.*?)>>>\s*\(", r"emu::launch(\1, \2, ", s, flags=re.S)
 assert "__shared__" not in s and "asm" not in s and "<<<" not in s, f"{sys.argv[1]} changed shape: update transform.py"
