@@ -166,6 +166,16 @@ struct OwnedGroups {
     e = w < lanes ? __ldg(reinterpret_cast<const int4*>(mine + w)) : make_int4(-1, -1, -1, -1);
     todo = __ballot_sync(0xffffffffu, e.x >= 0);
   }
+  // The group of the round's entry k (a set bit of todo) into `out`.
+  __device__ __forceinline__ void take(int k, Group& out) const {
+    out.slot = __shfl_sync(0xffffffffu, e.x, k);
+    out.lo = __shfl_sync(0xffffffffu, e.y, k);
+    const int32_t hi = __shfl_sync(0xffffffffu, e.z, k);
+    out.hi = hi & ~kFromInput;
+    out.from_input = (hi & kFromInput) != 0;
+    out.g = __shfl_sync(0xffffffffu, e.w, k);
+    out.first = static_cast<int32_t>(t * lanes + entry(k));
+  }
   __device__ __forceinline__ bool next() {
     while (todo == 0) {
       base += 32 * kOwnerWarps;
@@ -174,27 +184,15 @@ struct OwnedGroups {
     }
     const int k = __ffs(todo) - 1;
     todo &= todo - 1;
-    gr.slot = __shfl_sync(0xffffffffu, e.x, k);
-    gr.lo = __shfl_sync(0xffffffffu, e.y, k);
-    const int32_t hi = __shfl_sync(0xffffffffu, e.z, k);
-    gr.hi = hi & ~kFromInput;
-    gr.from_input = (hi & kFromInput) != 0;
-    gr.g = __shfl_sync(0xffffffffu, e.w, k);
-    gr.first = static_cast<int32_t>(t * lanes + entry(k));
+    take(k, gr);
     return true;
   }
-  // The group next() hands out after the current one, into `out` (its slot, entries, link and source) when it is in
-  // the round already loaded: false at the round's end (the next round's groups are unknown before its table load).
+  // The group next() hands out after the current one, into `out`, when it is in the round already loaded: false at
+  // the round's end (the next round's groups are unknown before its table load).
   __device__ __forceinline__ bool peek(Group& out) const {
     if (todo == 0) return false;
-    const int k = __ffs(todo) - 1;
     out = gr;
-    out.slot = __shfl_sync(0xffffffffu, e.x, k);
-    out.lo = __shfl_sync(0xffffffffu, e.y, k);
-    const int32_t hi = __shfl_sync(0xffffffffu, e.z, k);
-    out.hi = hi & ~kFromInput;
-    out.from_input = (hi & kFromInput) != 0;
-    out.g = __shfl_sync(0xffffffffu, e.w, k);
+    take(__ffs(todo) - 1, out);
     return true;
   }
 };
