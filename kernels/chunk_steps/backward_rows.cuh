@@ -80,10 +80,10 @@ __device__ __forceinline__ const GT* fresh_source(const Group& gr, const GT* inp
 // registers, and without these requests none of the next group's while it works on the current one.
 template <typename T, SnapshotDtype kSnap, typename GT>
 __device__ __forceinline__ void prefetch_group_rows(const BackwardIO& io, const StepDims& dm, const Group& next,
-                                                    const GT* dbank_in, const GT* dbank, const T* in_rows,
-                                                    int64_t stream_rows, int64_t D) {
-  const GT* dsrc = next.from_input ? dbank_in : dbank;
-  if (dsrc) prefetch_l2_row(dsrc + (stream_rows + next.slot) * D, D * static_cast<int64_t>(sizeof(GT)), next.lane);
+                                                    const GT* dbank_in, const GT* dbank, const GT* zero_row,
+                                                    const T* in_rows, int64_t stream_rows, int64_t D) {
+  prefetch_l2_row(fresh_source(next, dbank_in, dbank, zero_row, (stream_rows + next.slot) * D),
+                  D * static_cast<int64_t>(sizeof(GT)), next.lane);
   prefetch_s0<T, kSnap>(io, dm, static_cast<int32_t>(next.g), in_rows + next.slot * D, next.lane);
 }
 
@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   const float* const vecs[2] = {delta, dG};
   const T* in_rows = input + dm.input_stream(s) * K * D;
   const auto ahead = [&](const Group& next) {
-    prefetch_group_rows<T, kSnap>(io, dm, next, dbank_in, dbank, in_rows, K * s, D);
+    prefetch_group_rows<T, kSnap>(io, dm, next, dbank_in, dbank, zero_row, in_rows, K * s, D);
   };
   for_owned_groups(dm, s, u, tables.w, W, vecs, staged, ahead, [&](const Group& gr, const float* const (&pre)[2]) {
     const int lane = gr.lane;
@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   const T* const vecs[1] = {dy};
   const T* in_rows = input + dm.input_stream(s) * K * D;
   const auto ahead = [&](const Group& next) {
-    prefetch_group_rows<T, kSnap>(io, dm, next, dbank_in, dbank, in_rows, K * s, D);
+    prefetch_group_rows<T, kSnap>(io, dm, next, dbank_in, dbank, zero_row, in_rows, K * s, D);
   };
   for_owned_groups(dm, s, u, tables.r, R, vecs, staged, ahead, [&](const Group& gr, const auto& pre) {
     const int lane = gr.lane;

@@ -256,8 +256,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   Cols<VEC, T> x[S];
   if constexpr (kWriteRing<VEC, T>) {
     // The ring: batch slot k of this warp, lane l's segment j at ((k * S + j) * 32 + l).
-    const int64_t token_floats = owner_stride(D) <= kOwnerStageFloats ? owner_stride(D) : 0;
-    Cols<VEC, T>* ring = reinterpret_cast<Cols<VEC, T>*>(staged + token_floats) +
+    Cols<VEC, T>* ring = reinterpret_cast<Cols<VEC, T>*>(staged + owner_staged_floats(1, D)) +
                          static_cast<int64_t>(threadIdx.x / 32) * kWriteDepth * S * 32 + cur.groups.gr.lane;
     Item ahead = cur;  // the next item to copy
     int issued = 0;

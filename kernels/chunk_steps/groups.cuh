@@ -121,6 +121,10 @@ struct GroupTables {
 
 // Floats per staged vector: D rounded up to whole quads (16-byte aligned rows; a partial quad's zeros stay inside).
 __host__ __device__ constexpr int64_t owner_stride(int64_t D) { return (D + 3) / 4 * 4; }
+// The floats of shared memory that a block's nv staged vectors take (0 past kOwnerStageFloats: not staged).
+__host__ __device__ constexpr int64_t owner_staged_floats(int nv, int64_t D) {
+  return nv * owner_stride(D) <= kOwnerStageFloats ? nv * owner_stride(D) : 0;
+}
 
 // Row t = blockIdx.y of each of the NV vectors `vecs` into shared memory `staged` when NV * D <= kOwnerStageFloats
 // (else pre points at them in global memory); pre[i] is where row t of vecs[i] is read. Ends with a block barrier.

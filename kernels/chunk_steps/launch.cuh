@@ -234,9 +234,8 @@ struct OwnerLaunch {
   size_t smem;
 };
 inline OwnerLaunch owner_launch(const StepDims& dm, int nv) {
-  const int64_t floats = nv * owner_stride(dm.D);
   return OwnerLaunch{dim3(dm.streams(), dm.C), dim3(kOwnerWarps * 32),
-                     floats <= kOwnerStageFloats ? floats * sizeof(float) : 0};
+                     static_cast<size_t>(owner_staged_floats(nv, dm.D)) * sizeof(float)};
 }
 
 // Columns per thread of the gradient rows' gather and copies: 16 bytes, 8 bfloat16 or 4 float32 columns.
