@@ -206,29 +206,6 @@ constexpr size_t write_ring_bytes() {
   return kWriteRing<VEC, T> ? static_cast<size_t>(kOwnerWarps) * kWriteDepth * S * 32 * sizeof(Cols<VEC, T>) : 0;
 }
 
-// A warp's items are its groups' batches of S segments a lane (a row of D columns is ceil(D / kBatch) of them), in
-// order; WriteItems walks them (next: the following item, false past the last).
-template <int VEC, int S>
-struct WriteItems {
-  static constexpr int64_t kBatch = S * 32 * VEC;
-  OwnedGroups groups;
-  int64_t b = 0;  // the item's first column, past the lane's d0 (the same for the whole warp)
-  bool any;
-  __device__ __forceinline__ WriteItems(const StepDims& dm, int64_t s, int64_t u, const GroupEntry* table)
-      : groups(dm, s, u, table, dm.W) {
-    any = groups.next();
-  }
-  __device__ __forceinline__ bool row_done(int64_t D) const { return b + kBatch >= D; }
-  __device__ __forceinline__ void next(int64_t D) {
-    if (row_done(D)) {
-      any = groups.next();
-      b = 0;
-    } else {
-      b += kBatch;
-    }
-  }
-};
-
 // `input` is the input bank of a fresh output bank (the rows of groups from_input are read there), else `bank`;
 // `last` the links' table (Links; null without residuals). kCoded: the snapshot has another dtype than the bank's
 // (a kernel of its own, so that the bank-dtype one keeps its registers).
@@ -250,29 +227,26 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   // inverse) started, which waited for the gather, which waited for the previous chunk's write: the table rows and
   // the first batches are loaded before chain_start waits for its predecessor, so those loads overlap its end;
   // delta after.
-  using Item = WriteItems<VEC, S>;
-  Item cur(dm, s, u, tables.w);
-  const int64_t d0 = static_cast<int64_t>(cur.groups.gr.lane) * VEC;
+  using Item = GroupBatches<S * 32 * VEC>;
+  Item cur(dm, s, u, tables.w, dm.W, 0);
+  const int64_t d0 = static_cast<int64_t>(cur.group().lane) * VEC;
   Cols<VEC, T> x[S];
   if constexpr (kWriteRing<VEC, T>) {
     // The ring: batch slot k of this warp, lane l's segment j at ((k * S + j) * 32 + l).
     Cols<VEC, T>* ring = reinterpret_cast<Cols<VEC, T>*>(staged + owner_staged_floats(1, D)) +
-                         static_cast<int64_t>(threadIdx.x / 32) * kWriteDepth * S * 32 + cur.groups.gr.lane;
+                         static_cast<int64_t>(threadIdx.x / 32) * kWriteDepth * S * 32 + cur.group().lane;
     Item ahead = cur;  // the next item to copy
     int issued = 0;
     // Copies the item `ahead` into its slot (a lane its own segments, so that no barrier is needed before it reads
     // them), then moves `ahead` on; every call commits one group of copies, empty past the last item.
     const auto issue = [&]() {
       if (ahead.any) {
-        const T* row = row_of(ahead.groups.gr) + d0 + ahead.b;
+        const T* row = row_of(ahead.group()) + d0 + ahead.b;
         Cols<VEC, T>* slot = ring + (issued % kWriteDepth) * S * 32;
 #pragma unroll
         for (int k = 0; k < S; ++k) {
           if (d0 + ahead.b + k * 32 * VEC >= D) break;
-#pragma unroll
-          for (int q = 0; q < Cols<VEC, T>::kBytes / 16; ++q)
-            __pipeline_memcpy_async(reinterpret_cast<char*>(slot + k * 32) + 16 * q,
-                                    reinterpret_cast<const char*>(row + k * 32 * VEC) + 16 * q, 16);
+          copy_bytes_async<Cols<VEC, T>::kBytes>(slot + k * 32, row + k * 32 * VEC);
         }
         ahead.next(D);
       }
@@ -290,15 +264,15 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
       const Cols<VEC, T>* slot = ring + (n % kWriteDepth) * S * 32;
 #pragma unroll
       for (int k = 0; k < S; ++k) x[k] = slot[k * 32];
-      write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], cur.groups.gr, d0 + cur.b, x);
-      if (cur.row_done(D)) after_write<kCoded, VEC>(dm, io, bank, cur.groups.gr, last);
+      write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], cur.group(), d0 + cur.b, x);
+      if (cur.row_done(D)) after_write<kCoded, VEC>(dm, io, bank, cur.group(), last);
       cur.next(D);
       if (!cur.any) break;
     }
   } else {
     // Narrower segments (cp.async copies 4, 8 or 16 bytes, not 2): the next item's batch in registers, loaded
     // before this one's is written.
-    if (cur.any) load_batch(row_of(cur.groups.gr), d0, D, x);
+    if (cur.any) load_batch(row_of(cur.group()), d0, D, x);
     chain_start();
     stage_token(D, vecs, staged, pre);
     if (!cur.any) return;
@@ -306,9 +280,9 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
       Item next = cur;
       next.next(D);
       Cols<VEC, T> y[S];
-      if (next.any) load_batch(row_of(next.groups.gr), d0 + next.b, D, y);
-      write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], cur.groups.gr, d0 + cur.b, x);
-      if (cur.row_done(D)) after_write<kCoded, VEC>(dm, io, bank, cur.groups.gr, last);
+      if (next.any) load_batch(row_of(next.group()), d0 + next.b, D, y);
+      write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], cur.group(), d0 + cur.b, x);
+      if (cur.row_done(D)) after_write<kCoded, VEC>(dm, io, bank, cur.group(), last);
       if (!next.any) break;
       cur = next;
 #pragma unroll

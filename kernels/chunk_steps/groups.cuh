@@ -201,23 +201,13 @@ struct OwnedGroups {
   }
 };
 
-// body(group, vectors) for every group the warp takes, the token's vectors staged first; before it, ahead(next
-// group) where the warp's next group is known (OwnedGroups::peek), so that its rows can be requested a group early.
+// each(pre) with the token's vectors staged first (pre[i]: where vecs[i]'s row of the block's token is read).
 // Vectors in the bank's dtype (V, the read side's dy) are widened to float32 on their way into shared memory
-// (cp.async copies bytes as they are); too long to stage, body gets them where they are, in their dtype (`pre` then
-// has another type).
-template <int NV, typename V, typename Ahead, typename Body>
-__device__ __forceinline__ void for_owned_groups(const StepDims& dm, int64_t s, int64_t u, const GroupEntry* table,
-                                                 int64_t lanes, const V* const (&vecs)[NV], float* staged,
-                                                 Ahead ahead, Body body) {
-  OwnedGroups owned(dm, s, u, table, lanes);
-  const auto each = [&](const auto& pre) {
-    while (owned.next()) {
-      Group next;
-      if (owned.peek(next)) ahead(next);
-      body(owned.gr, pre);
-    }
-  };
+// (cp.async copies bytes as they are); too long to stage, each gets them where they are, in their dtype (`pre` then
+// has another type). Ends with a block barrier before each.
+template <int NV, typename V, typename Each>
+__device__ __forceinline__ void with_staged_vectors(const StepDims& dm, const V* const (&vecs)[NV], float* staged,
+                                                    Each each) {
   if constexpr (std::is_same_v<V, float>) {
     const float* pre[NV];
     stage_token(dm.D, vecs, staged, pre);
@@ -242,6 +232,54 @@ __device__ __forceinline__ void for_owned_groups(const StepDims& dm, int64_t s, 
     each(pre);
   }
 }
+
+// body(group, vectors) for every group the warp takes, the token's vectors staged first (with_staged_vectors);
+// before it, ahead(next group) where the warp's next group is known (OwnedGroups::peek), so that its rows can be
+// requested a group early.
+template <int NV, typename V, typename Ahead, typename Body>
+__device__ __forceinline__ void for_owned_groups(const StepDims& dm, int64_t s, int64_t u, const GroupEntry* table,
+                                                 int64_t lanes, const V* const (&vecs)[NV], float* staged,
+                                                 Ahead ahead, Body body) {
+  OwnedGroups owned(dm, s, u, table, lanes);
+  with_staged_vectors(dm, vecs, staged, [&](const auto& pre) {
+    while (owned.next()) {
+      Group next;
+      if (owned.peek(next)) ahead(next);
+      body(owned.gr, pre);
+    }
+  });
+}
+
+// A warp's groups as a stream of items, each a batch of kBatch columns of the group's row (a row of D columns is
+// ceil(D / kBatch) of them), in order: the unit of the row kernels' rings of asynchronous copies (the forward write,
+// Phase A, the read side), which copy an item's rows a few items ahead, across groups. A group of more than
+// `max_entries` entries (0: no limit) is one item, whole(): its kernel walks it where it is. next() moves to the
+// following item; `any` is false past the last.
+template <int64_t kBatch>
+struct GroupBatches {
+  OwnedGroups groups;
+  int64_t b = 0;  // the item's first column, past the lane's first (the same for the whole warp)
+  int32_t max_entries;
+  bool any;
+  __device__ __forceinline__ GroupBatches(const StepDims& dm, int64_t s, int64_t u, const GroupEntry* table,
+                                          int64_t lanes, int32_t max_entries_)
+      : groups(dm, s, u, table, lanes), max_entries(max_entries_) {
+    any = groups.next();
+  }
+  __device__ __forceinline__ const Group& group() const { return groups.gr; }
+  __device__ __forceinline__ bool whole() const {
+    return max_entries > 0 && groups.gr.hi - groups.gr.lo > max_entries;
+  }
+  __device__ __forceinline__ bool row_done(int64_t D) const { return whole() || b + kBatch >= D; }
+  __device__ __forceinline__ void next(int64_t D) {
+    if (row_done(D)) {
+      any = groups.next();
+      b = 0;
+    } else {
+      b += kBatch;
+    }
+  }
+};
 
 // acc += sum over the sorted entries e = order[from..hi) of coef[e] * vecs[e / W][0, VEC) (vecs: rows of D floats,
 // offset to the columns of acc). With acc = scale * row first, the written row of the forward (cpe S0 + sum w

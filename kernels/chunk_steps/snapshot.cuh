@@ -230,11 +230,18 @@ struct CodedRowSource {
   // takes (at VEC 8 of a bfloat16 bank two segments a batch, spilling 40 bytes by ptxas; the codes' own 8 bytes
   // would allow four and spill 136).
   static constexpr int kBytes = 2 * VEC * static_cast<int>(sizeof(T));
+  static constexpr int kRaw = kCode;  // stored per segment in a ring (RowSource's)
   const uint8_t* codes;
   float scale;
   __device__ __forceinline__ CodedRowSource(const BackwardIO& io, const StepDims& dm, int64_t entry)
       : codes(static_cast<const uint8_t*>(io.snapshot) + snapshot_coded_at(kT, dm, entry)),
-        scale(snapshot_scaled(kT) ? io.snapshot_scale[entry] : 0.f) {}
+        scale(snapshot_scaled(kT) ? *scale_at(io, entry) : 0.f) {}
+  // A row whose codes are in a ring (load_raw), of scale `scale_`.
+  __device__ __forceinline__ explicit CodedRowSource(float scale_) : codes(nullptr), scale(scale_) {}
+  // Where entry `entry`'s scale is (read only for a scaled dtype).
+  __device__ __forceinline__ static const float* scale_at(const BackwardIO& io, int64_t entry) {
+    return io.snapshot_scale + entry;
+  }
   __device__ __forceinline__ void load(int64_t d, ColsT& c) const {
     if constexpr (kT == SnapshotDtype::kInt4 && VEC % 2 == 1) {  // VEC 1: column d in the low nibble
       c.w[0] = (codes[d / 2] >> (4 * (d & 1))) & 0xfu;
@@ -243,6 +250,23 @@ struct CodedRowSource {
     }
     c.scale = scale;
   }
+  __device__ __forceinline__ const void* raw(int64_t d) const { return codes + d * kCode / VEC; }
+  __device__ __forceinline__ void load_raw(const void* p, ColsT& c) const {
+    const uint32_t* w = static_cast<const uint32_t*>(p);  // kRaw is a multiple of 4 where a ring holds codes
+#pragma unroll
+    for (int i = 0; i < (kCode + 3) / 4; ++i) c.w[i] = w[i];
+    c.scale = scale;
+  }
+};
+
+// The type of snapshot_source's sources (host code, too, sizes rings by it).
+template <int VEC, typename T, SnapshotDtype kT>
+struct SnapshotSourceOf {
+  using type = CodedRowSource<VEC, T, kT>;
+};
+template <int VEC, typename T>
+struct SnapshotSourceOf<VEC, T, SnapshotDtype::kBank> {
+  using type = RowSource<VEC, T>;
 };
 
 // Snapshot entry `entry`'s row as a source of walk_two_sources: a RowSource of the bank's dtype T (kT kBank), or a
@@ -263,6 +287,14 @@ __device__ __forceinline__ void with_s0_source(const BackwardIO& io, const StepD
                                                const T* input_row, Body body) {
   if (link < 0) return body(RowSource<VEC, T>{input_row});
   return body(snapshot_source<VEC, T, kT>(io, dm, link));
+}
+
+// body(source) with S0's source as a ring holds its bytes (load_raw): the same types as with_s0_source's, a coded
+// row's of scale `scale` (the ring's copy of it).
+template <int VEC, typename T, SnapshotDtype kT, typename Body>
+__device__ __forceinline__ void with_ring_s0_source(int32_t link, float scale, Body body) {
+  if (link < 0 || kT == SnapshotDtype::kBank) return body(RowSource<VEC, T>{nullptr});
+  if constexpr (kT != SnapshotDtype::kBank) return body(CodedRowSource<VEC, T, kT>(scale));
 }
 
 // A warp asks for the rows of its next group into L2 (prefetch_l2_row): S0 as with_s0_source reads it (snapshot
