@@ -32,8 +32,11 @@ __device__ __forceinline__ void record_links(const StepDims& dm, const int32_t* 
   }
 }
 
-// One block per (stream, token, side): side 0 gathers the write lanes' G row, side 1 the read lanes' Q0 row (two
+// One block per (stream, token, side): side 1 gathers the write lanes' G row, side 0 the read lanes' Q0 row (two
 // blocks rather than one doing both in turn: twice the rows in flight per chunk), each recording its lanes' links.
+// The write lanes' rows are the ones the write kernel reads again after the inverse, and a grid's blocks start in
+// order of blockIdx.z last: gathered second, they are the latest rows in L2 when the write starts (a chunk's rows of
+// either side are more than L2 holds at the paper's shape: 64 MiB a side).
 // Seg is NoSegments; SegView<T> with packed sequences (each lane's row from the working or the initial bank); or
 // FreshView<T> for a fresh output bank (each lane's row from the result or the input bank, by its tag).
 template <int VEC, typename T, typename Seg>
@@ -46,13 +49,13 @@ __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM)
   const int64_t u = unit_of(dm, s, c);
   const T* S = bank + s * dm.K * dm.D;
   if (links.k) {
-    const bool w_side = blockIdx.z == 0;
+    const bool w_side = blockIdx.z == 1;
     const int64_t lanes = w_side ? dm.W : dm.R, at = (u * dm.C + t) * lanes;
     record_links(dm, links.last + s * dm.K, (w_side ? p1.k_idx : p1.q_idx) + at, lanes,
                  (w_side ? links.k : links.q) + at);
   }
   const auto side = [&](auto row_of, const int32_t* w_ids, const int32_t* r_ids) {
-    if (blockIdx.z == 0) {
+    if (blockIdx.z == 1) {
       gather_row<VEC, T>(row_of, w_ids + (u * dm.C + t) * dm.W, p1.k_eff + (u * dm.C + t) * dm.W, dm.W, dm.D,
                          rows.G + rows.at(dm, u, s) + t * dm.D, partial);
     } else {
