@@ -96,6 +96,20 @@ struct alignas(16) RingItem {
   int32_t slot, lo, hi, first, link, b;
   uint32_t flags;
   float scale;  // a coded S0's, copied asynchronously
+  // The item's group, as the warp of lane `lane` of stream s and unit u takes it.
+  __device__ __forceinline__ Group group(int64_t s, int64_t u, int lane) const {
+    Group gr;
+    gr.s = s;
+    gr.u = u;
+    gr.g = link;
+    gr.lane = lane;
+    gr.lo = lo;
+    gr.hi = hi;
+    gr.slot = slot;
+    gr.first = first;
+    gr.from_input = (flags & kFromInput) != 0;
+    return gr;
+  }
 };
 
 template <int VEC, typename T, typename GT, SnapshotDtype kSnap>
@@ -172,7 +186,7 @@ __device__ __forceinline__ void two_row_ring(const BackwardIO& io, const StepDim
           }
         });
         if constexpr (snapshot_scaled(kSnap))
-          if (link >= 0 && lane == 0) copy_bytes_async<4>(&item->scale, R::Snap::scale_at(io, link));
+          if (link >= 0 && lane == 0) copy_bytes_async<4>(&item->scale, io.snapshot_scale + link);
       }
       ahead.next(D);
     }
@@ -190,16 +204,7 @@ __device__ __forceinline__ void two_row_ring(const BackwardIO& io, const StepDim
       const uint8_t* slot = ring + (n % kTwoRowDepth) * R::kSlotBytes;
       const RingItem it = *reinterpret_cast<const RingItem*>(slot);
       if (!(it.flags & RingItem::kAny)) break;
-      Group gr;
-      gr.s = s;
-      gr.u = u;
-      gr.g = it.link;
-      gr.lane = lane;
-      gr.lo = it.lo;
-      gr.hi = it.hi;
-      gr.slot = it.slot;
-      gr.first = it.first;
-      gr.from_input = (it.flags & RingItem::kFromInput) != 0;
+      const Group gr = it.group(s, u, lane);
       if (it.flags & RingItem::kWhole) {
         with_s0_source<VEC, T, kSnap>(io, dm, it.link, in_rows + gr.slot * D, [&](const auto& s0) { whole(gr, s0); });
         continue;

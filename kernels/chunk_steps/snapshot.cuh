@@ -235,13 +235,9 @@ struct CodedRowSource {
   float scale;
   __device__ __forceinline__ CodedRowSource(const BackwardIO& io, const StepDims& dm, int64_t entry)
       : codes(static_cast<const uint8_t*>(io.snapshot) + snapshot_coded_at(kT, dm, entry)),
-        scale(snapshot_scaled(kT) ? *scale_at(io, entry) : 0.f) {}
+        scale(snapshot_scaled(kT) ? io.snapshot_scale[entry] : 0.f) {}
   // A row whose codes are in a ring (load_raw), of scale `scale_`.
   __device__ __forceinline__ explicit CodedRowSource(float scale_) : codes(nullptr), scale(scale_) {}
-  // Where entry `entry`'s scale is (read only for a scaled dtype).
-  __device__ __forceinline__ static const float* scale_at(const BackwardIO& io, int64_t entry) {
-    return io.snapshot_scale + entry;
-  }
   __device__ __forceinline__ void load(int64_t d, ColsT& c) const {
     if constexpr (kT == SnapshotDtype::kInt4 && VEC % 2 == 1) {  // VEC 1: column d in the low nibble
       c.w[0] = (codes[d / 2] >> (4 * (d & 1))) & 0xfu;
@@ -270,9 +266,11 @@ struct SnapshotSourceOf<VEC, T, SnapshotDtype::kBank> {
 };
 
 // Snapshot entry `entry`'s row as a source of walk_two_sources: a RowSource of the bank's dtype T (kT kBank), or a
-// CodedRowSource of kT.
+// CodedRowSource of kT (SnapshotSourceOf).
 template <int VEC, typename T, SnapshotDtype kT>
-__device__ __forceinline__ auto snapshot_source(const BackwardIO& io, const StepDims& dm, int32_t entry) {
+__device__ __forceinline__ typename SnapshotSourceOf<VEC, T, kT>::type snapshot_source(const BackwardIO& io,
+                                                                                       const StepDims& dm,
+                                                                                       int32_t entry) {
   if constexpr (kT == SnapshotDtype::kBank)
     return RowSource<VEC, T>{static_cast<const T*>(io.snapshot) + static_cast<int64_t>(entry) * dm.D};
   else
