@@ -19,7 +19,7 @@ namespace sdm {
 // The codes' numbers are those jax_sdm/kernel_path.py passes as the `snapshot_dtype` attribute.
 enum class SnapshotDtype : int32_t { kBank = 0, kBf16 = 1, kFloat8 = 2, kInt4 = 3 };
 
-SDM_HOST_DEVICE constexpr bool snapshot_scaled(SnapshotDtype t) {
+SDM_HOST_DEVICE inline bool snapshot_scaled(SnapshotDtype t) {
   return t == SnapshotDtype::kFloat8 || t == SnapshotDtype::kInt4;
 }
 

@@ -91,22 +91,14 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
                             : bwd_gwr_kernel<kGVec, GT, false, false>;
   if (!rc) rc = smem_attribute(gwr, rb.smem);
   const dim3 group_block(kGroupWarps * 32);
-  OwnerLaunch phase_a = owner_launch(dm, 2), read_side = owner_launch(dm, 1);
-  // Phase A and the read side of the call's snapshot dtype (a kernel for each: snapshot.cuh with_s0_source), with
-  // their rings after the staged vectors.
+  const OwnerLaunch phase_a = owner_launch(dm, 2), read_side = owner_launch(dm, 1);
+  // Phase A and the read side of the call's snapshot dtype (a kernel for each: snapshot.cuh with_s0_source).
   const auto phase_a_kernel = by_snapshot_dtype(io.snapshot_dtype, [](auto kSnap) {
     return bwd_phase_a_kernel<VEC, T, GT, kSnap()>;
   });
   const auto read_side_kernel = by_snapshot_dtype(io.snapshot_dtype, [](auto kSnap) {
     return bwd_read_side_kernel<VEC, T, GT, kSnap()>;
   });
-  const size_t ring_bytes = by_snapshot_dtype(io.snapshot_dtype, [](auto kSnap) {
-    return TwoRowRing<VEC, T, GT, kSnap()>::bytes();
-  });
-  phase_a.smem += ring_bytes;
-  read_side.smem += ring_bytes;
-  if (!rc && !segments) rc = smem_attribute(phase_a_kernel, phase_a.smem);
-  if (!rc && !segments) rc = smem_attribute(read_side_kernel, read_side.smem);
   SegView<T> sv{};
   if (segments) {
     sv = SegView<T>{segments->local, segments->seg0, static_cast<const T*>(segments->initial), segments->stamp,

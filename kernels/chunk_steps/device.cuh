@@ -124,17 +124,12 @@ __device__ __forceinline__ void load_batch(const T* row, int64_t d0, int64_t D, 
 
 // A row in memory as walk_two_sources reads it: VEC columns at a time, as Cols of the row's dtype. (Another source,
 // snapshot.cuh's CodedRowSource, reads a coded snapshot row and decodes its columns where they are used.)
-// A ring of asynchronous copies (backward_rows.cuh) copies a segment's kRaw bytes from raw(d) into shared memory
-// and reads them there with load_raw.
 template <int VEC, typename T>
 struct RowSource {
   using ColsT = Cols<VEC, T>;
   static constexpr int kBytes = VEC * static_cast<int>(sizeof(T));  // loaded per segment
-  static constexpr int kRaw = kBytes;                               // stored per segment
   const T* row;
   __device__ __forceinline__ void load(int64_t d, ColsT& c) const { c.load(row + d); }
-  __device__ __forceinline__ const void* raw(int64_t d) const { return row + d; }
-  __device__ __forceinline__ void load_raw(const void* p, ColsT& c) const { c.load(static_cast<const T*>(p)); }
 };
 
 // A lane of a one-warp-per-row kernel walks two row sources `a` and `b` (D columns each) in batches of S segments of
@@ -168,13 +163,6 @@ __device__ __forceinline__ void walk_two_sources(const SA& a, const SB& b, const
       body(d, x[k], y[k], p);
     }
   }
-}
-
-// A warp asks for `bytes` bytes from p into L2 (a 128-byte line a lane and turn): no registers wait for them, so a
-// warp can request a row it reads a group later while it works on the current one.
-__device__ __forceinline__ void prefetch_l2_row(const void* p, int64_t bytes, int lane) {
-  for (int64_t off = static_cast<int64_t>(lane) * 128; off < bytes; off += 32 * 128)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p) + off));
 }
 
 __device__ __forceinline__ int64_t unit_of(const StepDims& dm, int64_t s, int64_t c) {
@@ -243,20 +231,6 @@ __device__ __forceinline__ void copy_quad_async(float* dst, const float* src, in
     if (k < n) __pipeline_memcpy_async(dst + k, src + k, 4);
     else dst[k] = 0.f;
   }
-}
-
-// Whether a segment of n bytes copies asynchronously (cp.async copies 4, 8 or 16 bytes): 4, 8 or a multiple of 16.
-__host__ __device__ constexpr bool copies_async(int n) { return n == 4 || n == 8 || (n > 0 && n % 16 == 0); }
-
-// N bytes (copies_async(N); src and dst aligned to N, or to 16 for a multiple of 16) from global `src` into shared
-// `dst`, in pieces of cp.async: visible to this thread after its wait for their group (__pipeline_wait_prior).
-template <int N>
-__device__ __forceinline__ void copy_bytes_async(void* dst, const void* src) {
-  static_assert(copies_async(N), "4, 8 or a multiple of 16 bytes");
-  constexpr int kPiece = N < 16 ? N : 16;
-#pragma unroll
-  for (int q = 0; q < N / kPiece; ++q)
-    __pipeline_memcpy_async(static_cast<char*>(dst) + kPiece * q, static_cast<const char*>(src) + kPiece * q, kPiece);
 }
 
 // Wait for this thread's asynchronous copies, then for the block's.

@@ -196,19 +196,6 @@ __device__ __forceinline__ void after_write(const StepDims& dm, const ForwardIO&
   if (last && gr.lane == 0) last[gr.s * dm.K + gr.slot] = static_cast<int32_t>(dm.snapshot_entry(gr.u, gr.g));
 }
 
-// The write kernel's batches in flight a warp when a lane's segments are 16 bytes (cp.async's widest copy): each
-// warp has a ring of kWriteDepth batches in shared memory after the token's staged vectors, filled by asynchronous
-// copies kWriteDepth - 1 batches ahead of the one it writes. Its registers hold two batches at most, and a batch
-// takes a fraction of a load's latency to write: one batch ahead left the warps waiting on every load.
-constexpr int kWriteDepth = 4;
-template <int VEC, typename T>
-constexpr bool kWriteRing = Cols<VEC, T>::kWide;
-template <int VEC, typename T>
-constexpr size_t write_ring_bytes() {
-  constexpr int S = segs_for(kWriteLaneBytes, VEC * static_cast<int>(sizeof(T)));
-  return kWriteRing<VEC, T> ? static_cast<size_t>(kOwnerWarps) * kWriteDepth * S * 32 * sizeof(Cols<VEC, T>) : 0;
-}
-
 // `input` is the input bank of a fresh output bank (the rows of groups from_input are read there), else `bank`;
 // `last` the links' table (Links; null without residuals). kCoded: the snapshot has another dtype than the bank's
 // (a kernel of its own, so that the bank-dtype one keeps its registers).
@@ -228,69 +215,36 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   const float* pre[1];
   // The group table and the rows this kernel reads were final before the kernel it follows (applying the
   // inverse) started, which waited for the gather, which waited for the previous chunk's write: the table rows and
-  // the first batches are loaded before chain_start waits for its predecessor, so those loads overlap its end;
-  // delta after.
-  using Item = GroupBatches<S * 32 * VEC>;
-  Item cur(dm, s, u, tables.w, dm.W, 0);
-  const int64_t d0 = static_cast<int64_t>(cur.group().lane) * VEC;
+  // the first group's first batch are loaded before chain_start waits for its predecessor, so those loads overlap
+  // its end; delta after.
+  // The warp's items are its groups' batches of S segments a lane (a row of D columns is ceil(D / kBatch) of them),
+  // in order: the next item's batch (the row's next one, or the next group's first) is loaded before this one's is
+  // written, so that a batch is always in flight, whether a row takes one batch or several.
+  constexpr int64_t kBatch = S * 32 * VEC;
+  OwnedGroups owned(dm, s, u, tables.w, dm.W);
+  const int64_t d0 = static_cast<int64_t>(owned.gr.lane) * VEC;
+  const bool any = owned.next();
+  Group cur = owned.gr;
+  int64_t b = 0;  // the item's first column, past d0 (the same for the whole warp)
   Cols<VEC, T> x[S];
-  if constexpr (kWriteRing<VEC, T>) {
-    // The ring: batch slot k of this warp, lane l's segment j at ((k * S + j) * 32 + l).
-    Cols<VEC, T>* ring = reinterpret_cast<Cols<VEC, T>*>(staged + owner_staged_floats(1, D)) +
-                         static_cast<int64_t>(threadIdx.x / 32) * kWriteDepth * S * 32 + cur.group().lane;
-    Item ahead = cur;  // the next item to copy
-    int issued = 0;
-    // Copies the item `ahead` into its slot (a lane its own segments, so that no barrier is needed before it reads
-    // them), then moves `ahead` on; every call commits one group of copies, empty past the last item.
-    const auto issue = [&]() {
-      if (ahead.any) {
-        const T* row = row_of(ahead.group()) + d0 + ahead.b;
-        Cols<VEC, T>* slot = ring + (issued % kWriteDepth) * S * 32;
+  if (any) load_batch(row_of(cur), d0, D, x);
+  chain_start();
+  stage_token(D, vecs, staged, pre);
+  if (!any) return;
+  for (;;) {
+    const bool row_done = b + kBatch >= D;
+    const bool more = !row_done || owned.next();
+    const Group next = row_done ? owned.gr : cur;
+    const int64_t next_b = row_done ? 0 : b + kBatch;
+    Cols<VEC, T> y[S];
+    if (more) load_batch(row_of(next), d0 + next_b, D, y);
+    write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], cur, d0 + b, x);
+    if (row_done) after_write<kCoded, VEC>(dm, io, bank, cur, last);
+    if (!more) break;
+    cur = next;
+    b = next_b;
 #pragma unroll
-        for (int k = 0; k < S; ++k) {
-          if (d0 + ahead.b + k * 32 * VEC >= D) break;
-          copy_bytes_async<Cols<VEC, T>::kBytes>(slot + k * 32, row + k * 32 * VEC);
-        }
-        ahead.next(D);
-      }
-      __pipeline_commit();
-      ++issued;
-    };
-#pragma unroll
-    for (int k = 0; k < kWriteDepth - 1; ++k) issue();
-    chain_start();
-    stage_token(D, vecs, staged, pre);  // its wait covers the batches issued so far
-    if (!cur.any) return;
-    for (int n = 0;; ++n) {
-      issue();  // item n + kWriteDepth - 1, into the slot item n - 1 had (read into x before)
-      __pipeline_wait_prior(kWriteDepth - 1);
-      const Cols<VEC, T>* slot = ring + (n % kWriteDepth) * S * 32;
-#pragma unroll
-      for (int k = 0; k < S; ++k) x[k] = slot[k * 32];
-      write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], cur.group(), d0 + cur.b, x);
-      if (cur.row_done(D)) after_write<kCoded, VEC>(dm, io, bank, cur.group(), last);
-      cur.next(D);
-      if (!cur.any) break;
-    }
-  } else {
-    // Narrower segments (cp.async copies 4, 8 or 16 bytes, not 2): the next item's batch in registers, loaded
-    // before this one's is written.
-    if (cur.any) load_batch(row_of(cur.group()), d0, D, x);
-    chain_start();
-    stage_token(D, vecs, staged, pre);
-    if (!cur.any) return;
-    for (;;) {
-      Item next = cur;
-      next.next(D);
-      Cols<VEC, T> y[S];
-      if (next.any) load_batch(row_of(next.group()), d0 + next.b, D, y);
-      write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], cur.group(), d0 + cur.b, x);
-      if (cur.row_done(D)) after_write<kCoded, VEC>(dm, io, bank, cur.group(), last);
-      if (!next.any) break;
-      cur = next;
-#pragma unroll
-      for (int k = 0; k < S; ++k) x[k] = y[k];
-    }
+    for (int k = 0; k < S; ++k) x[k] = y[k];
   }
 }
 

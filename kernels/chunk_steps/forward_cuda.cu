@@ -73,10 +73,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
     }
   };
   if (!segments) {
-    OwnerLaunch ol = owner_launch(dm, 1);
-    ol.smem += write_ring_bytes<VEC, T>();
-    if (!rc) rc = smem_attribute(fwd_write_kernel<VEC, T, true>, ol.smem);
-    if (!rc) rc = smem_attribute(fwd_write_kernel<VEC, T, false>, ol.smem);
+    const OwnerLaunch ol = owner_launch(dm, 1);
     const auto write = [&](int64_t c) {
       const ForwardIO& wio = write_io(c);
       const bool coded = wio.snapshot && wio.snapshot_dtype != SnapshotDtype::kBank;

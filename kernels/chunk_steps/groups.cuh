@@ -121,10 +121,6 @@ struct GroupTables {
 
 // Floats per staged vector: D rounded up to whole quads (16-byte aligned rows; a partial quad's zeros stay inside).
 __host__ __device__ constexpr int64_t owner_stride(int64_t D) { return (D + 3) / 4 * 4; }
-// The floats of shared memory that a block's nv staged vectors take (0 past kOwnerStageFloats: not staged).
-__host__ __device__ constexpr int64_t owner_staged_floats(int nv, int64_t D) {
-  return nv * owner_stride(D) <= kOwnerStageFloats ? nv * owner_stride(D) : 0;
-}
 
 // Row t = blockIdx.y of each of the NV vectors `vecs` into shared memory `staged` when NV * D <= kOwnerStageFloats
 // (else pre points at them in global memory); pre[i] is where row t of vecs[i] is read. Ends with a block barrier.
@@ -170,16 +166,6 @@ struct OwnedGroups {
     e = w < lanes ? __ldg(reinterpret_cast<const int4*>(mine + w)) : make_int4(-1, -1, -1, -1);
     todo = __ballot_sync(0xffffffffu, e.x >= 0);
   }
-  // The group of the round's entry k (a set bit of todo) into `out`.
-  __device__ __forceinline__ void take(int k, Group& out) const {
-    out.slot = __shfl_sync(0xffffffffu, e.x, k);
-    out.lo = __shfl_sync(0xffffffffu, e.y, k);
-    const int32_t hi = __shfl_sync(0xffffffffu, e.z, k);
-    out.hi = hi & ~kFromInput;
-    out.from_input = (hi & kFromInput) != 0;
-    out.g = __shfl_sync(0xffffffffu, e.w, k);
-    out.first = static_cast<int32_t>(t * lanes + entry(k));
-  }
   __device__ __forceinline__ bool next() {
     while (todo == 0) {
       base += 32 * kOwnerWarps;
@@ -188,37 +174,36 @@ struct OwnedGroups {
     }
     const int k = __ffs(todo) - 1;
     todo &= todo - 1;
-    take(k, gr);
-    return true;
-  }
-  // The group next() hands out after the current one, into `out`, when it is in the round already loaded: false at
-  // the round's end (the next round's groups are unknown before its table load).
-  __device__ __forceinline__ bool peek(Group& out) const {
-    if (todo == 0) return false;
-    out = gr;
-    take(__ffs(todo) - 1, out);
+    gr.slot = __shfl_sync(0xffffffffu, e.x, k);
+    gr.lo = __shfl_sync(0xffffffffu, e.y, k);
+    const int32_t hi = __shfl_sync(0xffffffffu, e.z, k);
+    gr.hi = hi & ~kFromInput;
+    gr.from_input = (hi & kFromInput) != 0;
+    gr.g = __shfl_sync(0xffffffffu, e.w, k);
+    gr.first = static_cast<int32_t>(t * lanes + entry(k));
     return true;
   }
 };
 
-// each(pre) with the token's vectors staged first (pre[i]: where vecs[i]'s row of the block's token is read).
-// Vectors in the bank's dtype (V, the read side's dy) are widened to float32 on their way into shared memory
-// (cp.async copies bytes as they are); too long to stage, each gets them where they are, in their dtype (`pre` then
-// has another type). Ends with a block barrier before each.
-template <int NV, typename V, typename Each>
-__device__ __forceinline__ void with_staged_vectors(const StepDims& dm, const V* const (&vecs)[NV], float* staged,
-                                                    Each each) {
+// body(group, vectors) for every group the warp takes, the token's vectors staged first. Vectors in the bank's
+// dtype (V, the read side's dy) are widened to float32 on their way into shared memory (cp.async copies bytes as
+// they are); too long to stage, body gets them where they are, in their dtype (`pre` then has another type).
+template <int NV, typename V, typename Body>
+__device__ __forceinline__ void for_owned_groups(const StepDims& dm, int64_t s, int64_t u, const GroupEntry* table,
+                                                 int64_t lanes, const V* const (&vecs)[NV], float* staged,
+                                                 Body body) {
+  OwnedGroups owned(dm, s, u, table, lanes);
   if constexpr (std::is_same_v<V, float>) {
     const float* pre[NV];
     stage_token(dm.D, vecs, staged, pre);
-    each(pre);
+    while (owned.next()) body(owned.gr, pre);
   } else {
     const int64_t D = dm.D, t = blockIdx.y, stride = owner_stride(D);
     if (NV * stride > kOwnerStageFloats) {
       const V* pre[NV];
 #pragma unroll
       for (int i = 0; i < NV; ++i) pre[i] = vecs[i] + t * D;
-      each(pre);
+      while (owned.next()) body(owned.gr, pre);
       return;
     }
     const float* pre[NV];
@@ -229,57 +214,9 @@ __device__ __forceinline__ void with_staged_vectors(const StepDims& dm, const V*
       pre[i] = staged + i * stride;
     }
     __syncthreads();
-    each(pre);
+    while (owned.next()) body(owned.gr, pre);
   }
 }
-
-// body(group, vectors) for every group the warp takes, the token's vectors staged first (with_staged_vectors);
-// before it, ahead(next group) where the warp's next group is known (OwnedGroups::peek), so that its rows can be
-// requested a group early.
-template <int NV, typename V, typename Ahead, typename Body>
-__device__ __forceinline__ void for_owned_groups(const StepDims& dm, int64_t s, int64_t u, const GroupEntry* table,
-                                                 int64_t lanes, const V* const (&vecs)[NV], float* staged,
-                                                 Ahead ahead, Body body) {
-  OwnedGroups owned(dm, s, u, table, lanes);
-  with_staged_vectors(dm, vecs, staged, [&](const auto& pre) {
-    while (owned.next()) {
-      Group next;
-      if (owned.peek(next)) ahead(next);
-      body(owned.gr, pre);
-    }
-  });
-}
-
-// A warp's groups as a stream of items, each a batch of kBatch columns of the group's row (a row of D columns is
-// ceil(D / kBatch) of them), in order: the unit of the row kernels' rings of asynchronous copies (the forward write,
-// Phase A, the read side), which copy an item's rows a few items ahead, across groups. A group of more than
-// `max_entries` entries (0: no limit) is one item, whole(): its kernel walks it where it is. next() moves to the
-// following item; `any` is false past the last.
-template <int64_t kBatch>
-struct GroupBatches {
-  OwnedGroups groups;
-  int64_t b = 0;  // the item's first column, past the lane's first (the same for the whole warp)
-  int32_t max_entries;
-  bool any;
-  __device__ __forceinline__ GroupBatches(const StepDims& dm, int64_t s, int64_t u, const GroupEntry* table,
-                                          int64_t lanes, int32_t max_entries_)
-      : groups(dm, s, u, table, lanes), max_entries(max_entries_) {
-    any = groups.next();
-  }
-  __device__ __forceinline__ const Group& group() const { return groups.gr; }
-  __device__ __forceinline__ bool whole() const {
-    return max_entries > 0 && groups.gr.hi - groups.gr.lo > max_entries;
-  }
-  __device__ __forceinline__ bool row_done(int64_t D) const { return whole() || b + kBatch >= D; }
-  __device__ __forceinline__ void next(int64_t D) {
-    if (row_done(D)) {
-      any = groups.next();
-      b = 0;
-    } else {
-      b += kBatch;
-    }
-  }
-};
 
 // acc += sum over the sorted entries e = order[from..hi) of coef[e] * vecs[e / W][0, VEC) (vecs: rows of D floats,
 // offset to the columns of acc). With acc = scale * row first, the written row of the forward (cpe S0 + sum w

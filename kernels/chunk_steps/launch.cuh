@@ -234,8 +234,9 @@ struct OwnerLaunch {
   size_t smem;
 };
 inline OwnerLaunch owner_launch(const StepDims& dm, int nv) {
+  const int64_t floats = nv * owner_stride(dm.D);
   return OwnerLaunch{dim3(dm.streams(), dm.C), dim3(kOwnerWarps * 32),
-                     static_cast<size_t>(owner_staged_floats(nv, dm.D)) * sizeof(float)};
+                     floats <= kOwnerStageFloats ? floats * sizeof(float) : 0};
 }
 
 // Columns per thread of the gradient rows' gather and copies: 16 bytes, 8 bfloat16 or 4 float32 columns.

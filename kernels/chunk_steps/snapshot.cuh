@@ -230,14 +230,11 @@ struct CodedRowSource {
   // takes (at VEC 8 of a bfloat16 bank two segments a batch, spilling 40 bytes by ptxas; the codes' own 8 bytes
   // would allow four and spill 136).
   static constexpr int kBytes = 2 * VEC * static_cast<int>(sizeof(T));
-  static constexpr int kRaw = kCode;  // stored per segment in a ring (RowSource's)
   const uint8_t* codes;
   float scale;
   __device__ __forceinline__ CodedRowSource(const BackwardIO& io, const StepDims& dm, int64_t entry)
       : codes(static_cast<const uint8_t*>(io.snapshot) + snapshot_coded_at(kT, dm, entry)),
         scale(snapshot_scaled(kT) ? io.snapshot_scale[entry] : 0.f) {}
-  // A row whose codes are in a ring (load_raw), of scale `scale_`.
-  __device__ __forceinline__ explicit CodedRowSource(float scale_) : codes(nullptr), scale(scale_) {}
   __device__ __forceinline__ void load(int64_t d, ColsT& c) const {
     if constexpr (kT == SnapshotDtype::kInt4 && VEC % 2 == 1) {  // VEC 1: column d in the low nibble
       c.w[0] = (codes[d / 2] >> (4 * (d & 1))) & 0xfu;
@@ -246,31 +243,12 @@ struct CodedRowSource {
     }
     c.scale = scale;
   }
-  __device__ __forceinline__ const void* raw(int64_t d) const { return codes + d * kCode / VEC; }
-  __device__ __forceinline__ void load_raw(const void* p, ColsT& c) const {
-    const uint32_t* w = static_cast<const uint32_t*>(p);  // kRaw is a multiple of 4 where a ring holds codes
-#pragma unroll
-    for (int i = 0; i < (kCode + 3) / 4; ++i) c.w[i] = w[i];
-    c.scale = scale;
-  }
-};
-
-// The type of snapshot_source's sources (host code, too, sizes rings by it).
-template <int VEC, typename T, SnapshotDtype kT>
-struct SnapshotSourceOf {
-  using type = CodedRowSource<VEC, T, kT>;
-};
-template <int VEC, typename T>
-struct SnapshotSourceOf<VEC, T, SnapshotDtype::kBank> {
-  using type = RowSource<VEC, T>;
 };
 
 // Snapshot entry `entry`'s row as a source of walk_two_sources: a RowSource of the bank's dtype T (kT kBank), or a
-// CodedRowSource of kT (SnapshotSourceOf).
+// CodedRowSource of kT.
 template <int VEC, typename T, SnapshotDtype kT>
-__device__ __forceinline__ typename SnapshotSourceOf<VEC, T, kT>::type snapshot_source(const BackwardIO& io,
-                                                                                       const StepDims& dm,
-                                                                                       int32_t entry) {
+__device__ __forceinline__ auto snapshot_source(const BackwardIO& io, const StepDims& dm, int32_t entry) {
   if constexpr (kT == SnapshotDtype::kBank)
     return RowSource<VEC, T>{static_cast<const T*>(io.snapshot) + static_cast<int64_t>(entry) * dm.D};
   else
@@ -285,28 +263,6 @@ __device__ __forceinline__ void with_s0_source(const BackwardIO& io, const StepD
                                                const T* input_row, Body body) {
   if (link < 0) return body(RowSource<VEC, T>{input_row});
   return body(snapshot_source<VEC, T, kT>(io, dm, link));
-}
-
-// body(source) with S0's source as a ring holds its bytes (load_raw): the same types as with_s0_source's, a coded
-// row's of scale `scale` (the ring's copy of it).
-template <int VEC, typename T, SnapshotDtype kT, typename Body>
-__device__ __forceinline__ void with_ring_s0_source(int32_t link, float scale, Body body) {
-  if (link < 0 || kT == SnapshotDtype::kBank) return body(RowSource<VEC, T>{nullptr});
-  if constexpr (kT != SnapshotDtype::kBank) return body(CodedRowSource<VEC, T, kT>(scale));
-}
-
-// A warp asks for the rows of its next group into L2 (prefetch_l2_row): S0 as with_s0_source reads it (snapshot
-// entry `link` stored as kT, or for -1 the input bank's row `input_row`).
-template <typename T, SnapshotDtype kT>
-__device__ __forceinline__ void prefetch_s0(const BackwardIO& io, const StepDims& dm, int32_t link,
-                                            const T* input_row, int lane) {
-  const int64_t row_bytes = dm.D * static_cast<int64_t>(sizeof(T));
-  if (link < 0) return prefetch_l2_row(input_row, row_bytes, lane);
-  if constexpr (kT == SnapshotDtype::kBank)
-    prefetch_l2_row(static_cast<const T*>(io.snapshot) + static_cast<int64_t>(link) * dm.D, row_bytes, lane);
-  else
-    prefetch_l2_row(static_cast<const uint8_t*>(io.snapshot) + snapshot_coded_at(kT, dm, link),
-                    snapshot_row_bytes(kT, dm.D, 0), lane);
 }
 
 // The same with the call's snapshot dtype picked at run time (the packed sequences' kernels: one for every dtype).
