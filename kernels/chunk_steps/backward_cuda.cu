@@ -91,7 +91,7 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
                             : bwd_gwr_kernel<kGVec, GT, false, false>;
   if (!rc) rc = smem_attribute(gwr, rb.smem);
   const dim3 group_block(kGroupWarps * 32);
-  const OwnerLaunch phase_a = owner_launch(dm, 2), read_side = owner_launch(dm, 1);
+  const OwnerLaunch phase_a = owner_launch(dm, 2, dm.W), read_side = owner_launch(dm, 1, dm.R);
   // Phase A and the read side of the call's snapshot dtype (a kernel for each: snapshot.cuh with_s0_source).
   const auto phase_a_kernel = by_snapshot_dtype(io.snapshot_dtype, [](auto kSnap) {
     return bwd_phase_a_kernel<VEC, T, GT, kSnap()>;

@@ -75,7 +75,7 @@ __device__ __forceinline__ const GT* fresh_source(const Group& gr, const GT* inp
   return input ? input + offset : zero_row;
 }
 
-// Phase A, one block per (stream, token) whose warps take the write groups the token heads (for_owned_groups): per
+// Phase A, blocks per (stream, token) whose warps take the write groups the token heads (for_owned_groups): per
 // group the dots dcpe, dw and dk_eff on the row before the chunk's write (S0, through the group's link: the
 // backward's group tables carry it as the group's `g`) and the gradient row dS0 = cpe dS1 + sum k_eff dG. `input`
 // is the forward's input bank; kSnap the snapshot's dtype (a kernel for each: with_s0_source).
@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   });
 }
 
-// The read side, after Phase A, one block per (stream, token) whose warps take the read groups the token heads:
+// The read side, after Phase A, blocks per (stream, token) whose warps take the read groups the token heads:
 // dq_w = <dy, S0[s]> per entry and the gradient row dS0 += sum q_w dy, S0 through the group's link (the group's
 // `g` in the backward's tables) as in Phase A.
 template <int VEC, typename T, typename GT, SnapshotDtype kSnap>

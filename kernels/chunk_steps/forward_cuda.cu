@@ -73,7 +73,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
     }
   };
   if (!segments) {
-    const OwnerLaunch ol = owner_launch(dm, 1);
+    const OwnerLaunch ol = owner_launch(dm, 1, dm.W);
     const auto write = [&](int64_t c) {
       const ForwardIO& wio = write_io(c);
       const bool coded = wio.snapshot && wio.snapshot_dtype != SnapshotDtype::kBank;

@@ -14,8 +14,9 @@ namespace {
 constexpr int kGroupWarps = 8;      // warps (= groups) per block of the group kernels
 constexpr int kGroupBlocksPerSM = 2;  // register budget of the group kernels: 2 blocks per SM (128 registers)
 
-constexpr int kOwnerWarps = 8;      // warps per block of the unpacked group kernels (one block per stream and token)
+constexpr int kOwnerWarps = 8;      // warps per block of the unpacked group kernels (blocks per stream and token)
 constexpr int kOwnerBlocksPerSM = 2;  // their register budget: 2 blocks of 256 threads per SM (128 registers)
+constexpr int kOwnerSplitMax = 4;   // the most blocks a token's lanes are split over (owner_split)
 constexpr int64_t kOwnerStageFloats = 8192;  // a block stages its token's vectors in shared memory up to this size
 
 
@@ -113,11 +114,21 @@ struct GroupTables {
   const GroupEntry* r;
 };
 
-// The unpacked group kernels take each slot group at its first sorted entry (the table by first entry): one block
-// per (stream s, token t of unit u), whose warps take the token's entries in turn, each the group it heads, if any.
+// The unpacked group kernels take each slot group at its first sorted entry (the table by first entry): owner_split
+// blocks per (stream s, token t of unit u), whose warps take the token's entries in turn, each the group it heads,
+// if any.
 // Most groups have one entry, so the float32 vectors a group reads (delta; delta and dG; dy) are the token's: the
 // block stages them in shared memory once (stage_token) instead of each warp reading them from L2, and the
 // registers that held them keep more bank rows in flight.
+
+// The blocks a token's `lanes` are split over (blockIdx.z; at least two entries a warp): one block a token leaves a
+// grid of one wave at the paper's shape (2 streams x 128 tokens), whose SMs idle a fifth of the kernel while its
+// slowest blocks finish; blocks of a quarter of the lanes fill the SMs in several waves.
+__host__ __device__ constexpr int owner_split(int64_t lanes) {
+  return lanes >= 2 * kOwnerWarps * kOwnerSplitMax ? kOwnerSplitMax
+         : lanes >= 4 * kOwnerWarps                 ? static_cast<int>(lanes / (2 * kOwnerWarps))
+                                                    : 1;
+}
 
 // Floats per staged vector: D rounded up to whole quads (16-byte aligned rows; a partial quad's zeros stay inside).
 __host__ __device__ constexpr int64_t owner_stride(int64_t D) { return (D + 3) / 4 * 4; }
@@ -140,9 +151,10 @@ __device__ __forceinline__ void stage_token(int64_t D, const float* const (&vecs
   if (stage) staged_wait();
 }
 
-// The groups one warp takes: the entries w = base + warp + k * kOwnerWarps (k < 32) of the block's token, lane k
-// holding entry k's table row, loaded up front in one round (not one dependent load per group); next() hands out
-// the groups these entries head, in increasing w, through shuffles. Warp-uniform.
+// The groups one warp takes: the entries w = base + j + k * J (k < 32) of the block's token, where the token's
+// blocks' J = gridDim.z * kOwnerWarps warps are j = blockIdx.z * kOwnerWarps + warp, lane k holding entry k's table
+// row, loaded up front in one round (not one dependent load per group); next() hands out the groups these entries
+// head, in increasing w, through shuffles. Warp-uniform.
 struct OwnedGroups {
   const GroupEntry* mine;  // the token's table rows
   int64_t lanes, t;
@@ -158,8 +170,9 @@ struct OwnedGroups {
     gr.lane = threadIdx.x % 32;
     load_round();
   }
+  static __device__ __forceinline__ int64_t warps() { return static_cast<int64_t>(gridDim.z) * kOwnerWarps; }
   __device__ __forceinline__ int64_t entry(int k) const {
-    return base + static_cast<int64_t>(threadIdx.x / 32) + static_cast<int64_t>(k) * kOwnerWarps;
+    return base + static_cast<int64_t>(blockIdx.z) * kOwnerWarps + threadIdx.x / 32 + k * warps();
   }
   __device__ __forceinline__ void load_round() {
     const int64_t w = entry(gr.lane);
@@ -168,7 +181,7 @@ struct OwnedGroups {
   }
   __device__ __forceinline__ bool next() {
     while (todo == 0) {
-      base += 32 * kOwnerWarps;
+      base += 32 * warps();
       if (base >= lanes) return false;
       load_round();
     }

@@ -227,15 +227,16 @@ int copy_whole(const StepDims& dm, const T* input, T* result, cudaStream_t strea
   return rc;
 }
 
-// Launch shape of the unpacked group kernels (for_owned_groups): one block of kOwnerWarps warps per (stream, token),
-// and the shared memory that stages NV float32 vectors of the token (none when they do not fit).
+// Launch shape of the unpacked group kernels (for_owned_groups) over a map of `lanes` lanes: blocks of kOwnerWarps
+// warps per (stream, token, owner_split part), and the shared memory that stages NV float32 vectors of the token
+// (none when they do not fit).
 struct OwnerLaunch {
   dim3 grid, block;
   size_t smem;
 };
-inline OwnerLaunch owner_launch(const StepDims& dm, int nv) {
+inline OwnerLaunch owner_launch(const StepDims& dm, int nv, int64_t lanes) {
   const int64_t floats = nv * owner_stride(dm.D);
-  return OwnerLaunch{dim3(dm.streams(), dm.C), dim3(kOwnerWarps * 32),
+  return OwnerLaunch{dim3(dm.streams(), dm.C, owner_split(lanes)), dim3(kOwnerWarps * 32),
                      floats <= kOwnerStageFloats ? floats * sizeof(float) : 0};
 }
 

@@ -599,13 +599,16 @@ int main(int argc, char** argv) {
       {1, 2, 2, 101, 3, 2, 70, 40, true, false, 0.05, 3},
       // 35: bf16 rows of several of the forward write's batches (VEC 8: 1024 columns a batch), the last one partial
       {1, 3, 2, 4, 2, 2, 6, 2056, true, true, 0.1, 0},
-      // 36-38: more write and read lanes than a block's warps (kOwnerWarps 8), so that a warp takes several groups in
+      // 36-40: more write and read lanes than a block's warps (kOwnerWarps 8), so that a warp takes several groups in
       // turn: the forward write's batches in flight across groups (36: rows of several batches; 37: float32 VEC 8,
-      // 32-byte segments), the backward's requests for a warp's next group; 38: more lanes than a round of a warp's
-      // table rows (32 x 8), the next round loaded mid-walk.
+      // 32-byte segments). A token's lanes split over blocks (owner_split: 2 from 32 lanes, 4 from 64): 38 over
+      // four; 39 more lanes than a round of the token's warps' table rows (32 x 32), the next round loaded mid-walk;
+      // 40 over two and three (W 40, R 48) with long groups whose entries lie in other blocks of the token.
       {1, 3, 2, 6, 20, 20, 1000, 2056, true, true, 0.1, 0},
       {1, 2, 2, 4, 20, 18, 50, 24, false, false, 0.1, 1},
       {1, 2, 1, 3, 300, 270, 2000, 8, true, false, 0.05, 0},
+      {1, 2, 1, 2, 1030, 1030, 8192, 8, true, true, 0.6, 0},
+      {1, 3, 2, 6, 40, 48, 90, 16, true, true, 0.1, 1},
   };
   if (argc > 1 && std::string(argv[1]) == "shape") {  // shape V NC P C W R K D BANK GRAD INVALID PAD [SEED [SEGS]]
     if (argc < 14) {
