@@ -69,10 +69,9 @@ def launches(out):
 
 @pytest.mark.slow  # compiles the emulated steps (about a minute)
 def test_cuda_steps_on_cpu_match_cpu_kernels():
-    # 4: Phase A's and the read side's ring with long groups among the short (walked where they are); 37, 38: several
-    # groups a warp (the rings of the forward write, Phase A and the read side across groups), 38 with more lanes
-    # than a round of table rows.
-    total, pdl = launches(run_check("steps", "1,4,18,28,31,34,35,37,38", cases=9))
+    # 4: long groups among the short; 37: several groups a warp; 38-40: a token's lanes split over 4, 4 and 2-3
+    # blocks (owner_split), 39 with more lanes than a round of the token's table rows.
+    total, pdl = launches(run_check("steps", "1,4,18,28,31,34,35,37,38,39,40", cases=11))
     assert total > 0 and pdl == total
 
 
@@ -80,9 +79,8 @@ def test_cuda_steps_on_cpu_match_cpu_kernels():
 @pytest.mark.parametrize("snapshot", [1, 2, 3])  # kernels/snapshot_codec.h: bfloat16, float8, int4
 def test_cuda_steps_with_a_snapshot_of_another_dtype(snapshot):
     # 2: VEC 1 (int4: a lane reads its column's nibble); 11: rows of several batches per lane; 35: bfloat16 rows of
-    # several of the forward write's batches; 37: several groups a warp (S0's codes and scales in the ring across
-    # groups).
-    run_check("steps", f"snapshot={snapshot}", "1,2,4,11,18,28,35,37", cases=8)
+    # several of the forward write's batches; 37: several groups a warp; 40: a token's lanes split over blocks.
+    run_check("steps", f"snapshot={snapshot}", "1,2,4,11,18,28,35,37,40", cases=9)
 
 
 @pytest.mark.slow  # compiles the emulated steps again
