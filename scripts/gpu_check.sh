@@ -287,7 +287,8 @@ if has kernel_detail; then
   ncu -i "$rep.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_detail_source.csv" 2>&1
   python3 "$REPO/benchmarks/ncu_source_summary.py" "$OUT/ncu_detail_source.csv" > "$OUT/ncu_detail_source.txt" 2>&1
   grep -E -e "^  [a-z_]+.*\(|Duration|Warp Cycles Per Issued|Achieved Occupancy|Theoretical Occupancy|Registers Per" \
-    -e "Block Limit|L1/TEX Hit|Issue Slots Busy|Memory Throughput|Stall" "$OUT/ncu_detail.txt" \
+    -e "Block Limit|L1/TEX Hit|L2 Hit Rate  |Issue Slots Busy|Memory Throughput|Stall|Waves Per SM" \
+    -e "Elapsed Cycles|SM Active Cycles|Local Memory Spilling Requests  " "$OUT/ncu_detail.txt" \
     | tee -a "$OUT/summary.txt"
   rm -f "$rep.ncu-rep"
 fi
