@@ -17,6 +17,7 @@ constexpr int kGroupBlocksPerSM = 2;  // register budget of the group kernels: 2
 constexpr int kOwnerWarps = 8;      // warps per block of the unpacked group kernels (blocks per stream and token)
 constexpr int kOwnerBlocksPerSM = 2;  // their register budget: 2 blocks of 256 threads per SM (128 registers)
 constexpr int kOwnerSplitMax = 4;   // the most blocks a token's lanes are split over (owner_split)
+constexpr int kOwnerAhead = 2;      // a warp's groups whose rows it asks into L2 at its block's start
 constexpr int64_t kOwnerStageFloats = 8192;  // a block stages its token's vectors in shared memory up to this size
 
 
@@ -179,6 +180,16 @@ struct OwnedGroups {
     e = w < lanes ? __ldg(reinterpret_cast<const int4*>(mine + w)) : make_int4(-1, -1, -1, -1);
     todo = __ballot_sync(0xffffffffu, e.x >= 0);
   }
+  // The group of the round's entry k (a set bit of todo) into `out`.
+  __device__ __forceinline__ void take(int k, Group& out) const {
+    out.slot = __shfl_sync(0xffffffffu, e.x, k);
+    out.lo = __shfl_sync(0xffffffffu, e.y, k);
+    const int32_t hi = __shfl_sync(0xffffffffu, e.z, k);
+    out.hi = hi & ~kFromInput;
+    out.from_input = (hi & kFromInput) != 0;
+    out.g = __shfl_sync(0xffffffffu, e.w, k);
+    out.first = static_cast<int32_t>(t * lanes + entry(k));
+  }
   __device__ __forceinline__ bool next() {
     while (todo == 0) {
       base += 32 * warps();
@@ -187,25 +198,32 @@ struct OwnedGroups {
     }
     const int k = __ffs(todo) - 1;
     todo &= todo - 1;
-    gr.slot = __shfl_sync(0xffffffffu, e.x, k);
-    gr.lo = __shfl_sync(0xffffffffu, e.y, k);
-    const int32_t hi = __shfl_sync(0xffffffffu, e.z, k);
-    gr.hi = hi & ~kFromInput;
-    gr.from_input = (hi & kFromInput) != 0;
-    gr.g = __shfl_sync(0xffffffffu, e.w, k);
-    gr.first = static_cast<int32_t>(t * lanes + entry(k));
+    take(k, gr);
     return true;
+  }
+  // f(group) for the first n groups next() will hand out from the round already loaded.
+  template <typename F>
+  __device__ __forceinline__ void first_groups(int n, F f) const {
+    unsigned m = todo;
+    for (int i = 0; i < n && m != 0; ++i, m &= m - 1) {
+      Group g = gr;
+      take(__ffs(m) - 1, g);
+      f(g);
+    }
   }
 };
 
-// body(group, vectors) for every group the warp takes, the token's vectors staged first. Vectors in the bank's
-// dtype (V, the read side's dy) are widened to float32 on their way into shared memory (cp.async copies bytes as
-// they are); too long to stage, body gets them where they are, in their dtype (`pre` then has another type).
-template <int NV, typename V, typename Body>
+// body(group, vectors) for every group the warp takes, the token's vectors staged first; before the staging,
+// ahead(group) for the warp's first kOwnerAhead groups, so that their rows can be requested while the block
+// stages. Vectors in the bank's dtype (V, the read side's dy) are widened to float32 on their way into shared memory
+// (cp.async copies bytes as they are); too long to stage, body gets them where they are, in their dtype (`pre` then
+// has another type).
+template <int NV, typename V, typename Ahead, typename Body>
 __device__ __forceinline__ void for_owned_groups(const StepDims& dm, int64_t s, int64_t u, const GroupEntry* table,
                                                  int64_t lanes, const V* const (&vecs)[NV], float* staged,
-                                                 Body body) {
+                                                 Ahead ahead, Body body) {
   OwnedGroups owned(dm, s, u, table, lanes);
+  owned.first_groups(kOwnerAhead, ahead);
   if constexpr (std::is_same_v<V, float>) {
     const float* pre[NV];
     stage_token(dm.D, vecs, staged, pre);
