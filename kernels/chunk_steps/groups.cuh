@@ -119,8 +119,8 @@ struct GroupTables {
 // blocks per (stream s, token t of unit u), whose warps take the token's entries in turn, each the group it heads,
 // if any.
 // Most groups have one entry, so the float32 vectors a group reads (delta; delta and dG; dy) are the token's: the
-// block stages them in shared memory once (stage_token) instead of each warp reading them from L2, and the
-// registers that held them keep more bank rows in flight.
+// block stages them in shared memory (stage_token) instead of each warp reading them from L2, and the registers
+// that held them keep more bank rows in flight.
 
 // The blocks a token's `lanes` are split over (blockIdx.z; at least two entries a warp): one block a token leaves a
 // grid of one wave at the paper's shape (2 streams x 128 tokens), whose SMs idle a fifth of the kernel while its
