@@ -81,10 +81,10 @@ __device__ __forceinline__ const GT* fresh_source(const Group& gr, const GT* inp
 template <typename T, SnapshotDtype kSnap, typename GT>
 __device__ __forceinline__ void prefetch_group_rows(const BackwardIO& io, const StepDims& dm, const Group& gr,
                                                     const GT* dbank_in, const GT* dbank, const GT* zero_row,
-                                                    const T* in_rows, int64_t stream_rows, int64_t D) {
-  prefetch_l2_row(fresh_source(gr, dbank_in, dbank, zero_row, (stream_rows + gr.slot) * D),
-                  D * static_cast<int64_t>(sizeof(GT)), gr.lane);
-  prefetch_s0<T, kSnap>(io, dm, static_cast<int32_t>(gr.g), in_rows + gr.slot * D, gr.lane);
+                                                    const T* in_rows) {
+  prefetch_l2_row(fresh_source(gr, dbank_in, dbank, zero_row, (gr.s * dm.K + gr.slot) * dm.D),
+                  dm.D * static_cast<int64_t>(sizeof(GT)), gr.lane);
+  prefetch_s0<T, kSnap>(io, dm, static_cast<int32_t>(gr.g), in_rows + gr.slot * dm.D, gr.lane);
 }
 
 // Phase A, blocks per (stream, token) whose warps take the write groups the token heads (for_owned_groups): per
@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   const float* const vecs[2] = {delta, dG};
   const T* in_rows = input + dm.input_stream(s) * K * D;
   const auto ahead = [&](const Group& gr) {
-    prefetch_group_rows<T, kSnap>(io, dm, gr, dbank_in, dbank, zero_row, in_rows, K * s, D);
+    prefetch_group_rows<T, kSnap>(io, dm, gr, dbank_in, dbank, zero_row, in_rows);
   };
   for_owned_groups(dm, s, u, tables.w, W, vecs, staged, ahead, [&](const Group& gr, const float* const (&pre)[2]) {
     const int lane = gr.lane;
@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   const T* const vecs[1] = {dy};
   const T* in_rows = input + dm.input_stream(s) * K * D;
   const auto ahead = [&](const Group& gr) {
-    prefetch_group_rows<T, kSnap>(io, dm, gr, dbank_in, dbank, zero_row, in_rows, K * s, D);
+    prefetch_group_rows<T, kSnap>(io, dm, gr, dbank_in, dbank, zero_row, in_rows);
   };
   for_owned_groups(dm, s, u, tables.r, R, vecs, staged, ahead, [&](const Group& gr, const auto& pre) {
     const int lane = gr.lane;

@@ -122,9 +122,9 @@ struct GroupTables {
 // block stages them in shared memory (stage_token) instead of each warp reading them from L2, and the registers
 // that held them keep more bank rows in flight.
 
-// The blocks a token's `lanes` are split over (blockIdx.z; at least two entries a warp): one block a token leaves a
-// grid of one wave at the paper's shape (2 streams x 128 tokens), whose SMs idle a fifth of the kernel while its
-// slowest blocks finish; blocks of a quarter of the lanes fill the SMs in several waves.
+// The blocks a token's `lanes` are split over (blockIdx.z; at least two entries a warp): with one block a token a
+// grid can be about one wave of blocks (two streams of 128 tokens), whose SMs idle while its slowest blocks finish;
+// blocks of a quarter of the lanes come in several waves, and an SM that finishes early takes another.
 __host__ __device__ constexpr int owner_split(int64_t lanes) {
   return lanes >= 2 * kOwnerWarps * kOwnerSplitMax ? kOwnerSplitMax
          : lanes >= 4 * kOwnerWarps                 ? static_cast<int>(lanes / (2 * kOwnerWarps))
