@@ -75,18 +75,6 @@ __device__ __forceinline__ const GT* fresh_source(const Group& gr, const GT* inp
   return input ? input + offset : zero_row;
 }
 
-// The rows a group of Phase A or the read side reads (its gradient row where fresh_source has it, and S0), asked
-// into L2 before the block stages its token's vectors (for_owned_groups' ahead), so that the row loads after the
-// staging find them there instead of starting from DRAM.
-template <typename T, SnapshotDtype kSnap, typename GT>
-__device__ __forceinline__ void prefetch_group_rows(const BackwardIO& io, const StepDims& dm, const Group& gr,
-                                                    const GT* dbank_in, const GT* dbank, const GT* zero_row,
-                                                    const T* in_rows) {
-  prefetch_l2_row(fresh_source(gr, dbank_in, dbank, zero_row, (gr.s * dm.K + gr.slot) * dm.D),
-                  dm.D * static_cast<int64_t>(sizeof(GT)), gr.lane);
-  prefetch_s0<T, kSnap>(io, dm, static_cast<int32_t>(gr.g), in_rows + gr.slot * dm.D, gr.lane);
-}
-
 // Phase A, blocks per (stream, token) whose warps take the write groups the token heads (for_owned_groups): per
 // group the dots dcpe, dw and dk_eff on the row before the chunk's write (S0, through the group's link: the
 // backward's group tables carry it as the group's `g`) and the gradient row dS0 = cpe dS1 + sum k_eff dG. `input`
@@ -103,10 +91,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   const float* dG = rows.dG + s * C * D;
   const float* const vecs[2] = {delta, dG};
   const T* in_rows = input + dm.input_stream(s) * K * D;
-  const auto ahead = [&](const Group& gr) {
-    prefetch_group_rows<T, kSnap>(io, dm, gr, dbank_in, dbank, zero_row, in_rows);
-  };
-  for_owned_groups(dm, s, u, tables.w, W, vecs, staged, ahead, [&](const Group& gr, const float* const (&pre)[2]) {
+  for_owned_groups(dm, s, u, tables.w, W, vecs, staged, [&](const Group& gr, const float* const (&pre)[2]) {
     const int lane = gr.lane;
     const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
     const int32_t* order = p1.w_order + u * C * W;
@@ -191,10 +176,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   const T* dy = static_cast<const T*>(io.dy) + u * C * D;
   const T* const vecs[1] = {dy};
   const T* in_rows = input + dm.input_stream(s) * K * D;
-  const auto ahead = [&](const Group& gr) {
-    prefetch_group_rows<T, kSnap>(io, dm, gr, dbank_in, dbank, zero_row, in_rows);
-  };
-  for_owned_groups(dm, s, u, tables.r, R, vecs, staged, ahead, [&](const Group& gr, const auto& pre) {
+  for_owned_groups(dm, s, u, tables.r, R, vecs, staged, [&](const Group& gr, const auto& pre) {
     const int lane = gr.lane;
     const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
     const int32_t* order = p1.r_order + u * C * R;

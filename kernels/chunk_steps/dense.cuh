@@ -124,12 +124,12 @@ __device__ __forceinline__ void stage_slice(const T* rows, int C, int64_t D, int
 // Rows per tile of the dense kernels' products. Unstaged, and in the dy part (one launch with many blocks per SM,
 // throughput-bound): 4 x 4 tiles, one 16-byte load of M feeding 16 multiply-adds. The in-loop kernels, staged, run
 // one block per SM and want its warps: one row a tile up to C = kLoopOneRowMaxC (512 threads at C = 64, where 4 x 4
-// tiles left 4 warps, one per scheduler, issuing about every 4 cycles), two rows above (512 threads at C = 128): a
-// warp's 16-byte load of a slice quad costs 4 shared-memory wavefronts whatever the broadcast, and two rows a tile
-// spread it over 8 multiply-adds, not 4 (the kernels at C = 128 are bound by shared-memory wavefronts).
+// tiles left 4 warps, one per scheduler, issuing about every 4 cycles); above it 4 x 4 tiles again (256 threads at
+// C = 128): the kernels there are bound by shared-memory wavefronts, and a warp's 16-byte load of a slice quad
+// costs 4 of them whatever the broadcast, so each should feed as many multiply-adds as it can (16 with four rows).
 constexpr int kLoopOneRowMaxC = 64, kWideTileRows = 4;
 inline int dense_tile_rows(int64_t C, bool in_loop, bool staged) {
-  return staged && in_loop ? (C > kLoopOneRowMaxC ? 2 : 1) : kWideTileRows;
+  return staged && in_loop && C <= kLoopOneRowMaxC ? 1 : kWideTileRows;
 }
 
 // Threads per block of a dense kernel (in the loop or the dy part; staged or not): one per tile of a slice, whole
@@ -144,8 +144,8 @@ inline int dense_threads(int64_t C, bool in_loop, bool staged) {
 template <typename Pick>
 auto loop_dense_kernel(int64_t C, bool staged, Pick kernel) {
   if (!staged) return kernel(std::false_type{}, std::integral_constant<int, kWideTileRows>{});
-  return dense_tile_rows(C, true, true) == 2 ? kernel(std::true_type{}, std::integral_constant<int, 2>{})
-                                             : kernel(std::true_type{}, std::integral_constant<int, 1>{});
+  return dense_tile_rows(C, true, true) == 1 ? kernel(std::true_type{}, std::integral_constant<int, 1>{})
+                                             : kernel(std::true_type{}, std::integral_constant<int, kWideTileRows>{});
 }
 
 // body(r0, q) for every tile (rows r0 .. r0 + kRows - 1, quad q) of a slice, one tile per thread and turn.

@@ -165,12 +165,6 @@ __device__ __forceinline__ void walk_two_sources(const SA& a, const SB& b, const
   }
 }
 
-// A warp asks for `bytes` bytes from p into L2 (a 128-byte line a lane and turn): no registers wait for them.
-__device__ __forceinline__ void prefetch_l2_row(const void* p, int64_t bytes, int lane) {
-  for (int64_t off = static_cast<int64_t>(lane) * 128; off < bytes; off += 32 * 128)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p) + off));
-}
-
 __device__ __forceinline__ int64_t unit_of(const StepDims& dm, int64_t s, int64_t c) {
   return ((s / dm.P) * dm.NC + c) * dm.P + s % dm.P;
 }

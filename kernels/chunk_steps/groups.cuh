@@ -17,7 +17,6 @@ constexpr int kGroupBlocksPerSM = 2;  // register budget of the group kernels: 2
 constexpr int kOwnerWarps = 8;      // warps per block of the unpacked group kernels (blocks per stream and token)
 constexpr int kOwnerBlocksPerSM = 2;  // their register budget: 2 blocks of 256 threads per SM (128 registers)
 constexpr int kOwnerSplitMax = 4;   // the most blocks a token's lanes are split over (owner_split)
-constexpr int kOwnerAhead = 2;      // a warp's groups whose rows it asks into L2 at its block's start
 constexpr int64_t kOwnerStageFloats = 8192;  // a block stages its token's vectors in shared memory up to this size
 
 
@@ -122,9 +121,11 @@ struct GroupTables {
 // block stages them in shared memory (stage_token) instead of each warp reading them from L2, and the registers
 // that held them keep more bank rows in flight.
 
-// The blocks a token's `lanes` are split over (blockIdx.z; at least two entries a warp): with one block a token a
-// grid can be about one wave of blocks (two streams of 128 tokens), whose SMs idle while its slowest blocks finish;
-// blocks of a quarter of the lanes come in several waves, and an SM that finishes early takes another.
+// The most blocks a token's `lanes` can be split over (blockIdx.z; at least two entries a warp). Whether they are
+// split depends on the grid (owner_launch): one block a token can leave a grid of about one wave (2 streams x 128
+// tokens), whose SMs idle a fifth of the kernel while its slowest blocks finish; blocks of a quarter of the lanes
+// fill the SMs in several waves. A grid of two waves or more gains nothing from the split and loses its blocks'
+// fixed start (the token's vectors staged once a block).
 __host__ __device__ constexpr int owner_split(int64_t lanes) {
   return lanes >= 2 * kOwnerWarps * kOwnerSplitMax ? kOwnerSplitMax
          : lanes >= 4 * kOwnerWarps                 ? static_cast<int>(lanes / (2 * kOwnerWarps))
@@ -180,16 +181,6 @@ struct OwnedGroups {
     e = w < lanes ? __ldg(reinterpret_cast<const int4*>(mine + w)) : make_int4(-1, -1, -1, -1);
     todo = __ballot_sync(0xffffffffu, e.x >= 0);
   }
-  // The group of the round's entry k (a set bit of todo) into `out`.
-  __device__ __forceinline__ void take(int k, Group& out) const {
-    out.slot = __shfl_sync(0xffffffffu, e.x, k);
-    out.lo = __shfl_sync(0xffffffffu, e.y, k);
-    const int32_t hi = __shfl_sync(0xffffffffu, e.z, k);
-    out.hi = hi & ~kFromInput;
-    out.from_input = (hi & kFromInput) != 0;
-    out.g = __shfl_sync(0xffffffffu, e.w, k);
-    out.first = static_cast<int32_t>(t * lanes + entry(k));
-  }
   __device__ __forceinline__ bool next() {
     while (todo == 0) {
       base += 32 * warps();
@@ -198,32 +189,25 @@ struct OwnedGroups {
     }
     const int k = __ffs(todo) - 1;
     todo &= todo - 1;
-    take(k, gr);
+    gr.slot = __shfl_sync(0xffffffffu, e.x, k);
+    gr.lo = __shfl_sync(0xffffffffu, e.y, k);
+    const int32_t hi = __shfl_sync(0xffffffffu, e.z, k);
+    gr.hi = hi & ~kFromInput;
+    gr.from_input = (hi & kFromInput) != 0;
+    gr.g = __shfl_sync(0xffffffffu, e.w, k);
+    gr.first = static_cast<int32_t>(t * lanes + entry(k));
     return true;
-  }
-  // f(group) for the first n groups next() will hand out from the round already loaded.
-  template <typename F>
-  __device__ __forceinline__ void first_groups(int n, F f) const {
-    unsigned m = todo;
-    for (int i = 0; i < n && m != 0; ++i, m &= m - 1) {
-      Group g = gr;
-      take(__ffs(m) - 1, g);
-      f(g);
-    }
   }
 };
 
-// body(group, vectors) for every group the warp takes, the token's vectors staged first; before the staging,
-// ahead(group) for the warp's first kOwnerAhead groups, so that their rows can be requested while the block
-// stages. Vectors in the bank's dtype (V, the read side's dy) are widened to float32 on their way into shared memory
-// (cp.async copies bytes as they are); too long to stage, body gets them where they are, in their dtype (`pre` then
-// has another type).
-template <int NV, typename V, typename Ahead, typename Body>
+// body(group, vectors) for every group the warp takes, the token's vectors staged first. Vectors in the bank's
+// dtype (V, the read side's dy) are widened to float32 on their way into shared memory (cp.async copies bytes as
+// they are); too long to stage, body gets them where they are, in their dtype (`pre` then has another type).
+template <int NV, typename V, typename Body>
 __device__ __forceinline__ void for_owned_groups(const StepDims& dm, int64_t s, int64_t u, const GroupEntry* table,
                                                  int64_t lanes, const V* const (&vecs)[NV], float* staged,
-                                                 Ahead ahead, Body body) {
+                                                 Body body) {
   OwnedGroups owned(dm, s, u, table, lanes);
-  owned.first_groups(kOwnerAhead, ahead);
   if constexpr (std::is_same_v<V, float>) {
     const float* pre[NV];
     stage_token(dm.D, vecs, staged, pre);

@@ -234,9 +234,16 @@ struct OwnerLaunch {
   dim3 grid, block;
   size_t smem;
 };
+// A token's lanes are split (owner_split) only when one block a token would make less than 1.5 waves of blocks on
+// this device's SMs; the results are the same either way.
 inline OwnerLaunch owner_launch(const StepDims& dm, int nv, int64_t lanes) {
   const int64_t floats = nv * owner_stride(dm.D);
-  return OwnerLaunch{dim3(dm.streams(), dm.C, owner_split(lanes)), dim3(kOwnerWarps * 32),
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    sms = 0;
+  const bool split = 2 * dm.streams() * dm.C < 3 * static_cast<int64_t>(sms) * kOwnerBlocksPerSM;
+  return OwnerLaunch{dim3(dm.streams(), dm.C, split ? owner_split(lanes) : 1), dim3(kOwnerWarps * 32),
                      floats <= kOwnerStageFloats ? floats * sizeof(float) : 0};
 }
 

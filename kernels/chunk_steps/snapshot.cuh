@@ -265,20 +265,6 @@ __device__ __forceinline__ void with_s0_source(const BackwardIO& io, const StepD
   return body(snapshot_source<VEC, T, kT>(io, dm, link));
 }
 
-// A warp asks for S0's row into L2 (prefetch_l2_row) as with_s0_source reads it: snapshot entry `link` stored as kT,
-// or for -1 the input bank's row `input_row`.
-template <typename T, SnapshotDtype kT>
-__device__ __forceinline__ void prefetch_s0(const BackwardIO& io, const StepDims& dm, int32_t link,
-                                            const T* input_row, int lane) {
-  const int64_t row_bytes = dm.D * static_cast<int64_t>(sizeof(T));
-  if (link < 0) return prefetch_l2_row(input_row, row_bytes, lane);
-  if constexpr (kT == SnapshotDtype::kBank)
-    prefetch_l2_row(static_cast<const T*>(io.snapshot) + static_cast<int64_t>(link) * dm.D, row_bytes, lane);
-  else
-    prefetch_l2_row(static_cast<const uint8_t*>(io.snapshot) + snapshot_coded_at(kT, dm, link),
-                    snapshot_row_bytes(kT, dm.D, 0), lane);
-}
-
 // The same with the call's snapshot dtype picked at run time (the packed sequences' kernels: one for every dtype).
 template <int VEC, typename T, typename Body>
 __device__ __forceinline__ void with_any_s0_source(const BackwardIO& io, const StepDims& dm, int32_t link,

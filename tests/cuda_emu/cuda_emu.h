@@ -54,6 +54,7 @@ inline void touch(const void* p) {
 // (cudaGetLastError), so it fails here too, with a line on stderr naming it.
 constexpr unsigned kMaxThreads = 1024, kMaxBlockZ = 64, kMaxGridYZ = 65535;
 constexpr int kDefaultDynSmem = 48 * 1024, kMaxDynSmem = 227 * 1024;
+constexpr int kSms = 132;  // an H100's SMs: the cases' grids are small enough that the group kernels split lanes
 inline int last_error = 0;
 inline std::map<const void*, int> dyn_smem_allowed;  // per kernel, from cudaFuncSetAttribute
 }  // namespace emu
@@ -205,7 +206,7 @@ void launch(K kernel, dim3 grid, dim3 block, size_t shmem, cudaStream_t, A... ar
 // cudaLaunchKernelEx with its launch attributes (programmatic dependent launch: the order of launches is all the
 // host has, so the attribute changes nothing here), and the device queries the launcher makes.
 constexpr int cudaLaunchAttributeProgrammaticStreamSerialization = 4, cudaDevAttrComputeCapabilityMajor = 75,
-              cudaDevAttrMaxSharedMemoryPerBlockOptin = 97;
+              cudaDevAttrMaxSharedMemoryPerBlockOptin = 97, cudaDevAttrMultiProcessorCount = 16;
 struct cudaLaunchAttribute {
   int id = 0;
   struct {
@@ -237,7 +238,10 @@ inline int cudaGetDevice(int* device) {
   return 0;
 }
 inline int cudaDeviceGetAttribute(int* value, int attr, int) {
-  *value = attr == cudaDevAttrComputeCapabilityMajor ? 9 : attr == cudaDevAttrMaxSharedMemoryPerBlockOptin ? emu::kMaxDynSmem : 0;
+  *value = attr == cudaDevAttrComputeCapabilityMajor            ? 9
+           : attr == cudaDevAttrMaxSharedMemoryPerBlockOptin ? emu::kMaxDynSmem
+           : attr == cudaDevAttrMultiProcessorCount          ? emu::kSms
+                                                             : 0;
   return 0;
 }
 

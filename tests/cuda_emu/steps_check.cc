@@ -595,7 +595,7 @@ int main(int argc, char** argv) {
       {1, 3, 6, 5, 2, 3, 40, 12, true, true, 0.1, 0, 0, 3},   // bf16, VEC 4, mostly untouched rows
       {1, 2, 4, 16, 4, 4, 5, 7, true, false, 0.2, 2, 0, 1},   // VEC 1, one block for every stream
       {2, 2, 3, 6, 2, 2, 50, 16, false, false, 0.0, 0, 0, 3}, // V > 1: each problem's streams read the one input
-      // 34: C > 64 not a multiple of 4: the in-loop solves' two-row tiles, the last one's second row past C
+      // 34: C > 64 not a multiple of 4: the in-loop solves' four-row tiles, the last one's rows past C but its first
       {1, 2, 2, 101, 3, 2, 70, 40, true, false, 0.05, 3},
       // 35: bf16 rows of several of the forward write's batches (VEC 8: 1024 columns a batch), the last one partial
       {1, 3, 2, 4, 2, 2, 6, 2056, true, true, 0.1, 0},
