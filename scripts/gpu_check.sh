@@ -2,7 +2,7 @@
 # The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
 #
 #   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,memory,profile,
-#                                          kernel_detail,timeline,sanitize,rowbw,layer,topk,topk_profile,
+#                                          kernel_detail,timeline,sanitize,rowbw,dense_tiles,layer,topk,topk_profile,
 #                                          decode_trace,decode_profile,decode_source,snapshot
 #                                          (default: build,tests,determinism,bench)
 #
@@ -17,7 +17,7 @@
 # PROFILE_MODES, PROFILE_KERNELS (kernel_detail's kernels, a regex), PROFILE_DETAIL_SHAPE, PROFILE_DETAIL_CHUNK,
 # PROFILE_INVOCATION, TOPK_PROFILE_ARGS, DECODE_ARGS, SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS,
 # SANITIZE_TAG, SANITIZE_TIMEOUT, SANITIZE_PRINT_LIMIT, ROWBW_ARGS (row_bandwidth's arguments: D K P rows per
-# launch), LOGS_TGZ (an archive of the logs after every stage: below).
+# launch), DENSE_ARGS (dense_tiles' arguments: P C D chunks), LOGS_TGZ (an archive of the logs after every stage: below).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/sdm_out}
@@ -319,6 +319,17 @@ if has snapshot; then
       summary "bench snapshot $dt loss $loss rc=$?: $(grep "^| ffi" "$OUT/bench_snapshot.log" | tail -1)"
     done
   done
+fi
+pack
+if has dense_tiles; then
+  # The in-loop apply-inverse kernels at each tile shape, timed and checked bit for bit against one another
+  # (benchmarks/dense_tiles.cu, standalone; it exits 1 if a shape's bits differ).
+  nvcc -O3 -std=c++17 -arch=sm_90 -I"$REPO" "$REPO/benchmarks/dense_tiles.cu" -o /tmp/dense_tiles \
+    > "$OUT/dense_tiles.txt" 2>&1 && timeout 120 /tmp/dense_tiles ${DENSE_ARGS:-} >> "$OUT/dense_tiles.txt" 2>&1
+  rc=$?
+  summary "dense_tiles rc=$rc"
+  [ $rc -eq 0 ] || status=1
+  grep -E "^\| (fwd|bwd)" "$OUT/dense_tiles.txt" | tee -a "$OUT/summary.txt"
 fi
 pack
 if has rowbw; then

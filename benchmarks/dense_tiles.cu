@@ -1,0 +1,185 @@
+// The in-loop apply-inverse kernels (the forward's fwd_apply_inverse_kernel, the backward's bwd_apply_inverse_kernel;
+// staged in shared memory) at each tile shape they compile to, 1, 2 and 4 rows a thread, at one chunk size and
+// width: each shape's time per launch, and its outputs checked bit for bit against the one-row shape's (every output
+// is one sum over k ascending whatever the tiling). dense_tile_rows (kernels/chunk_steps/dense.cuh) picks the shape
+// the steps launch; this measures what the others would give, without rebuilding the package. Standalone, from the
+// repository's root on the GPU machine:
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90 -I. benchmarks/dense_tiles.cu -o /tmp/dense_tiles && /tmp/dense_tiles [P C D NC]
+//
+// (defaults: the paper's shape at chunk 128, P 2, C 128, D 2048, NC 16 chunks a round of launches). Times: CUDA
+// events around 10 rounds of NC launches (chunk c = 0 .. NC-1, as the loop takes them) after a warm-up round, the
+// median of 5 such runs. Inputs are random; the values do not change the time.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/chunk_steps/backward_dense.cuh"
+#include "kernels/chunk_steps/forward.cuh"
+#include "kernels/chunk_steps/launch.cuh"
+
+#define CHECK(x)                                                                                  \
+  do {                                                                                            \
+    cudaError_t err_ = (x);                                                                       \
+    if (err_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(err_));   \
+      std::exit(1);                                                                               \
+    }                                                                                             \
+  } while (0)
+
+namespace {
+
+using sdm::StepDims;
+using T = __nv_bfloat16;
+
+std::mt19937_64 rng(7);
+
+// A device array of n floats, uniform in [lo, hi).
+float* random_floats(int64_t n, float lo, float hi) {
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> host(n);
+  for (auto& x : host) x = dist(rng);
+  float* d = nullptr;
+  CHECK(cudaMalloc(&d, n * sizeof(float)));
+  CHECK(cudaMemcpy(d, host.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+  return d;
+}
+
+T* random_bf16(int64_t n) {
+  std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  std::vector<T> host(n);
+  for (auto& x : host) x = __float2bfloat16(dist(rng));
+  T* d = nullptr;
+  CHECK(cudaMalloc(&d, n * sizeof(T)));
+  CHECK(cudaMemcpy(d, host.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+std::vector<char> bytes_of(const void* d, size_t n) {
+  std::vector<char> host(n);
+  CHECK(cudaMemcpy(host.data(), d, n, cudaMemcpyDeviceToHost));
+  return host;
+}
+
+// Median over 5 runs of the time per launch of `round` (NC launches), in microseconds.
+template <typename Round>
+float time_rounds(int64_t NC, Round round) {
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  round();
+  std::vector<float> us;
+  for (int run = 0; run < 5; ++run) {
+    CHECK(cudaEventRecord(a));
+    for (int i = 0; i < 10; ++i) round();
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float ms = 0.f;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    us.push_back(ms * 1e3f / (10 * NC));
+  }
+  CHECK(cudaGetLastError());
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  StepDims dm{};
+  dm.V = 1;
+  dm.P = argc > 1 ? std::atoll(argv[1]) : 2;
+  dm.C = argc > 2 ? std::atoll(argv[2]) : 128;
+  dm.D = argc > 3 ? std::atoll(argv[3]) : 2048;
+  dm.NC = argc > 4 ? std::atoll(argv[4]) : 16;
+  dm.W = dm.R = 1;
+  dm.K = 1;
+  if (dm.C > sdm::kStagedLoopMaxC || !sdm::dense_staged(dm.C, sdm::kStagedLoopMaxC, sdm::kFwdApplySmem)) {
+    std::fprintf(stderr, "C %lld is not staged on this device\n", static_cast<long long>(dm.C));
+    return 2;
+  }
+  const int64_t C = dm.C, D = dm.D, units = dm.units(), streams = dm.streams();
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("%s, %d SMs; P %lld, C %lld, D %lld, %lld chunks a round\n", prop.name, prop.multiProcessorCount,
+              static_cast<long long>(dm.P), static_cast<long long>(C), static_cast<long long>(D),
+              static_cast<long long>(dm.NC));
+
+  // The solve's Minv and QK: lower triangular with a unit diagonal where the kernels read them (the upper part is
+  // read by none), scaled so that the products stay near 1.
+  sdm::StepPhase1 p1{};
+  float* minv = random_floats(units * C * C, -1.f / C, 1.f / C);
+  float* qk = random_floats(units * C * C, -1.f / C, 1.f / C);
+  p1.minv = minv;
+  p1.QK = qk;
+  sdm::ForwardIO io{};
+  io.v = random_bf16(units * C * D);
+  io.beta = random_floats(units * C, 0.f, 1.f);
+  T* y = nullptr;
+  CHECK(cudaMalloc(&y, units * C * D * sizeof(T)));
+  io.y = y;
+  float* G = random_floats(streams * C * D, -1.f, 1.f);
+  float* Q0 = random_floats(streams * C * D, -1.f, 1.f);
+  float* delta = nullptr;
+  CHECK(cudaMalloc(&delta, streams * C * D * sizeof(float)));
+  const sdm::ChunkRows rows{G, Q0, delta, false};  // the no-grad loop's scratch layout: G and Q0 stay as they are
+
+  sdm::BackwardIO bio{};
+  bio.beta = io.beta;
+  float* du0 = random_floats(streams * C * D, -1.f, 1.f);
+  float* du = nullptr;
+  float* dG = nullptr;
+  CHECK(cudaMalloc(&du, streams * C * D * sizeof(float)));
+  CHECK(cudaMalloc(&dG, streams * C * D * sizeof(float)));
+  const sdm::BackRows brows{random_floats(streams * C * D, -1.f, 1.f), dG, du, nullptr};
+
+  const dim3 grid(streams, (D + sdm::kSlice - 1) / sdm::kSlice);
+  const size_t fwd_smem = sdm::kFwdApplySmem.bytes(C, true), bwd_smem = sdm::kBwdApplySmem.bytes(C, true);
+  const int chosen = sdm::dense_tile_rows(C, true, true);
+  std::vector<char> ref_y, ref_delta, ref_du, ref_dG;
+  std::printf("\n| kernel | rows a thread | threads | us a launch | bits as 1 row |\n|---|---:|---:|---:|---|\n");
+  const auto run = [&](auto rows_c) {
+    constexpr int kRows = decltype(rows_c)::value;
+    const auto fwd = sdm::fwd_apply_inverse_kernel<T, true, kRows>;
+    const auto bwd = sdm::bwd_apply_inverse_kernel<true, kRows>;
+    const int threads = std::min(sdm::kDenseThreadsMax, (sdm::tile_rows(C) / kRows * sdm::kQuads + 31) / 32 * 32);
+    CHECK(cudaFuncSetAttribute(fwd, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(fwd_smem)));
+    CHECK(cudaFuncSetAttribute(bwd, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bwd_smem)));
+    const auto fwd_round = [&] {
+      for (int64_t c = 0; c < dm.NC; ++c) fwd<<<grid, threads, fwd_smem>>>(dm, p1, io, c, rows);
+    };
+    const auto bwd_round = [&] {
+      for (int64_t c = 0; c < dm.NC; ++c) bwd<<<grid, threads, bwd_smem>>>(dm, p1, bio, c, brows);
+    };
+    // One round on poisoned outputs (du from the same start for every shape), its bits kept or compared.
+    CHECK(cudaMemset(y, 0xff, units * C * D * sizeof(T)));
+    CHECK(cudaMemset(delta, 0xff, streams * C * D * sizeof(float)));
+    CHECK(cudaMemset(dG, 0xff, streams * C * D * sizeof(float)));
+    CHECK(cudaMemcpy(du, du0, streams * C * D * sizeof(float), cudaMemcpyDeviceToDevice));
+    fwd_round();
+    bwd_round();
+    CHECK(cudaDeviceSynchronize());
+    const auto out_y = bytes_of(y, units * C * D * sizeof(T)), out_delta = bytes_of(delta, streams * C * D * 4),
+               out_du = bytes_of(du, streams * C * D * 4), out_dG = bytes_of(dG, streams * C * D * 4);
+    if (ref_y.empty()) ref_y = out_y, ref_delta = out_delta, ref_du = out_du, ref_dG = out_dG;
+    const bool fwd_same = out_y == ref_y && out_delta == ref_delta, bwd_same = out_du == ref_du && out_dG == ref_dG;
+    const char* mark = kRows == chosen ? " (launched)" : "";
+    std::printf("| fwd_apply_inverse | %d%s | %d | %.2f | %s |\n", kRows, mark, threads, time_rounds(dm.NC, fwd_round),
+                fwd_same ? "same" : "DIFFERENT");
+    std::printf("| bwd_apply_inverse | %d%s | %d | %.2f | %s |\n", kRows, mark, threads, time_rounds(dm.NC, bwd_round),
+                bwd_same ? "same" : "DIFFERENT");
+    return fwd_same && bwd_same;
+  };
+  bool same = run(std::integral_constant<int, 1>{});
+  same = run(std::integral_constant<int, 2>{}) && same;
+  same = run(std::integral_constant<int, 4>{}) && same;
+  return same ? 0 : 1;
+}
