@@ -24,14 +24,7 @@
 #include "kernels/chunk_steps/forward.cuh"
 #include "kernels/chunk_steps/launch.cuh"
 
-#define CHECK(x)                                                                                  \
-  do {                                                                                            \
-    cudaError_t err_ = (x);                                                                       \
-    if (err_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(err_));   \
-      std::exit(1);                                                                               \
-    }                                                                                             \
-  } while (0)
+#include "cuda_check.h"
 
 namespace {
 
