@@ -143,7 +143,7 @@ int main(int argc, char** argv) {
     constexpr int kRows = decltype(rows_c)::value;
     const auto fwd = sdm::fwd_apply_inverse_kernel<T, true, kRows>;
     const auto bwd = sdm::bwd_apply_inverse_kernel<true, kRows>;
-    const int threads = std::min(sdm::kDenseThreadsMax, (sdm::tile_rows(C) / kRows * sdm::kQuads + 31) / 32 * 32);
+    const int threads = sdm::tile_threads(C, kRows);
     CHECK(cudaFuncSetAttribute(fwd, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(fwd_smem)));
     CHECK(cudaFuncSetAttribute(bwd, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bwd_smem)));
     const auto fwd_round = [&] {

@@ -132,11 +132,15 @@ inline int dense_tile_rows(int64_t C, bool in_loop, bool staged) {
   return staged && in_loop && C <= kLoopOneRowMaxC ? 1 : kWideTileRows;
 }
 
-// Threads per block of a dense kernel (in the loop or the dy part; staged or not): one per tile of a slice, whole
-// warps, at most kDenseThreadsMax (more tiles take turns).
-inline int dense_threads(int64_t C, bool in_loop, bool staged) {
-  const int rows = dense_tile_rows(C, in_loop, staged);
+// Threads per block of a dense kernel with tiles of `rows` rows: one per tile of a slice, whole warps, at most
+// kDenseThreadsMax (more tiles take turns).
+inline int tile_threads(int64_t C, int rows) {
   return std::min(kDenseThreadsMax, (tile_rows(C) / rows * kQuads + 31) / 32 * 32);
+}
+
+// Threads per block of a dense kernel (in the loop or the dy part; staged or not).
+inline int dense_threads(int64_t C, bool in_loop, bool staged) {
+  return tile_threads(C, dense_tile_rows(C, in_loop, staged));
 }
 
 // The instance of an in-loop dense kernel for chunk size C: kernel(staged, rows) for the tile rows

@@ -36,24 +36,25 @@ struct DenseSmem {
 };
 constexpr DenseSmem kFwdApplySmem{2, 2, 2}, kBwdApplySmem{1, 1, 1}, kDySmem{2, 0, 2};
 
+// Attribute `attr` of the current device, or 0 when the query fails.
+inline int device_attribute(cudaDeviceAttr attr) {
+  int device = 0, value = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&value, attr, device) != cudaSuccess) return 0;
+  return value;
+}
+
 // Whether a dense kernel (`max_c`: kStagedLoopMaxC or kStagedDyMaxC) is staged at chunk size C on this device: up to
 // max_c, and its shared memory within what the device allows a block.
 inline bool dense_staged(int64_t C, int max_c, const DenseSmem& smem) {
-  if (C > max_c) return false;
-  int device = 0, limit = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
-    return false;
-  return smem.bytes(C, true) <= static_cast<size_t>(limit);
+  return C <= max_c &&
+         smem.bytes(C, true) <= static_cast<size_t>(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin));
 }
 
 // Whether the kernels of a call are launched with programmatic stream serialization (device.cuh chain_start): on
 // devices of compute capability 9.0 and later, in a build with SDM_CUDA_PDL (kernels/chunk_steps.h
 // kChunkStepsPdl). The results are the same either way, only the scheduling changes.
 inline bool use_pdl() {
-  int device = 0, major = 0;
-  return kChunkStepsPdl && cudaGetDevice(&device) == cudaSuccess &&
-         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
+  return kChunkStepsPdl && device_attribute(cudaDevAttrComputeCapabilityMajor) >= 9;
 }
 
 // One kernel launch of a call on `stream`, with programmatic dependent launch when `pdl`; the launch's error.
@@ -238,11 +239,8 @@ struct OwnerLaunch {
 // this device's SMs; the results are the same either way.
 inline OwnerLaunch owner_launch(const StepDims& dm, int nv, int64_t lanes) {
   const int64_t floats = nv * owner_stride(dm.D);
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    sms = 0;
-  const bool split = 2 * dm.streams() * dm.C < 3 * static_cast<int64_t>(sms) * kOwnerBlocksPerSM;
+  const int64_t sms = device_attribute(cudaDevAttrMultiProcessorCount);
+  const bool split = 2 * dm.streams() * dm.C < 3 * sms * kOwnerBlocksPerSM;
   return OwnerLaunch{dim3(dm.streams(), dm.C, split ? owner_split(lanes) : 1), dim3(kOwnerWarps * 32),
                      floats <= kOwnerStageFloats ? floats * sizeof(float) : 0};
 }

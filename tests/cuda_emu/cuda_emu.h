@@ -205,6 +205,7 @@ void launch(K kernel, dim3 grid, dim3 block, size_t shmem, cudaStream_t, A... ar
 
 // cudaLaunchKernelEx with its launch attributes (programmatic dependent launch: the order of launches is all the
 // host has, so the attribute changes nothing here), and the device queries the launcher makes.
+typedef int cudaDeviceAttr;
 constexpr int cudaLaunchAttributeProgrammaticStreamSerialization = 4, cudaDevAttrComputeCapabilityMajor = 75,
               cudaDevAttrMaxSharedMemoryPerBlockOptin = 97, cudaDevAttrMultiProcessorCount = 16;
 struct cudaLaunchAttribute {
