@@ -60,12 +60,15 @@ __device__ __forceinline__ void load_run(const float* p, float (&out)[n]) {
   }
 }
 
-// Stage the unit's C x C matrix M into Ms [tile_rows(C), matrix_stride(C)] (zeros past C), asynchronously.
+// Stage the lower triangle of the unit's C x C matrix M into Ms [tile_rows(C), matrix_stride(C)], asynchronously:
+// the quads of columns [c0, c0 + 4) with c0 <= r of each row r (zeros past C). tri_tile reads no other cell (it
+// reads M[r, k] for k <= r, rows past C as row C - 1), so the copy moves half the matrix's bytes; the cells above
+// the quads stay unwritten.
 __device__ __forceinline__ void stage_matrix_async(const float* M, int C, float* Ms) {
-  const int ms = matrix_stride(C), quads = ms / 4;
+  const int ms = matrix_stride(C), quads = tile_rows(C) / 4;
   for (int idx = threadIdx.x; idx < tile_rows(C) * quads; idx += blockDim.x) {
     const int r = idx / quads, c0 = 4 * (idx % quads);
-    copy_quad_async(Ms + r * ms + c0, M + r * C + c0, r < C ? C - c0 : 0, C % 4 == 0);
+    if (c0 <= r) copy_quad_async(Ms + r * ms + c0, M + r * C + c0, r < C ? C - c0 : 0, C % 4 == 0);
   }
 }
 
