@@ -59,7 +59,15 @@
   SEP() X(Arg, ::sdm_ffi::S32, stamp) SEP() X(Arg, ::sdm_ffi::S32, stamp_snapshot) SEP()                        \
   X(Arg, ::sdm_ffi::AnyBuffer, dinitial) SEP() X(Ret, ::sdm_ffi::S32, stamp_out) SEP()                          \
   X(Ret, ::sdm_ffi::AnyBuffer, dinitial_out)
+// A slab of a no-grad forward in slabs (kernels/chunk_steps.h SlabCarry; `sdm_forward_slab`): `bank` is the
+// sequence's input bank; carry the bank the earlier slabs left (aliased to bank_out) and first their first writing
+// steps (int32 [..., P, K], aliased to first_out), both empty for the first slab; last_slab (0 or 1): this slab
+// copies the rows no slab writes.
+#define SDM_FORWARD_SLAB_EXTRA_BUFFERS(X, SEP)                                                                  \
+  X(Arg, ::sdm_ffi::AnyBuffer, carry) SEP() X(Arg, ::sdm_ffi::S32, first) SEP()                                 \
+  X(Ret, ::sdm_ffi::S32, first_out) SEP() X(Attr, int64_t, last_slab)
 #define SDM_FORWARD_PACKED_BUFFERS(X, SEP) SDM_FORWARD_BUFFERS(X, SEP) SEP() SDM_FORWARD_SEGMENT_BUFFERS(X, SEP)
+#define SDM_FORWARD_SLAB_BUFFERS(X, SEP) SDM_FORWARD_BUFFERS(X, SEP) SEP() SDM_FORWARD_SLAB_EXTRA_BUFFERS(X, SEP)
 #define SDM_BACKWARD_PACKED_BUFFERS(X, SEP) SDM_BACKWARD_BUFFERS(X, SEP) SEP() SDM_BACKWARD_SEGMENT_BUFFERS(X, SEP)
 
 namespace sdm_ffi {
@@ -377,6 +385,36 @@ inline ffi::Error PrepareForwardPacked(SDM_FFI_PARAMS(SDM_FORWARD_PACKED_BUFFERS
                                        sdm::StepSegments* segments) {
   SDM_RETURN_IF_ERROR(PrepareForward(SDM_FFI_NAMES(SDM_FORWARD_BUFFERS), call));
   return PrepareForwardSegments(*call, bank, SDM_FFI_NAMES(SDM_FORWARD_SEGMENT_BUFFERS), segments);
+}
+
+// A forward slab's buffers, checked (call: PrepareForward's, whose bank_in stays the sequence's input bank);
+// *carried: the slab continues earlier ones (carry and first given), so the result bank holds their rows.
+inline ffi::Error PrepareForwardSlab(SDM_FFI_PARAMS(SDM_FORWARD_SLAB_BUFFERS), ForwardCall* call,
+                                     sdm::SlabCarry* slab) {
+  const char* op = "sdm_forward_slab";
+  SDM_RETURN_IF_ERROR(PrepareForward(SDM_FFI_NAMES(SDM_FORWARD_BUFFERS), call));
+  const sdm::StepDims& dm = call->dm;
+  if (call->io.delta != nullptr)
+    return ffi::Error::InvalidArgument(std::string(op) + ": a slab keeps no residuals (a no-grad forward)");
+  if (dm.NC < 1 || dm.C < 1)
+    return ffi::Error::InvalidArgument(std::string(op) + ": a slab has at least one chunk of at least one token");
+  if (last_slab != 0 && last_slab != 1)
+    return ffi::Error::InvalidArgument(std::string(op) + ": last_slab must be 0 or 1");
+  SDM_RETURN_IF_ERROR(CheckShape(op, "first (result)", *first_out, dm.V, {dm.P, dm.K}));
+  const bool carried = carry.element_count() != 0;
+  if (carried) {
+    SDM_RETURN_IF_ERROR(CheckShape(op, "carry", carry, dm.V, {dm.P, dm.K, dm.D}));
+    SDM_RETURN_IF_ERROR(CheckValueType(op, "carry", carry, call->type));
+    SDM_RETURN_IF_ERROR(CheckShape(op, "first", first, dm.V, {dm.P, dm.K}));
+  } else if (first.element_count() != 0) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": first must be empty when carry is (the first slab)");
+  }
+  if (carried && (carry.untyped_data() != call->bank || first.untyped_data() != first_out->untyped_data()))
+    return ffi::Error::InvalidArgument(std::string(op) + ": carry and first must alias bank_out and first_out");
+  if (call->bank_in == call->bank)
+    return ffi::Error::InvalidArgument(std::string(op) + ": the input bank must not alias the result");
+  *slab = sdm::SlabCarry{reinterpret_cast<uint32_t*>(first_out->typed_data()), !carried, last_slab == 1};
+  return ffi::Error::Success();
 }
 
 inline ffi::Error PrepareBackwardPacked(SDM_FFI_PARAMS(SDM_BACKWARD_PACKED_BUFFERS), BackwardCall* call,

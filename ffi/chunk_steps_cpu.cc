@@ -1,5 +1,5 @@
-// XLA FFI handlers `sdm_forward` and `sdm_backward`, and their packed-sequence variants `sdm_forward_packed` and
-// `sdm_backward_packed` (platform cpu): check, then run the chunk loops of
+// XLA FFI handlers `sdm_forward` and `sdm_backward`, their packed-sequence variants `sdm_forward_packed` and
+// `sdm_backward_packed`, and the no-grad forward's slab `sdm_forward_slab` (platform cpu): check, then run the chunk loops of
 // kernels/chunk_steps/cpu.cc (docs/DESIGN.md "Forward steps", "Backward steps"). The forward's bank is updated in
 // place: it arrives aliased to the first result (input_output_aliases); the backward reads the forward's input bank
 // and updates the gradient bank in place. The workspace result is the CUDA kernels'; the CPU kernels keep their
@@ -70,6 +70,18 @@ ffi::Error ForwardPackedCpu(SDM_FFI_PARAMS(SDM_FORWARD_PACKED_BUFFERS)) {
   return RunForward(call, &segments);
 }
 
+// A slab of the no-grad forward in slabs: the first copies the input bank into its result, the later ones update
+// the carried bank in place. The first steps are the CUDA loops' (they read rows from the input until their first
+// write); these loops never read them, so the first slab leaves zeros.
+ffi::Error ForwardSlabCpu(SDM_FFI_PARAMS(SDM_FORWARD_SLAB_BUFFERS)) {
+  sdm_ffi::ForwardCall call;
+  sdm::SlabCarry slab;
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareForwardSlab(SDM_FFI_NAMES(SDM_FORWARD_SLAB_BUFFERS), &call, &slab));
+  if (slab.first_slab) std::memset(slab.first, 0, first_out->size_bytes());
+  else call.bank_in = call.bank;  // the carried bank, not the input
+  return RunForward(call, nullptr);
+}
+
 ffi::Error BackwardPackedCpu(SDM_FFI_PARAMS(SDM_BACKWARD_PACKED_BUFFERS)) {
   sdm_ffi::BackwardCall call;
   sdm::StepSegments segments;
@@ -88,3 +100,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmForwardPackedCpu, ForwardPackedCpu,
                               ffi::Ffi::Bind() SDM_FFI_BINDING(SDM_FORWARD_PACKED_BUFFERS));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmBackwardPackedCpu, BackwardPackedCpu,
                               ffi::Ffi::Bind() SDM_FFI_BINDING(SDM_BACKWARD_PACKED_BUFFERS));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdmForwardSlabCpu, ForwardSlabCpu,
+                              ffi::Ffi::Bind() SDM_FFI_BINDING(SDM_FORWARD_SLAB_BUFFERS));

@@ -1,5 +1,5 @@
-// XLA FFI handlers `sdm_forward` and `sdm_backward`, and their packed-sequence variants `sdm_forward_packed` and
-// `sdm_backward_packed` (platform CUDA): the same checks and buffers as the CPU handlers (ffi/chunk_steps_common.h),
+// XLA FFI handlers `sdm_forward` and `sdm_backward`, their packed-sequence variants `sdm_forward_packed` and
+// `sdm_backward_packed`, and the no-grad forward's slab `sdm_forward_slab` (platform CUDA): the same checks and buffers as the CPU handlers (ffi/chunk_steps_common.h),
 // then the chunk loops of kernels/chunk_steps/ (forward_cuda.cu, backward_cuda.cu) on XLA's stream. No allocation
 // (the workspace is a result buffer), no host synchronisation, launches from the shapes only: the handlers can
 // be captured in CUDA graphs (kCmdBufferCompatible).
@@ -24,15 +24,15 @@ int AliasCopy(const void* in, void* out, size_t bytes, cudaStream_t stream) {
 
 // Runs a checked call; `segments`: null, or the packed sequences' buffers.
 ffi::Error RunForward(cudaStream_t stream, const sdm_ffi::ForwardCall& call, const sdm::StepSegments* segments,
-                      const char* name) {
+                      const char* name, const sdm::SlabCarry* slab = nullptr) {
   // Two bank buffers (the forward's result does not alias its input): the kernels read each row from the input
   // until its first write instead of copying the whole bank first.
   const int rc =
       call.type == ffi::DataType::F32
           ? sdm::forward_cuda(call.dm, call.p1, call.io, static_cast<const float*>(call.bank_in),
-                              static_cast<float*>(call.bank), call.workspace, stream, segments)
+                              static_cast<float*>(call.bank), call.workspace, stream, segments, slab)
           : sdm::forward_cuda(call.dm, call.p1, call.io, static_cast<const sdm::bf16*>(call.bank_in),
-                              static_cast<sdm::bf16*>(call.bank), call.workspace, stream, segments);
+                              static_cast<sdm::bf16*>(call.bank), call.workspace, stream, segments, slab);
   return sdm_ffi::CudaStatus(name, rc);
 }
 
@@ -70,6 +70,13 @@ ffi::Error ForwardPackedCuda(cudaStream_t stream, SDM_FFI_PARAMS(SDM_FORWARD_PAC
   return RunForward(stream, call, &segments, "sdm_forward_packed");
 }
 
+ffi::Error ForwardSlabCuda(cudaStream_t stream, SDM_FFI_PARAMS(SDM_FORWARD_SLAB_BUFFERS)) {
+  sdm_ffi::ForwardCall call;
+  sdm::SlabCarry slab;
+  SDM_RETURN_IF_ERROR(sdm_ffi::PrepareForwardSlab(SDM_FFI_NAMES(SDM_FORWARD_SLAB_BUFFERS), &call, &slab));
+  return RunForward(stream, call, nullptr, "sdm_forward_slab", &slab);
+}
+
 ffi::Error BackwardPackedCuda(cudaStream_t stream, SDM_FFI_PARAMS(SDM_BACKWARD_PACKED_BUFFERS)) {
   sdm_ffi::BackwardCall call;
   sdm::StepSegments segments;
@@ -87,3 +94,4 @@ SDM_CUDA_HANDLER(SdmForwardCuda, ForwardCuda, SDM_FORWARD_BUFFERS);
 SDM_CUDA_HANDLER(SdmBackwardCuda, BackwardCuda, SDM_BACKWARD_BUFFERS);
 SDM_CUDA_HANDLER(SdmForwardPackedCuda, ForwardPackedCuda, SDM_FORWARD_PACKED_BUFFERS);
 SDM_CUDA_HANDLER(SdmBackwardPackedCuda, BackwardPackedCuda, SDM_BACKWARD_PACKED_BUFFERS);
+SDM_CUDA_HANDLER(SdmForwardSlabCuda, ForwardSlabCuda, SDM_FORWARD_SLAB_BUFFERS);

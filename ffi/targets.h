@@ -29,6 +29,7 @@
   X(P, "sdm_forward", Forward, SDM_FORWARD_BUFFERS)                        \
   X(P, "sdm_backward", Backward, SDM_BACKWARD_BUFFERS)                     \
   X(P, "sdm_forward_packed", ForwardPacked, SDM_FORWARD_PACKED_BUFFERS)    \
+  X(P, "sdm_forward_slab", ForwardSlab, SDM_FORWARD_SLAB_BUFFERS)          \
   X(P, "sdm_backward_packed", BackwardPacked, SDM_BACKWARD_PACKED_BUFFERS) \
   X(P, "sdm_decode_step", DecodeStep, SDM_DECODE_BUFFERS)                  \
   X(P, "sdm_layer_decode_step", LayerDecodeStep, SDM_LAYER_DECODE_BUFFERS) \

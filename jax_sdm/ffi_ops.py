@@ -204,8 +204,8 @@ class BackwardSegments(NamedTuple):
 
 class Forward(NamedTuple):
     """`forward_ffi`'s results: the final bank, the readings `y` and the residuals `delta`, `vg`, `snapshot`,
-    `snapshot_scale` and the links `link_k`, `link_q`; with packed sequences the stamps and their snapshot (else
-    None)."""
+    `snapshot_scale` and the links `link_k`, `link_q`; with packed sequences the stamps and their snapshot, and for
+    a slab the first steps to carry to the next slab (else None)."""
     bank: jax.Array
     y: jax.Array
     delta: jax.Array
@@ -216,6 +216,7 @@ class Forward(NamedTuple):
     link_q: jax.Array
     stamp: jax.Array | None = None
     stamp_snapshot: jax.Array | None = None
+    first: jax.Array | None = None
 
 
 # How the forward stores the snapshot (docs/MATH.md "Snapshot storage"): the kernels' codes
@@ -270,21 +271,32 @@ def _stream_bank_shape(bank, k_idx):
     return k_idx.shape[:-4] + (k_idx.shape[-3],) + bank.shape[-2:]
 
 
-def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_place=False, snapshot_code=0):
+class ForwardSlab(NamedTuple):
+    """A slab of the no-grad forward in slabs (`forward_ffi`'s `slab`): `carry` the bank the earlier slabs left
+    `[..., P, K, D]` and `first` their slots' first writing steps (int32 `[..., P, K]`), both None for the first slab;
+    `last`: this slab is the sequence's last."""
+    carry: jax.Array | None
+    first: jax.Array | None
+    last: bool
+
+
+def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, slab=None, snapshot_code=0):
     """The forward chunk loop (docs/DESIGN.md "Forward steps").
 
     Args:
       bank: `[..., P, K, D]` float32 or bfloat16, the initial bank. Without `segments` the final bank is a new
         buffer: the CUDA kernels read each row from `bank` until its first write, so no whole-bank copy is made
         whether or not `bank` is donated. With `segments` it is updated in place (aliased to the returned bank:
-        donate it to avoid a copy). Without `segments` and `in_place`, `bank` may also be one `[P_in, K, D]` that
-        the streams share (`P_in` dividing `P`; stream `p` starts from its row block `p % P_in`): the `B*H` streams
-        of a bank shared over the batch read it as it is, with no broadcast first.
+        donate it to avoid a copy). Without `segments`, `bank` may also be one `[P_in, K, D]` that the streams
+        share (`P_in` dividing `P`; stream `p` starts from its row block `p % P_in`): the `B*H` streams of a bank
+        shared over the batch read it as it is, with no broadcast first.
       k_idx, q_idx, v, beta: `[..., NC, P, C, W|R|D]` / `[..., NC, P, C]` (kernel layout).
       p1: Phase 1's outputs (`Phase1`) in the same layout; minv: the solve's `[..., NC, P, C, C]`.
       save: keep the residuals for the backward (else they come back empty and nothing is saved).
-      in_place: without `segments`, the final bank aliases `bank` (updated in place: the chunk loop of a
-        forward in slabs carries the bank from one slab to the next without copying it).
+      slab: None, or a `ForwardSlab` (no `segments`, `save` False): this call is a slab of a no-grad forward in
+        slabs, `bank` the sequence's input bank. The final bank and the first steps (the `first` result) are the
+        carry's, updated in place (aliased); the CUDA kernels read each row from `bank` until its first write in any
+        slab, and the last slab copies the rows no slab wrote, so a sequence's untouched rows are copied once.
       segments: None, or a `ForwardSegments` for packed sequences. `p1` must then come from the virtual slot ids
         (`segments.virtual_slots`); `k_idx` and `q_idx` are the real ones.
       snapshot_code: how the snapshot is stored (`SNAPSHOT_CODES`, `snapshot_arrays`).
@@ -317,8 +329,16 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_p
     operands = dict(bank=bank, k_idx=k_idx.astype(i32), q_idx=q_idx.astype(i32), v=v.astype(bank.dtype),
                     beta=beta.astype(f32), minv=minv, snapshot_dtype=np.int64(snapshot_code),
                     **_phase1_operands(p1, ("k_eff", "w", "cpe", "q_w", "QK", "w_order", "w_group")))
-    if segments is None:
-        outs = _call("sdm_forward", results, aliases=dict(bank="bank_out") if in_place else None, **operands)
+    if slab is not None:
+        streams = _stream_bank_shape(bank, k_idx)
+        carried = slab.carry is not None
+        results.update(first_out=jax.ShapeDtypeStruct(streams[:-1], i32))
+        outs = _call("sdm_forward_slab", results,
+                     aliases=dict(carry="bank_out", first="first_out") if carried else None, **operands,
+                     carry=slab.carry if carried else jnp.zeros((0,), bank.dtype),
+                     first=slab.first if carried else jnp.zeros((0,), i32), last_slab=np.int64(slab.last))
+    elif segments is None:
+        outs = _call("sdm_forward", results, **operands)
     else:
         results.update(stamp=jax.ShapeDtypeStruct(bank.shape[:-1], i32),
                        stamp_snapshot=residual(tokens[:-1] + (C * W,), i32))
@@ -326,7 +346,7 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, in_p
                      initial=segments.initial.astype(bank.dtype), local=segments.local.astype(i32),
                      seg0=segments.seg0.astype(i32))
     return Forward(outs["bank_out"], outs["y"], outs["delta"], outs["vg"], outs["snapshot"], outs["snapshot_scale"],
-                   outs["link_k"], outs["link_q"], outs.get("stamp"), outs.get("stamp_snapshot"))
+                   outs["link_k"], outs["link_q"], outs.get("stamp"), outs.get("stamp_snapshot"), outs.get("first_out"))
 
 
 def backward_ffi(bank, dbank, dy, k_idx, q_idx, beta, p1, minv, delta, vg, snapshot, snapshot_scale, link_k, link_q,

@@ -162,42 +162,44 @@ def _forward_in_slabs(bank, tokens, dims, slab_tokens):
     """The chunked kernels' forward without residuals (no packed sequences) on one shard (bank `[P, K, D]`, `tokens`
     an `Inputs` with per-token arrays `[B, T, H, ...]`) in slabs of `slab_tokens` tokens (whole chunks), each laid
     out for the kernels on its own: `(y [B, T, H, D] in the bank's dtype, final_bank [P, K, D], repeats [P])`, the
-    same bits as the forward that keeps residuals (every phase works chunk by chunk). The first slab makes a new
-    final bank (the kernels read each row from the input until its first write); the later ones update it in place
-    inside a `lax.scan`, and write their readings into the one output array."""
+    same bits as the forward that keeps residuals (every phase works chunk by chunk). The slabs make one fresh final
+    bank (`ffi_ops.ForwardSlab`): the first slab makes it, the later ones update it in place inside a `lax.scan`;
+    the kernels read each row from the input bank until its first write in any slab, and the last slab copies the
+    rows no slab wrote. The slabs write their readings into the one output array."""
     T = dims.T
     slab = min(T, max(1, slab_tokens // dims.C) * dims.C)
     per_token = tokens._replace(bank=None, packed=None)
 
-    def run(bank, start, T_slab, in_place):
+    def run(start, T_slab, carry=None, first=None, last=True, one=False):
         cut = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, T_slab, 1), per_token)
         inputs = _kernel_inputs(cut._replace(bank=bank), dims._replace(T=T_slab))
         p1 = ffi_ops.phase1_ffi(inputs.k_idx, inputs.k_val, inputs.x, inputs.q_idx, inputs.q_val, dims.K)
         minv = ffi_ops.solve_ffi(p1.A, inputs.beta)
-        out = ffi_ops.forward_ffi(bank, inputs.k_idx, inputs.q_idx, inputs.v, inputs.beta, p1, minv, False,
-                                  in_place=in_place)
+        out = ffi_ops.forward_ffi(inputs.bank, inputs.k_idx, inputs.q_idx, inputs.v, inputs.beta, p1, minv, False,
+                                  slab=None if one else ffi_ops.ForwardSlab(carry, first, last))
         y = layout.from_units(out.y, dims._replace(T=T_slab))
-        return out.bank, y, jnp.sum(p1.repeats, axis=0, dtype=jnp.int32)
+        return out.bank, out.first, y, jnp.sum(p1.repeats, axis=0, dtype=jnp.int32)
 
-    final, y0, repeats = run(bank, 0, slab, False)
     if slab == T:
-        return y0, final, repeats
+        final, _, y, repeats = run(0, T, one=True)
+        return y, final, repeats
+    final, first, y0, repeats = run(0, slab, last=False)
     y = jnp.zeros((dims.B, T, dims.H, dims.D), y0.dtype).at[:, :slab].set(y0)
 
     def body(carry, start):
-        final, y, repeats = carry
-        final, y_s, r_s = run(final, start, slab, True)
-        return (final, jax.lax.dynamic_update_slice_in_dim(y, y_s, start, 1), repeats + r_s), None
+        final, first, y, repeats = carry
+        final, first, y_s, r_s = run(start, slab, final, first, last=False)
+        return (final, first, jax.lax.dynamic_update_slice_in_dim(y, y_s, start, 1), repeats + r_s), None
 
-    full = T // slab
-    # The slabs' starts from `iota`, not a constant array: the body of a `custom_partitioning` may hold no constants
-    # (jax 0.8 refuses them).
-    starts = (jax.lax.iota(jnp.int32, full - 1) + 1) * slab
-    (final, y, repeats), _ = jax.lax.scan(body, (final, y, repeats), starts)
-    if T > full * slab:  # the last, partial slab
-        final, y_s, r_s = run(final, full * slab, T - full * slab, True)
-        y, repeats = y.at[:, full * slab:].set(y_s), repeats + r_s
-    return y, final, repeats
+    slabs = -(-T // slab)
+    if slabs > 2:  # the slabs between the first and the last
+        # Their starts from `iota`, not a constant array: the body of a `custom_partitioning` may hold no constants
+        # (jax 0.8 refuses them).
+        starts = (jax.lax.iota(jnp.int32, slabs - 2) + 1) * slab
+        (final, first, y, repeats), _ = jax.lax.scan(body, (final, first, y, repeats), starts)
+    last = (slabs - 1) * slab  # the last slab, whole or partial
+    final, _, y_s, r_s = run(last, T - last, final, first)
+    return y.at[:, last:].set(y_s), final, repeats + r_s
 
 
 def _sdm_kernels_fwd(inputs, num_slots, save=True, snapshot_code=0):
@@ -250,7 +252,7 @@ def _sdm_kernels_bwd(num_slots, inputs, saved, dy, dfinal, snapshot_code=0):
 
 # The FFI targets the kernel path calls (ffi/targets.h).
 KERNEL_TARGETS = ("sdm_phase1", "sdm_solve", "sdm_forward", "sdm_backward", "sdm_forward_packed",
-                  "sdm_backward_packed", "sdm_phase1_bwd")
+                  "sdm_forward_slab", "sdm_backward_packed", "sdm_phase1_bwd")
 
 
 def kernels_available():

@@ -188,9 +188,21 @@ inline int64_t backward_workspace_floats(const StepDims& dims) {
 // first step that writes it (into the result), and the rows no step writes are copied once. With packed sequences
 // the input is first copied into the result. A null `dbank_in` is a zero cotangent: its rows read as zeros. The
 // backward's `bank_in` is the forward's input bank, only read (as backward_cpu's).
+// A no-grad forward in slabs of chunks (one call per slab, the bank carried from call to call) can be one fresh
+// result over the whole sequence: every call gets the sequence's input bank as `bank_in` and the carried result as
+// `bank`, and a SlabCarry. `first` ([V, P, K] uint32, carried with the bank) holds each slot's first writing step
+// so far; the first slab fills it, each later one sees the slots the earlier ones wrote as written before its own
+// steps. Rows are read from the input until their first write in any slab, and the rows no slab writes are copied
+// once, by the last slab: the copy of a sequence's untouched rows is paid once, not per slab.
+struct SlabCarry {
+  uint32_t* first;
+  bool first_slab;  // `first` is filled by this call (its contents are ignored)
+  bool last_slab;   // this call copies the rows no slab wrote
+};
 template <typename BankT>
 int forward_cuda(const StepDims& dims, const StepPhase1& p1, const ForwardIO& io, const BankT* bank_in, BankT* bank,
-                 float* workspace, CUstream_st* stream, const StepSegments* segments = nullptr);
+                 float* workspace, CUstream_st* stream, const StepSegments* segments = nullptr,
+                 const SlabCarry* slab = nullptr);
 template <typename BankT, typename GradT>
 int backward_cuda(const StepDims& dims, const StepPhase1& p1, const BackwardIO& io, const BankT* bank_in,
                   const GradT* dbank_in, GradT* dbank, float* workspace, CUstream_st* stream,

@@ -117,7 +117,7 @@ def test_public_op_and_layer_prefill_take_the_no_grad_forward():
     T = 2 * kernel_path.NOGRAD_SLAB_TOKENS + 64
     args, _ = _args(5, T, 64, np.float32, per_write_gates=False)
     traced = jax.jit(lambda *a: sdm_write_read(*a, chunk_size=64, impl="ffi")).trace(*args)
-    assert _platform_targets(traced, "cuda") == ({"sdm_phase1", "sdm_solve", "sdm_forward"}, True)
+    assert _platform_targets(traced, "cuda") == ({"sdm_phase1", "sdm_solve", "sdm_forward_slab"}, True)
     assert _platform_targets(traced, "cpu") == ({"sdm_token_recurrence"}, False)
     grad = jax.jit(jax.grad(lambda v: jnp.sum(sdm_write_read(*args[:3], v, *args[4:], chunk_size=64,
                                                              impl="ffi")[0]))).trace(args[3])
@@ -130,5 +130,22 @@ def test_public_op_and_layer_prefill_take_the_no_grad_forward():
     x = jnp.asarray(np.random.default_rng(1).standard_normal((1, T, 16)), jnp.float32)
     state = layer.init_state(1)
     cuda_targets, cuda_loop = _platform_targets(prefill.trace(params, x, state), "cuda")
-    assert cuda_loop and "sdm_forward" in cuda_targets
+    assert cuda_loop and "sdm_forward_slab" in cuda_targets
     assert "sdm_token_recurrence" in _platform_targets(prefill.trace(params, x, state), "cpu")[0]
+
+
+def test_slab_refuses_a_carry_not_updated_in_place(monkeypatch):
+    """A later slab's carry (the bank and the first steps the earlier slabs left) must arrive aliased to its
+    results: a call that would update copies of them is refused with a clear error."""
+    from jax_sdm import ffi_ops
+
+    args, dims = _args(int(np.random.SeedSequence().entropy % 2**31), 16, 4, np.float32, per_write_gates=False)
+    bank, k_idx, k_val, x, v, beta, q_idx, q_val, _ = kernel_layout(*args, dims)
+    p1 = ffi_ops.phase1_ffi(k_idx, k_val, x, q_idx, q_val, dims.K)
+    minv = ffi_ops.solve_ffi(p1.A, beta)
+    steps = (bank, k_idx, q_idx, v, beta, p1, minv, False)
+    first = ffi_ops.forward_ffi(*steps, slab=ffi_ops.ForwardSlab(None, None, False))
+    call = ffi_ops._call
+    monkeypatch.setattr(ffi_ops, "_call", lambda target, results, aliases=None, **ops: call(target, results, **ops))
+    with pytest.raises(Exception, match="carry and first must alias"):
+        jax.block_until_ready(ffi_ops.forward_ffi(*steps, slab=ffi_ops.ForwardSlab(first.bank, first.first, True)).y)

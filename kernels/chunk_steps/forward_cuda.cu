@@ -19,7 +19,7 @@ namespace {
 
 template <int VEC, typename T>
 int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, const T* input, T* bank,
-                 float* workspace, cudaStream_t stream, const StepSegments* segments) {
+                 float* workspace, cudaStream_t stream, const StepSegments* segments, const SlabCarry* slab) {
   const int64_t n = dm.streams() * dm.C * dm.D;
   const bool save = io.delta != nullptr;
   const ChunkRows rows{save ? io.vg : workspace, workspace + n, save ? io.delta : workspace + 2 * n, save};
@@ -27,6 +27,9 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   const bool pdl = use_pdl();
   const bool fresh = segments == nullptr && input != bank;
   const FreshArrays fa = fresh_arrays_at(dm, group_tables.end(dm), true);
+  // A slab of a carried fresh result (SlabCarry) keeps its first steps in the carry, counted from 1.
+  uint32_t* const first = slab ? slab->first : fa.first;
+  const StepOf step = slab ? kForwardSlabStep : kForwardStep;
   const bool staged = dense_staged(dm.C, kStagedLoopMaxC, kFwdApplySmem);
   const auto fwd_apply = loop_dense_kernel(dm.C, staged, [](auto kStaged, auto kRows) {
     return fwd_apply_inverse_kernel<T, kStaged(), kRows()>;
@@ -44,13 +47,13 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   if (save) rc = static_cast<int>(cudaMemsetAsync(fa.last, 0xff, dm.streams() * dm.K * sizeof(int32_t), stream));
   if (!rc && !fresh) rc = copy_whole(dm, input, bank, stream);  // none when input is bank
   if (!rc && fresh) {
-    const TouchMap maps[2] = {{p1.k_idx, dm.W, kForwardStep, true, fa.w_tag},
-                              {p1.q_idx, dm.R, kForwardStep, false, fa.r_tag}};
-    rc = prepare_fresh<VEC>(pdl, dm, maps, fa.first, input, bank, stream);
+    const TouchMap maps[2] = {{p1.k_idx, dm.W, step, true, fa.w_tag}, {p1.q_idx, dm.R, step, false, fa.r_tag}};
+    rc = prepare_fresh<VEC>(pdl, dm, maps, first, input, bank, stream, slab && !slab->first_slab,
+                            !slab || slab->last_slab);
   }
   if (!rc) {
-    const TableMap w_map[1] = {{p1.w_order, p1.w_group, p1.k_idx, dm.W, kForwardStep}};
-    rc = build_group_tables(pdl, dm, group_tables, w_map, 0, dm.NC, segments == nullptr, fresh ? fa.first : nullptr,
+    const TableMap w_map[1] = {{p1.w_order, p1.w_group, p1.k_idx, dm.W, step}};
+    rc = build_group_tables(pdl, dm, group_tables, w_map, 0, dm.NC, segments == nullptr, fresh ? first : nullptr,
                             stream);
   }
   if (!rc) rc = smem_attribute(fwd_apply, smem);
@@ -102,22 +105,23 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
 
 template <typename BankT>
 int forward_cuda(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, const BankT* bank_in,
-                 BankT* bank_out, float* workspace, CUstream_st* stream, const StepSegments* segments) {
+                 BankT* bank_out, float* workspace, CUstream_st* stream, const StepSegments* segments,
+                 const SlabCarry* slab) {
   using T = typename Device<BankT>::type;
   const T* input = reinterpret_cast<const T*>(bank_in);
   T* bank = reinterpret_cast<T*>(bank_out);
   if (dm.streams() == 0 || dm.K == 0 || dm.D == 0) return 0;
   if (dm.NC == 0 || dm.C == 0) return copy_whole(dm, input, bank, stream);  // no steps: the result is the input
   switch (vec_of(dm.D)) {
-    case 8: return forward_loop<8>(dm, p1, io, input, bank, workspace, stream, segments);
-    case 4: return forward_loop<4>(dm, p1, io, input, bank, workspace, stream, segments);
-    default: return forward_loop<1>(dm, p1, io, input, bank, workspace, stream, segments);
+    case 8: return forward_loop<8>(dm, p1, io, input, bank, workspace, stream, segments, slab);
+    case 4: return forward_loop<4>(dm, p1, io, input, bank, workspace, stream, segments, slab);
+    default: return forward_loop<1>(dm, p1, io, input, bank, workspace, stream, segments, slab);
   }
 }
 
 template int forward_cuda<float>(const StepDims&, const StepPhase1&, const ForwardIO&, const float*, float*,
-                                 float*, CUstream_st*, const StepSegments*);
+                                 float*, CUstream_st*, const StepSegments*, const SlabCarry*);
 template int forward_cuda<bf16>(const StepDims&, const StepPhase1&, const ForwardIO&, const bf16*, bf16*, float*,
-                                CUstream_st*, const StepSegments*);
+                                CUstream_st*, const StepSegments*, const SlabCarry*);
 
 }  // namespace sdm

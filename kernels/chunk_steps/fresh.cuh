@@ -34,6 +34,9 @@ struct StepOf {
   }
 };
 constexpr StepOf kForwardStep{1, 0, false}, kPhaseAStep{2, 0, true}, kReadSideStep{2, 1, true};
+// A forward slab's steps (kernels/chunk_steps.h SlabCarry): chunk c is step c + 1, and step 0 stands for every
+// earlier slab.
+constexpr StepOf kForwardSlabStep{1, 1, false};
 
 // first[s * K + slot] = min(first, the step of each lane of stream s on the slot) over a map's lanes (`lanes` per
 // token, ids `idx`); first is filled with kUntouched before the first map. An integer minimum: the same result in
@@ -51,6 +54,14 @@ __global__ void first_touch_kernel(StepDims dm, const int32_t* __restrict__ idx,
       if (slot >= 0 && slot < dm.K) atomicMin(f + slot, at);
     }
   }
+}
+
+// A later slab's first steps (SlabCarry): every slot an earlier slab wrote was written at step 0, before this
+// slab's steps; the others stay untouched.
+__global__ void age_first_kernel(int64_t n, uint32_t* __restrict__ first) {
+  chain_start();
+  for (int64_t i = entry_start(); i < n; i += entry_stride())
+    if (first[i] != kUntouched) first[i] = 0;
 }
 
 // A gather lane's row tag, for a gather that reads rows as they are before `step` of its unit: the slot when an

@@ -189,11 +189,15 @@ struct TouchMap {
 };
 
 // Before a fresh result's chunk loop: the slots' first writing steps, the gather lanes' tags (the group tables
-// are built after, from the first steps), and the rows no step writes copied from the input into the result.
+// are built after, from the first steps), and the rows no step writes copied from the input into the result. A
+// forward slab after the first (`carried`) starts from the earlier slabs' first steps instead of none, and only the
+// last (`copy`) copies the untouched rows (SlabCarry).
 template <int VEC, typename T>
 int prepare_fresh(bool pdl, const StepDims& dm, const TouchMap (&maps)[2], uint32_t* first, const T* input,
-                  T* result, cudaStream_t stream) {
-  int rc = static_cast<int>(cudaMemsetAsync(first, 0xff, dm.streams() * dm.K * sizeof(uint32_t), stream));
+                  T* result, cudaStream_t stream, bool carried = false, bool copy = true) {
+  const int64_t rows = dm.streams() * dm.K;  // copy_untouched_kernel: a thread per row, a warp per 32 rows
+  int rc = carried ? launch(pdl, age_first_kernel, dim3(stride_blocks(rows)), dim3(256), 0, stream, rows, first)
+                   : static_cast<int>(cudaMemsetAsync(first, 0xff, rows * sizeof(uint32_t), stream));
   for (const TouchMap& m : maps) {
     const int64_t n = dm.C * m.lanes;
     if (!rc && dm.units() && n && m.writes)
@@ -206,8 +210,7 @@ int prepare_fresh(bool pdl, const StepDims& dm, const TouchMap (&maps)[2], uint3
       rc = launch(pdl, lane_tags_kernel, unit_grid(dm.units(), n), dim3(256), 0, stream, dm, m.idx, m.lanes,
                   m.step, static_cast<const uint32_t*>(first), m.tags);
   }
-  const int64_t rows = dm.streams() * dm.K;  // a thread per row: a warp per 32 rows
-  if (!rc && rows)
+  if (!rc && rows && copy)
     rc = launch(pdl, copy_untouched_kernel<VEC, T>, dim3(stride_blocks(rows)), dim3(256), 0, stream, dm,
                 static_cast<const uint32_t*>(first), input, result);
   return rc;

@@ -491,6 +491,37 @@ int run_typed(const Case& c, uint32_t seed, bool verbose) {
       ++fails;
     }
   }
+  // The no-grad forward in slabs of one chunk (SlabCarry, as kernel_path.py's no-grad forward calls it): every call
+  // gets the input bank and the carried result (filled with NaN: the slabs must write or copy every row) and first
+  // steps (garbage until the first slab fills them); the readings and the final bank must be the one-call forward's
+  // bits. The chunks of one problem (V = 1) are contiguous: a slab's arrays are the whole arrays' from its chunk.
+  if (!packed && dm.V == 1 && !cpu_both && fg_ran) {
+    std::vector<BankT> bank(bank0.size(), from_float<BankT>(kNaN)), y(ncd, from_float<BankT>(kNaN));
+    std::vector<uint32_t> first(size_t(dm.streams() * K), 0x5a5a5a5au);
+    StepDims ds = c.shared_in ? dm_in : dm;
+    ds.NC = 1;
+    std::vector<float> ws(size_t(forward_workspace_floats(ds)), kNaN);
+    const BankT* input = c.shared_in ? shared_input.data() : bank0.data();
+    int slab_rc = 0;
+    for (int64_t c0 = 0; c0 < dm.NC && !slab_rc; ++c0) {
+      const int64_t u = c0 * dm.P;  // the slab's first unit
+      const StepPhase1 ps{k_idx.data() + u * C * W, q_idx.data() + u * C * R, p.k_eff.data() + u * C * W,
+                          p.w.data() + u * C * W, p.cpe.data() + u * C * W, p.q_w.data() + u * C * R,
+                          p.A.data() + u * C * C, p.QK.data() + u * C * C, p.w_order.data() + u * C * W,
+                          p.w_group.data() + u * (C * W + 1), p.r_order.data() + u * C * R,
+                          p.r_group.data() + u * (C * R + 1), p.minv.data() + u * C * C};
+      const ForwardIO io{v.data() + u * C * D, beta.data() + u * C, y.data() + u * C * D};
+      const SlabCarry slab{first.data(), c0 == 0, c0 + 1 == dm.NC};
+      slab_rc = forward_cuda<BankT>(ds, ps, io, input, bank.data(), ws.data(), nullptr, nullptr, &slab);
+    }
+    if (slab_rc) {
+      std::printf("  FAIL forward_cuda in slabs returned %d\n", slab_rc);
+      ++fails;
+    } else if (!same_bits(as_float(y), fg.y) || !same_bits(as_float(bank), fg.bank)) {
+      std::printf("  FAIL the CUDA forward in slabs of one chunk differs from the one-call forward\n");
+      ++fails;
+    }
+  }
   // The backward reads the CPU forward's bank and residuals: a bfloat16 step can come from the gradient bank only.
   const bool gbf = sizeof(GradT) == 2;
   auto compare_backward = [&](const BackwardOut& bg, const BackwardOut& bc, const std::string& what) {
