@@ -127,12 +127,13 @@ __device__ __forceinline__ void stage_slice(const T* rows, int C, int64_t D, int
 // Rows per tile of the dense kernels' products. Unstaged, and in the dy part (one launch with many blocks per SM,
 // throughput-bound): 4 x 4 tiles, one 16-byte load of M feeding 16 multiply-adds. The in-loop kernels, staged, run
 // one block per SM and want its warps: one row a tile up to C = kLoopOneRowMaxC (512 threads at C = 64, where 4 x 4
-// tiles left 4 warps, one per scheduler, issuing about every 4 cycles); above it 4 x 4 tiles again (256 threads at
-// C = 128): the kernels there are bound by shared-memory wavefronts, and a warp's 16-byte load of a slice quad
-// costs 4 of them whatever the broadcast, so each should feed as many multiply-adds as it can (16 with four rows).
-constexpr int kLoopOneRowMaxC = 64, kWideTileRows = 4;
+// tiles left 4 warps, one per scheduler, issuing about every 4 cycles); above it two rows (512 threads at C = 128:
+// each 16-byte load of a slice quad feeds 8 multiply-adds instead of 4, with 16 warps left to hide the loads; four
+// rows, 256 threads, were slower: benchmarks/dense_tiles.cu).
+constexpr int kLoopOneRowMaxC = 64, kLoopTileRows = 2, kWideTileRows = 4;
 inline int dense_tile_rows(int64_t C, bool in_loop, bool staged) {
-  return staged && in_loop && C <= kLoopOneRowMaxC ? 1 : kWideTileRows;
+  if (!staged || !in_loop) return kWideTileRows;
+  return C <= kLoopOneRowMaxC ? 1 : kLoopTileRows;
 }
 
 // Threads per block of a dense kernel with tiles of `rows` rows: one per tile of a slice, whole warps, at most
@@ -152,7 +153,7 @@ template <typename Pick>
 auto loop_dense_kernel(int64_t C, bool staged, Pick kernel) {
   if (!staged) return kernel(std::false_type{}, std::integral_constant<int, kWideTileRows>{});
   return dense_tile_rows(C, true, true) == 1 ? kernel(std::true_type{}, std::integral_constant<int, 1>{})
-                                             : kernel(std::true_type{}, std::integral_constant<int, kWideTileRows>{});
+                                             : kernel(std::true_type{}, std::integral_constant<int, kLoopTileRows>{});
 }
 
 // body(r0, q) for every tile (rows r0 .. r0 + kRows - 1, quad q) of a slice, one tile per thread and turn.
