@@ -387,8 +387,9 @@ inline ffi::Error PrepareForwardPacked(SDM_FFI_PARAMS(SDM_FORWARD_PACKED_BUFFERS
   return PrepareForwardSegments(*call, bank, SDM_FFI_NAMES(SDM_FORWARD_SEGMENT_BUFFERS), segments);
 }
 
-// A forward slab's buffers, checked (call: PrepareForward's, whose bank_in stays the sequence's input bank);
-// *carried: the slab continues earlier ones (carry and first given), so the result bank holds their rows.
+// A forward slab's buffers, checked (call: PrepareForward's, whose bank_in stays the sequence's input bank), and
+// its SlabCarry: the first steps in first_out; a later slab (carry and first given) finds the earlier slabs' rows
+// in the result bank.
 inline ffi::Error PrepareForwardSlab(SDM_FFI_PARAMS(SDM_FORWARD_SLAB_BUFFERS), ForwardCall* call,
                                      sdm::SlabCarry* slab) {
   const char* op = "sdm_forward_slab";
