@@ -2,8 +2,8 @@
 // `sdm_backward_packed`, and the no-grad forward's slab `sdm_forward_slab` (platform cpu): check, then run the
 // chunk loops of kernels/chunk_steps/cpu.cc (docs/DESIGN.md "Forward steps", "Backward steps"). The forward's bank
 // is updated in place: it arrives aliased to the first result (input_output_aliases); the backward reads the
-// forward's input bank and updates the gradient bank in place. The workspace result is the CUDA kernels'; the CPU kernels keep their
-// scratch per thread.
+// forward's input bank and updates the gradient bank in place. The workspace result is the CUDA kernels'; the CPU
+// kernels keep their scratch per thread.
 #include <cstring>
 #include <string>
 

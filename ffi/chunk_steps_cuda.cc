@@ -1,8 +1,9 @@
 // XLA FFI handlers `sdm_forward` and `sdm_backward`, their packed-sequence variants `sdm_forward_packed` and
 // `sdm_backward_packed`, and the no-grad forward's slab `sdm_forward_slab` (platform CUDA): the same checks and
-// buffers as the CPU handlers (ffi/chunk_steps_common.h), then the chunk loops of kernels/chunk_steps/ (forward_cuda.cu, backward_cuda.cu) on XLA's stream. No allocation
-// (the workspace is a result buffer), no host synchronisation, launches from the shapes only: the handlers can
-// be captured in CUDA graphs (kCmdBufferCompatible).
+// buffers as the CPU handlers (ffi/chunk_steps_common.h), then the chunk loops of kernels/chunk_steps/
+// (forward_cuda.cu, backward_cuda.cu) on XLA's stream. No allocation (the workspace is a result buffer), no host
+// synchronisation, launches from the shapes only: the handlers can be captured in CUDA graphs
+// (kCmdBufferCompatible).
 #include <cuda_runtime_api.h>
 
 #include <string>
