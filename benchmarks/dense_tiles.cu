@@ -84,6 +84,81 @@ float time_rounds(int64_t NC, Round round) {
   return us[us.size() / 2];
 }
 
+
+// Probes of the forward kernel's halves at one tile shape, to see where its time goes: an empty launch of its grid,
+// its staging alone (the same copies, waited on, no product) and its products alone (on shared memory each block
+// fills itself, no global load), as the kernel runs them (delta = Minv u, a barrier, y = QK delta) and fused (y
+// from a second matrix and u in the same pass: the two products independent, as they would be with QK Minv formed
+// ahead of the loop).
+__global__ void probe_empty(float* sink) {
+  if (threadIdx.x == 0 && sink[0] == 1.f) sink[1] = 0.f;  // never true: a launch that does nothing
+}
+
+template <int kRows>
+__global__ void probe_stage(StepDims dm, sdm::StepPhase1 p1, sdm::ForwardIO io, int64_t c, sdm::ChunkRows rows,
+                            float* sink) {
+  extern __shared__ __align__(16) float sh[];
+  const int C = static_cast<int>(dm.C), slice = sdm::tile_rows(C) * sdm::kSlice, ms = sdm::matrix_stride(C);
+  const int64_t s = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * sdm::kSlice, u = sdm::unit_of(dm, s, c);
+  float* smi = sh + 4 * slice;
+  sdm::stage_matrix_async(p1.minv + u * C * C, C, smi);
+  sdm::stage_matrix_async(p1.QK + u * C * C, C, smi + sdm::tile_rows(C) * ms);
+  sdm::stage_slice(static_cast<const T*>(io.v) + u * C * dm.D, C, dm.D, d0, sh);
+  sdm::stage_slice_async(rows.G + rows.at(dm, u, s), C, dm.D, d0, sh + 2 * slice);
+  sdm::stage_slice_async(rows.Q0 + s * C * dm.D, C, dm.D, d0, sh + 3 * slice);
+  sdm::staged_wait();
+  if (threadIdx.x == 0) sink[blockIdx.x * gridDim.y + blockIdx.y] = sh[blockIdx.y % slice] + smi[0];
+}
+
+template <int kRows, bool kFused>
+__global__ void probe_products(StepDims dm, int64_t c, sdm::ChunkRows rows, T* y) {
+  extern __shared__ __align__(16) float sh[];
+  const int C = static_cast<int>(dm.C), slice = sdm::tile_rows(C) * sdm::kSlice, ms = sdm::matrix_stride(C);
+  const int64_t D = dm.D, s = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * sdm::kSlice;
+  const int64_t u = sdm::unit_of(dm, s, c);
+  float* su = sh;
+  float* sdelta = su + slice;
+  float* smi = sh + 4 * slice;
+  float* sqk = smi + sdm::tile_rows(C) * ms;
+  for (int i = threadIdx.x; i < slice; i += blockDim.x) su[i] = 1.f - 1e-3f * (i % 97);
+  for (int i = threadIdx.x; i < 2 * sdm::tile_rows(C) * ms; i += blockDim.x) smi[i] = 1e-3f * (i % 89);
+  __syncthreads();
+  float* delta = rows.delta + rows.at(dm, u, s);
+  T* yu = y + u * C * D;
+  if constexpr (kFused) {
+    sdm::for_tiles<kRows>(C, [&](int r0, int q) {
+      float4 x[kRows], z[kRows];
+      sdm::tri_tile<false, true, kRows>(smi, ms, su, r0, q, C, x);
+      sdm::tri_tile<false, true, kRows>(sqk, ms, su, r0, q, C, z);
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        if (r0 + j >= C) break;
+        sdm::store_quad(delta + (r0 + j) * D, d0 + 4 * q, D, x[j]);
+        sdm::store_quad(yu + (r0 + j) * D, d0 + 4 * q, D, z[j]);
+      }
+    });
+    return;
+  }
+  sdm::for_tiles<kRows>(C, [&](int r0, int q) {
+    float4 x[kRows];
+    sdm::tri_tile<false, true, kRows>(smi, ms, su, r0, q, C, x);
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      if (r0 + j >= C) break;
+      reinterpret_cast<float4*>(sdelta + (r0 + j) * sdm::kSlice)[q] = x[j];
+      sdm::store_quad(delta + (r0 + j) * D, d0 + 4 * q, D, x[j]);
+    }
+  });
+  __syncthreads();
+  sdm::for_tiles<kRows>(C, [&](int r0, int q) {
+    float4 x[kRows];
+    sdm::tri_tile<false, true, kRows>(sqk, ms, sdelta, r0, q, C, x);
+#pragma unroll
+    for (int j = 0; j < kRows; ++j)
+      if (r0 + j < C) sdm::store_quad(yu + (r0 + j) * D, d0 + 4 * q, D, x[j]);
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -174,5 +249,35 @@ int main(int argc, char** argv) {
   bool same = run(std::integral_constant<int, 1>{});
   same = run(std::integral_constant<int, 2>{}) && same;
   same = run(std::integral_constant<int, 4>{}) && same;
+
+  // The probes at the launched tile shape: no bits to compare (their inputs are their own).
+  const auto probes = [&](auto rows_c) {
+    constexpr int kRows = decltype(rows_c)::value;
+    const int threads = sdm::tile_threads(C, kRows);
+    float* sink = nullptr;
+    CHECK(cudaMalloc(&sink, grid.x * grid.y * sizeof(float)));
+    const auto stage = probe_stage<kRows>;
+    const auto serial = probe_products<kRows, false>;
+    const auto fused = probe_products<kRows, true>;
+    CHECK(cudaMemset(sink, 0, grid.x * grid.y * sizeof(float)));
+    for (const void* f : {reinterpret_cast<const void*>(probe_empty), reinterpret_cast<const void*>(stage), reinterpret_cast<const void*>(serial),
+                          reinterpret_cast<const void*>(fused)})
+      CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(fwd_smem)));
+    std::printf("\n| probe (fwd, %d rows a thread) | us a launch |\n|---|---:|\n", kRows);
+    std::printf("| an empty launch, the same grid, threads and shared memory | %.2f |\n", time_rounds(dm.NC, [&] {
+      for (int64_t c = 0; c < dm.NC; ++c) probe_empty<<<grid, threads, fwd_smem>>>(sink);
+    }));
+    std::printf("| staging alone | %.2f |\n", time_rounds(dm.NC, [&] {
+      for (int64_t c = 0; c < dm.NC; ++c) stage<<<grid, threads, fwd_smem>>>(dm, p1, io, c, rows, sink);
+    }));
+    std::printf("| products alone, as launched | %.2f |\n", time_rounds(dm.NC, [&] {
+      for (int64_t c = 0; c < dm.NC; ++c) serial<<<grid, threads, fwd_smem>>>(dm, c, rows, y);
+    }));
+    std::printf("| products alone, fused | %.2f |\n", time_rounds(dm.NC, [&] {
+      for (int64_t c = 0; c < dm.NC; ++c) fused<<<grid, threads, fwd_smem>>>(dm, c, rows, y);
+    }));
+    CHECK(cudaFree(sink));
+  };
+  probes(std::integral_constant<int, sdm::kLoopTileRows>{});
   return same ? 0 : 1;
 }
