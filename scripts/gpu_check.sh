@@ -17,7 +17,8 @@
 # PROFILE_MODES, PROFILE_KERNELS (kernel_detail's kernels, a regex), PROFILE_DETAIL_SHAPE, PROFILE_DETAIL_CHUNK,
 # PROFILE_INVOCATION, TOPK_PROFILE_ARGS, DECODE_ARGS, SANITIZE_TOOLS, SANITIZE_CASES, SANITIZE_ALL_KERNELS,
 # SANITIZE_TAG, SANITIZE_TIMEOUT, SANITIZE_PRINT_LIMIT, ROWBW_ARGS (row_bandwidth's arguments: D K P rows per
-# launch), DENSE_ARGS (dense_tiles' arguments: P C D chunks), LOGS_TGZ (an archive of the logs after every stage: below).
+# launch), DENSE_ARGS (dense_tiles' arguments: P C D chunks), DENSE_BASE (below), LOGS_TGZ (an archive of the logs
+# after every stage: below).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/sdm_out}
@@ -323,13 +324,29 @@ fi
 pack
 if has dense_tiles; then
   # The in-loop apply-inverse kernels at each tile shape, timed and checked bit for bit against one another
-  # (benchmarks/dense_tiles.cu, standalone; it exits 1 if a shape's bits differ).
-  nvcc -O3 -std=c++17 -arch=sm_90 -I"$REPO" "$REPO/benchmarks/dense_tiles.cu" -o /tmp/dense_tiles \
-    > "$OUT/dense_tiles.txt" 2>&1 && timeout 120 /tmp/dense_tiles ${DENSE_ARGS:-} >> "$OUT/dense_tiles.txt" 2>&1
+  # (benchmarks/dense_tiles.cu, standalone; it exits 1 if a shape's bits differ). DENSE_BASE: a folder of older
+  # kernel headers (e.g. build/old/kernels/chunk_steps/dense.cuh, searched before the tree's): the benchmark built
+  # against them too, timed, and its output digests compared with this tree's (a change meant to keep the bits).
+  dense_tiles() {  # binary, log, include folders...
+    local bin=$1 log=$2; shift 2
+    nvcc -O3 -std=c++17 -arch=sm_90 "${@/#/-I}" -I"$REPO" "$REPO/benchmarks/dense_tiles.cu" -o "$bin" > "$log" 2>&1 \
+      && timeout 120 "$bin" ${DENSE_ARGS:-} >> "$log" 2>&1
+  }
+  dense_tiles /tmp/dense_tiles "$OUT/dense_tiles.txt"
   rc=$?
   summary "dense_tiles rc=$rc"
   [ $rc -eq 0 ] || status=1
   grep -E "^\| (fwd|bwd)" "$OUT/dense_tiles.txt" | tee -a "$OUT/summary.txt"
+  if [ -n "${DENSE_BASE:-}" ]; then
+    dense_tiles /tmp/dense_tiles_base "$OUT/dense_tiles_base.txt" "$REPO/$DENSE_BASE"
+    rc=$?
+    digests() { grep "^output digests" "$1"; }
+    same=DIFFERENT
+    [ "$(digests "$OUT/dense_tiles.txt")" = "$(digests "$OUT/dense_tiles_base.txt")" ] && same=same
+    summary "dense_tiles base rc=$rc ($DENSE_BASE): digests $same"
+    [ "$same" = same ] || status=1
+    grep -E "^\| (fwd|bwd)" "$OUT/dense_tiles_base.txt" | tee -a "$OUT/summary.txt"
+  fi
 fi
 pack
 if has rowbw; then

@@ -63,13 +63,13 @@ __device__ __forceinline__ void load_run(const float* p, float (&out)[n]) {
 // Stage the lower triangle of the unit's C x C matrix M into Ms [tile_rows(C), matrix_stride(C)], asynchronously:
 // the quads of columns [c0, c0 + 4) with c0 <= r of each row r (zeros past C). tri_tile reads no other cell (it
 // reads M[r, k] for k <= r, rows past C as row C - 1), so the copy moves half the matrix's bytes; the cells above
-// the quads stay unwritten.
+// the quads stay unwritten. A warp takes a row at a time, lane l its quads l, l + 32, ...: no division of a runtime
+// index per quad (ncu: the per-quad division was a third of the forward kernel's instructions at C = 128).
 __device__ __forceinline__ void stage_matrix_async(const float* M, int C, float* Ms) {
-  const int ms = matrix_stride(C), quads = tile_rows(C) / 4;
-  for (int idx = threadIdx.x; idx < tile_rows(C) * quads; idx += blockDim.x) {
-    const int r = idx / quads, c0 = 4 * (idx % quads);
-    if (c0 <= r) copy_quad_async(Ms + r * ms + c0, M + r * C + c0, r < C ? C - c0 : 0, C % 4 == 0);
-  }
+  const int ms = matrix_stride(C), lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int r = threadIdx.x / 32; r < tile_rows(C); r += warps)
+    for (int c0 = 4 * lane; c0 <= r; c0 += 4 * 32)
+      copy_quad_async(Ms + r * ms + c0, M + r * C + c0, r < C ? C - c0 : 0, C % 4 == 0);
 }
 
 // Stage columns [d0, d0 + kSlice) of C rows of D floats into out [tile_rows(C), kSlice] (zeros past C and D),
@@ -156,10 +156,21 @@ auto loop_dense_kernel(int64_t C, bool staged, Pick kernel) {
                                              : kernel(std::true_type{}, std::integral_constant<int, kLoopTileRows>{});
 }
 
-// body(r0, q) for every tile (rows r0 .. r0 + kRows - 1, quad q) of a slice, one tile per thread and turn.
+// body(r0, q) for every tile (rows r0 .. r0 + kRows - 1, quad q) of a slice, one tile per thread and turn. A warp
+// takes 32 consecutive tiles, a group of tile rows. The triangular products' work grows with the row (or shrinks,
+// transposed), and a warp's scheduler is warp % 4: when the block takes every tile in one turn in whole units of 8
+// warps, the unit's warp 4 i + s takes group s (i = 0) or 7 - s (i = 1) of the unit's 8, so that each scheduler gets
+// one short and one long group of each unit, not the unit's longest two (which warp takes a tile does not change
+// its sums).
 template <int kRows, typename Body>
 __device__ __forceinline__ void for_tiles(int C, Body body) {
   const int n = tile_rows(C) / kRows * kQuads;
+  if (n == static_cast<int>(blockDim.x) && n % (8 * 32) == 0) {
+    const int w = threadIdx.x / 32, j = w % 8;
+    const int idx = 32 * (w - j + (j < 4 ? j : 11 - j)) + threadIdx.x % 32;
+    body(kRows * (idx / kQuads), idx % kQuads);
+    return;
+  }
   for (int idx = threadIdx.x; idx < n; idx += blockDim.x) body(kRows * (idx / kQuads), idx % kQuads);
 }
 
@@ -168,8 +179,8 @@ __device__ __forceinline__ void for_tiles(int C, Body body) {
 // apart (in shared memory when kStaged, zeros past C; else in global memory, ms = C):
 //   lower:      x[j] = sum_{k = 0..r} M[r, k] cols[k]       (k ascending)
 //   transposed: x[j] = sum_{k = r..C-1} M[k, r] cols[k]     (k ascending)
-// Each column's sum runs in the order of a one-column loop, whatever the tile's shape. The main loop issues 4 steps
-// of loads before using the first. Rows past C (the last tile when C % 4 != 0) read M's row C - 1, or staged its
+// Each column's sum runs in the order of a one-column loop, whatever the tile's shape and however many steps the
+// loop loads at a time. Rows past C (the last tile when C % 4 != 0) read M's row C - 1, or staged its
 // zero padding; their sums are not used.
 template <bool kTransposed, bool kStaged, int kRows>
 __device__ __forceinline__ void tri_tile(const float* __restrict__ M, int ms, const float* cols, int r0, int q, int C,
@@ -194,31 +205,42 @@ __device__ __forceinline__ void tri_tile(const float* __restrict__ M, int ms, co
   }
   int k = kTransposed ? r0 + kRows - 1 : 0;
   const int hi = kTransposed ? C : r0 + 1;
-  for (; k + 4 <= hi; k += 4) {
-    float4 c[4];
-    float mk[4][kRows];  // [step][row]
+  // n steps from k: every load first, then the multiply-adds (the loads of later steps arrive during the first
+  // steps' multiply-adds).
+  auto steps = [&](auto n_c) {
+    constexpr int n = decltype(n_c)::value;
+    float4 c[n];
+    float mk[n][kRows];  // [step][row]
 #pragma unroll
-    for (int s = 0; s < 4; ++s) c[s] = c4[(k + s) * kQuads];
+    for (int s = 0; s < n; ++s) c[s] = c4[(k + s) * kQuads];
     if (kTransposed && (kRows == 4 ? vec : kStaged)) {  // rows r0.. of M's row k in one load (r0 % kRows == 0)
 #pragma unroll
-      for (int s = 0; s < 4; ++s) load_run<kStaged>(M + (k + s) * ms + r0, mk[s]);
+      for (int s = 0; s < n; ++s) load_run<kStaged>(M + (k + s) * ms + r0, mk[s]);
     } else if (vec && !kTransposed) {
 #pragma unroll
-      for (int j = 0; j < kRows; ++j) {
-        const float4 t = load_m4<kStaged>(M + r[j] * ms + k);
-        mk[0][j] = t.x, mk[1][j] = t.y, mk[2][j] = t.z, mk[3][j] = t.w;
-      }
+      for (int j = 0; j < kRows; ++j)
+#pragma unroll
+        for (int s = 0; s < n; s += 4) {
+          const float4 t = load_m4<kStaged>(M + r[j] * ms + k + s);
+          mk[s][j] = t.x, mk[s + 1][j] = t.y, mk[s + 2][j] = t.z, mk[s + 3][j] = t.w;
+        }
     } else {
 #pragma unroll
-      for (int s = 0; s < 4; ++s)
+      for (int s = 0; s < n; ++s)
 #pragma unroll
         for (int j = 0; j < kRows; ++j) mk[s][j] = m(j, k + s);
     }
 #pragma unroll
-    for (int s = 0; s < 4; ++s)
+    for (int s = 0; s < n; ++s)
 #pragma unroll
       for (int j = 0; j < kRows; ++j) fma_quad(x[j], mk[s][j], c[s]);
-  }
+    k += n;
+  };
+  // Staged with one or two rows a tile, 8 steps at a time (ncu at C = 128: with 4, the warps waited on each step
+  // group's shared-memory loads more than they issued); then 4, then one.
+  if constexpr (kStaged && kRows <= 2)
+    while (k + 8 <= hi) steps(std::integral_constant<int, 8>{});
+  while (k + 4 <= hi) steps(std::integral_constant<int, 4>{});
   for (; k < hi; ++k) {
     const float4 c = c4[k * kQuads];
 #pragma unroll
