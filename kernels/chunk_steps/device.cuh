@@ -59,7 +59,9 @@ __device__ __forceinline__ void load_cols_ro(const T* p, float* out) {
   load_cols<VEC, T, true>(p, out);
 }
 
-template <int VEC, typename T>
+// kStreaming: stores that the L2 evicts first (st.global.cs), for data no kernel of the call reads soon (the
+// snapshot), so that it does not push out rows that the next kernels read again.
+template <int VEC, typename T, bool kStreaming = false>
 __device__ __forceinline__ void store_cols(T* p, const float* x) {
   constexpr int kBytes = VEC * static_cast<int>(sizeof(T));
   if constexpr (kBytes % 16 == 0) {
@@ -70,7 +72,8 @@ __device__ __forceinline__ void store_cols(T* p, const float* x) {
       T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
       for (int i = 0; i < kPer; ++i) from_f(e + i, x[k * kPer + i]);
-      reinterpret_cast<uint4*>(p)[k] = raw;
+      if constexpr (kStreaming) __stcs(reinterpret_cast<uint4*>(p) + k, raw);
+      else reinterpret_cast<uint4*>(p)[k] = raw;
     }
   } else {
 #pragma unroll

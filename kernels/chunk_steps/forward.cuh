@@ -181,7 +181,7 @@ __device__ __forceinline__ void write_batch(const StepDims& dm, const StepPhase1
     for (int i = 0; i < VEC; ++i) acc[i] = __fmaf_rn(w0, dl[i], cpe * x[k][i]);
     group_add<VEC>(p1.w_order + u * C * W, gr.lo + 1, gr.hi, w, delta + d, W, D, acc);
     store_cols<VEC>(row + d, acc);
-    if (snap) store_cols<VEC>(snap + d, acc);  // the written row, the same roundings
+    if (snap) snapshot_store_cols<VEC>(snap + d, acc);  // the written row, the same roundings
   }
 }
 

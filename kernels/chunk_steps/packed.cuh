@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32, kGroupBlocksPerSM)
     for (int i = 0; i < VEC; ++i) acc[i] *= cpe;
     group_add<VEC>(order, gr.lo, gr.hi, p1.w + u * C * W, delta + d, W, D, acc);
     store_cols<VEC>(row + d, acc);
-    if (snap) store_cols<VEC>(snap + d, acc);
+    if (snap) snapshot_store_cols<VEC>(snap + d, acc);
   }
   __syncwarp();  // every lane has read the stamp, and the written row is visible to the warp
   snapshot_store_row<VEC>(io, dm, u, g, static_cast<const T*>(row), gr.lane);  // a coded snapshot

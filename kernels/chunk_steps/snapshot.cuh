@@ -32,6 +32,14 @@ __device__ __forceinline__ T* snapshot_row(const ForwardIO& io, const StepDims& 
   return static_cast<T*>(io.snapshot) + dm.snapshot_entry(u, g) * dm.D;
 }
 
+// Columns [d, d + VEC) of a bank-dtype snapshot row (snapshot_row), as store_cols rounds them. The snapshot is
+// read only by the backward, after the whole forward: its stores are streamed (evicted first from the L2), so that
+// they do not push out the rows the chunk's next kernels read again. So are the coded snapshot's (store_bytes).
+template <int VEC, typename T>
+__device__ __forceinline__ void snapshot_store_cols(T* snap, const float* x) {
+  store_cols<VEC, T, true>(snap, x);
+}
+
 // Where entry `entry`'s row starts, in bytes, in a snapshot of another dtype than the bank's (its scale, if any, is
 // at `entry`).
 __device__ __forceinline__ int64_t snapshot_coded_at(SnapshotDtype t, const StepDims& dm, int64_t entry) {
@@ -72,24 +80,24 @@ __device__ __forceinline__ void load_bytes(const uint8_t* p, uint32_t (&w)[(N + 
   }
 }
 
-// N bytes (1, 2, 4, 8 or 16, aligned to N) from the words w, in one store.
+// N bytes (1, 2, 4, 8 or 16, aligned to N) from the words w, in one streamed store (snapshot_store_cols).
 template <int N>
 __device__ __forceinline__ void store_bytes(uint8_t* p, const uint32_t (&w)[(N + 3) / 4]) {
   if constexpr (N == 16) {
     uint4 v;
     v.x = w[0], v.y = w[1], v.z = w[2], v.w = w[3];
-    *reinterpret_cast<uint4*>(p) = v;
+    __stcs(reinterpret_cast<uint4*>(p), v);
   } else if constexpr (N == 8) {
     uint2 v;
     v.x = w[0], v.y = w[1];
-    *reinterpret_cast<uint2*>(p) = v;
+    __stcs(reinterpret_cast<uint2*>(p), v);
   } else if constexpr (N == 4) {
-    *reinterpret_cast<uint32_t*>(p) = w[0];
+    __stcs(reinterpret_cast<unsigned int*>(p), static_cast<unsigned int>(w[0]));
   } else if constexpr (N == 2) {
-    *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(w[0]);
+    __stcs(reinterpret_cast<unsigned short*>(p), static_cast<unsigned short>(w[0]));
   } else {
     static_assert(N == 1, "1, 2, 4, 8 or 16 bytes");
-    *p = static_cast<uint8_t>(w[0]);
+    __stcs(reinterpret_cast<unsigned char*>(p), static_cast<unsigned char>(w[0]));
   }
 }
 
@@ -164,7 +172,7 @@ __device__ __forceinline__ void snapshot_store_row(const ForwardIO& io, const St
     }
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     scale = snapshot_scale(t, amax);
-    if (lane == 0) io.snapshot_scale[entry] = scale;
+    if (lane == 0) __stcs(io.snapshot_scale + entry, scale);
   }
   const float inverse = snapshot_inverse(scale);
   uint8_t* out = static_cast<uint8_t*>(io.snapshot) + snapshot_coded_at(t, dm, entry);
@@ -184,10 +192,11 @@ __device__ __forceinline__ void snapshot_store_row(const ForwardIO& io, const St
 #pragma unroll
       for (int i = 0; i < 4; ++i)
         word |= static_cast<uint32_t>(snapshot_byte(t, 4 * w + i, D, inverse, elem)) << (8 * i);
-      reinterpret_cast<uint32_t*>(out)[w] = word;
+      __stcs(reinterpret_cast<unsigned int*>(out) + w, static_cast<unsigned int>(word));
     }
   } else {
-    for (int64_t b = lane; b < bytes; b += 32) out[b] = snapshot_byte(t, b, D, inverse, elem);
+    for (int64_t b = lane; b < bytes; b += 32)
+      __stcs(out + b, static_cast<unsigned char>(snapshot_byte(t, b, D, inverse, elem)));
   }
 }
 
