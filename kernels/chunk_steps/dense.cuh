@@ -64,7 +64,7 @@ __device__ __forceinline__ void load_run(const float* p, float (&out)[n]) {
 // the quads of columns [c0, c0 + 4) with c0 <= r of each row r (zeros past C). tri_tile reads no other cell (it
 // reads M[r, k] for k <= r, rows past C as row C - 1), so the copy moves half the matrix's bytes; the cells above
 // the quads stay unwritten. A warp takes a row at a time, lane l its quads l, l + 32, ...: no division of a runtime
-// index per quad (ncu: the per-quad division was a third of the forward kernel's instructions at C = 128).
+// index per quad (ncu: the per-quad division was a quarter of the forward kernel's instructions at C = 128).
 __device__ __forceinline__ void stage_matrix_async(const float* M, int C, float* Ms) {
   const int ms = matrix_stride(C), lane = threadIdx.x % 32, warps = blockDim.x / 32;
   for (int r = threadIdx.x / 32; r < tile_rows(C); r += warps)
