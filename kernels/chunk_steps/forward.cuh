@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   Cols<VEC, T> x[S];
   if (any) load_batch(row_of(cur), d0, D, x);
   chain_start();
-  stage_token(D, vecs, staged, pre);
+  stage_token(owned.t, D, vecs, staged, pre);
   if (!any) return;
   for (;;) {
     const bool row_done = b + kBatch >= D;

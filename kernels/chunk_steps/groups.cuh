@@ -148,12 +148,13 @@ __device__ __forceinline__ OwnerBlock owner_block() {
   return OwnerBlock{gridDim.y - 1 - q / gridDim.z, q % gridDim.z};
 }
 
-// Row t (owner_block) of each of the NV vectors `vecs` into shared memory `staged` when NV * D <= kOwnerStageFloats
-// (else pre points at them in global memory); pre[i] is where row t of vecs[i] is read. Ends with a block barrier.
+// Row t (the block's token, OwnedGroups::t) of each of the NV vectors `vecs` into shared memory `staged` when
+// NV * D <= kOwnerStageFloats (else pre points at them in global memory); pre[i] is where row t of vecs[i] is read.
+// Ends with a block barrier.
 template <int NV>
-__device__ __forceinline__ void stage_token(int64_t D, const float* const (&vecs)[NV], float* staged,
+__device__ __forceinline__ void stage_token(int64_t t, int64_t D, const float* const (&vecs)[NV], float* staged,
                                             const float* (&pre)[NV]) {
-  const int64_t t = owner_block().t, stride = owner_stride(D);
+  const int64_t stride = owner_stride(D);
   const bool stage = NV * stride <= kOwnerStageFloats;
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
@@ -227,7 +228,7 @@ __device__ __forceinline__ void for_owned_groups(const StepDims& dm, int64_t s, 
   OwnedGroups owned(dm, s, u, table, lanes);
   if constexpr (std::is_same_v<V, float>) {
     const float* pre[NV];
-    stage_token(dm.D, vecs, staged, pre);
+    stage_token(owned.t, dm.D, vecs, staged, pre);
     while (owned.next()) body(owned.gr, pre);
   } else {
     const int64_t D = dm.D, t = owned.t, stride = owner_stride(D);

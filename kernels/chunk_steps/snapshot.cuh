@@ -97,7 +97,7 @@ __device__ __forceinline__ void store_bytes(uint8_t* p, const uint32_t (&w)[(N +
     __stcs(reinterpret_cast<unsigned short*>(p), static_cast<unsigned short>(w[0]));
   } else {
     static_assert(N == 1, "1, 2, 4, 8 or 16 bytes");
-    __stcs(reinterpret_cast<unsigned char*>(p), static_cast<unsigned char>(w[0]));
+    __stcs(p, static_cast<unsigned char>(w[0]));
   }
 }
 
