@@ -36,8 +36,7 @@ __device__ __forceinline__ void record_links(const StepDims& dm, const int32_t* 
 // blocks rather than one doing both in turn: twice the rows in flight per chunk), each recording its lanes' links.
 // The write lanes' rows are the ones the write kernel reads again after the inverse, and a grid's blocks start in
 // order of blockIdx.z last: gathered second, they are the latest rows in L2 when the write starts (a chunk's rows of
-// either side are more than L2 holds at the paper's shape: 64 MiB a side), and the write takes the tokens from the
-// last back (owner_block).
+// either side are more than L2 holds at the paper's shape: 64 MiB a side).
 // Seg is NoSegments; SegView<T> with packed sequences (each lane's row from the working or the initial bank); or
 // FreshView<T> for a fresh output bank (each lane's row from the result or the input bank, by its tag).
 template <int VEC, typename T, typename Seg>
@@ -230,7 +229,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   Cols<VEC, T> x[S];
   if (any) load_batch(row_of(cur), d0, D, x);
   chain_start();
-  stage_token(owned.t, D, vecs, staged, pre);
+  stage_token(D, vecs, staged, pre);
   if (!any) return;
   for (;;) {
     const bool row_done = b + kBatch >= D;

@@ -121,11 +121,11 @@ struct GroupTables {
 // block stages them in shared memory (stage_token) instead of each warp reading them from L2, and the registers
 // that held them keep more bank rows in flight.
 
-// The most blocks a token's `lanes` can be split over (owner_block's parts; at least two entries a warp). Whether
-// they are split depends on the grid (owner_launch): one block a token can leave a grid of about one wave (2 streams
-// x 128 tokens), whose SMs idle a fifth of the kernel while its slowest blocks finish; blocks of a quarter of the
-// lanes fill the SMs in several waves. A grid of two waves or more gains nothing from the split and loses its
-// blocks' fixed start (the token's vectors staged once a block).
+// The most blocks a token's `lanes` can be split over (blockIdx.z; at least two entries a warp). Whether they are
+// split depends on the grid (owner_launch): one block a token can leave a grid of about one wave (2 streams x 128
+// tokens), whose SMs idle a fifth of the kernel while its slowest blocks finish; blocks of a quarter of the lanes
+// fill the SMs in several waves. A grid of two waves or more gains nothing from the split and loses its blocks'
+// fixed start (the token's vectors staged once a block).
 __host__ __device__ constexpr int owner_split(int64_t lanes) {
   return lanes >= 2 * kOwnerWarps * kOwnerSplitMax ? kOwnerSplitMax
          : lanes >= 4 * kOwnerWarps                 ? static_cast<int>(lanes / (2 * kOwnerWarps))
@@ -135,26 +135,12 @@ __host__ __device__ constexpr int owner_split(int64_t lanes) {
 // Floats per staged vector: D rounded up to whole quads (16-byte aligned rows; a partial quad's zeros stay inside).
 __host__ __device__ constexpr int64_t owner_stride(int64_t D) { return (D + 3) / 4 * 4; }
 
-// The block's token t and owner_split part. Blocks start in grid order (x, then y, then z), and the kernel before
-// each of these read the rows it reads again in token order (the forward's gather the written rows, GWR their
-// gradient rows), more of them than the L2 holds at the paper's shape: so the blocks take the tokens from the last
-// back, a token's parts together, the rows read most recently (the likeliest still in L2) first. Which block takes
-// which token and part does not change the results.
-struct OwnerBlock {
-  int64_t t, part;
-};
-__device__ __forceinline__ OwnerBlock owner_block() {
-  const int64_t q = blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z;
-  return OwnerBlock{gridDim.y - 1 - q / gridDim.z, q % gridDim.z};
-}
-
-// Row t (the block's token, OwnedGroups::t) of each of the NV vectors `vecs` into shared memory `staged` when
-// NV * D <= kOwnerStageFloats (else pre points at them in global memory); pre[i] is where row t of vecs[i] is read.
-// Ends with a block barrier.
+// Row t = blockIdx.y of each of the NV vectors `vecs` into shared memory `staged` when NV * D <= kOwnerStageFloats
+// (else pre points at them in global memory); pre[i] is where row t of vecs[i] is read. Ends with a block barrier.
 template <int NV>
-__device__ __forceinline__ void stage_token(int64_t t, int64_t D, const float* const (&vecs)[NV], float* staged,
+__device__ __forceinline__ void stage_token(int64_t D, const float* const (&vecs)[NV], float* staged,
                                             const float* (&pre)[NV]) {
-  const int64_t stride = owner_stride(D);
+  const int64_t t = blockIdx.y, stride = owner_stride(D);
   const bool stage = NV * stride <= kOwnerStageFloats;
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
@@ -168,23 +154,19 @@ __device__ __forceinline__ void stage_token(int64_t t, int64_t D, const float* c
 }
 
 // The groups one warp takes: the entries w = base + j + k * J (k < 32) of the block's token, where the token's
-// blocks' J = gridDim.z * kOwnerWarps warps are j = part * kOwnerWarps + warp (owner_block), lane k holding entry
-// k's table row, loaded up front in one round (not one dependent load per group); next() hands out the groups these
-// entries head, in increasing w, through shuffles. Warp-uniform.
+// blocks' J = gridDim.z * kOwnerWarps warps are j = blockIdx.z * kOwnerWarps + warp, lane k holding entry k's table
+// row, loaded up front in one round (not one dependent load per group); next() hands out the groups these entries
+// head, in increasing w, through shuffles. Warp-uniform.
 struct OwnedGroups {
   const GroupEntry* mine;  // the token's table rows
   int64_t lanes, t;
-  int j0;  // this warp's j
   int64_t base = 0;
   int4 e;
   unsigned todo;
   Group gr;
   __device__ __forceinline__ OwnedGroups(const StepDims& dm, int64_t s, int64_t u, const GroupEntry* table,
-                                         int64_t lanes_, OwnerBlock ob = owner_block())
-      : mine(table + (s * dm.C + ob.t) * lanes_),
-        lanes(lanes_),
-        t(ob.t),
-        j0(static_cast<int>(ob.part) * kOwnerWarps + static_cast<int>(threadIdx.x) / 32) {
+                                         int64_t lanes_)
+      : mine(table + (s * dm.C + blockIdx.y) * lanes_), lanes(lanes_), t(blockIdx.y) {
     gr.s = s;
     gr.u = u;
     gr.lane = threadIdx.x % 32;
@@ -192,7 +174,7 @@ struct OwnedGroups {
   }
   static __device__ __forceinline__ int64_t warps() { return static_cast<int64_t>(gridDim.z) * kOwnerWarps; }
   __device__ __forceinline__ int64_t entry(int k) const {
-    return base + j0 + k * warps();
+    return base + static_cast<int64_t>(blockIdx.z) * kOwnerWarps + threadIdx.x / 32 + k * warps();
   }
   __device__ __forceinline__ void load_round() {
     const int64_t w = entry(gr.lane);
@@ -228,10 +210,10 @@ __device__ __forceinline__ void for_owned_groups(const StepDims& dm, int64_t s, 
   OwnedGroups owned(dm, s, u, table, lanes);
   if constexpr (std::is_same_v<V, float>) {
     const float* pre[NV];
-    stage_token(owned.t, dm.D, vecs, staged, pre);
+    stage_token(dm.D, vecs, staged, pre);
     while (owned.next()) body(owned.gr, pre);
   } else {
-    const int64_t D = dm.D, t = owned.t, stride = owner_stride(D);
+    const int64_t D = dm.D, t = blockIdx.y, stride = owner_stride(D);
     if (NV * stride > kOwnerStageFloats) {
       const V* pre[NV];
 #pragma unroll
