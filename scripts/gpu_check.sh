@@ -11,7 +11,7 @@
 # Environment: PYTEST_ARGS (extra pytest arguments, split at spaces, e.g. "-x"), PYTEST_K (a pytest -k expression,
 # kept whole: "run_arrays or workspace_path"), BENCH_ARGS (extra bench.py arguments, e.g.
 # "--pipeline 20"), GPU_TEST_FILES (replaces the GPU test list: names of files in tests/, "test_nn.py test_step.py"),
-# GPU_TEST_JOBS (pytest processes sharing it, default 3), BENCH_SHAPES, BENCH_CHUNKS, BENCH_REPEATS,
+# GPU_TEST_JOBS (pytest processes sharing it, default 8), BENCH_SHAPES, BENCH_CHUNKS, BENCH_REPEATS,
 # BENCH_DECODE (0 skips bench_decode.py), BENCH_DECODE_ARGS (bench_decode.py's arguments, default "--impls ffi";
 # e.g. "--impls ffi,noop --device-time" adds the device's kernel time per step), PROFILE_SHAPES, PROFILE_CHUNKS,
 # PROFILE_MODES, PROFILE_KERNELS (kernel_detail's kernels, a regex), PROFILE_DETAIL_SHAPE, PROFILE_DETAIL_CHUNK,
@@ -68,7 +68,7 @@ run_pytest() {  # name, then pytest arguments
 }
 
 if has tests; then
-  # The list takes ~8 minutes in one process, mostly XLA compiling on the host: GPU_TEST_JOBS (default 3) pytest
+  # The list takes ~8 minutes in one process, mostly XLA compiling on the host: GPU_TEST_JOBS (default 8) pytest
   # processes share it (files dealt round-robin, the slowest first; logs gpu_tests_<n>.log), each with XLA's
   # preallocation off so that they fit on the card together. GPU_TEST_JOBS=1: one process, log gpu_tests.log.
   if [ -n "${GPU_TEST_FILES:-}" ]; then
@@ -78,7 +78,7 @@ if has tests; then
       grep -v -e test_gpu_steps.py -e test_gpu_phase1.py) test_oracles.py test_grad_bank.py test_step.py
       test_slab_forward.py ${GPU_TEST_EXTRA:-})
   fi
-  jobs=${GPU_TEST_JOBS:-3}
+  jobs=${GPU_TEST_JOBS:-8}
   if [ "$jobs" -le 1 ]; then
     run_pytest gpu_tests "${files[@]/#/$REPO/tests/}"
   else
@@ -336,7 +336,7 @@ if has dense_tiles; then
   rc=$?
   summary "dense_tiles rc=$rc"
   [ $rc -eq 0 ] || status=1
-  grep -E "^\| (fwd|bwd)" "$OUT/dense_tiles.txt" | tee -a "$OUT/summary.txt"
+  grep -E "^\| (fwd|bwd|products alone on tensor)" "$OUT/dense_tiles.txt" | tee -a "$OUT/summary.txt"
   if [ -n "${DENSE_BASE:-}" ]; then
     dense_tiles /tmp/dense_tiles_base "$OUT/dense_tiles_base.txt" "$REPO/$DENSE_BASE"
     rc=$?
