@@ -16,9 +16,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -198,7 +198,6 @@ __global__ void probe_products(StepDims dm, int64_t c, sdm::ChunkRows rows, T* y
       if (r0 + j < C) sdm::store_quad(yu + (r0 + j) * D, d0 + 4 * q, D, x[j]);
   });
 }
-
 
 // The products on tensor cores, as a probe of what they would take (new bits: not a candidate for the digests).
 // mma.sync m16n8k8 with tf32 operands (a 16 x 8 tile of M times an 8 x 8 tile of the slice a step); each float32
