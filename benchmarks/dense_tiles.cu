@@ -37,15 +37,29 @@ using T = __nv_bfloat16;
 
 std::mt19937_64 rng(7);
 
+// A device copy of host floats.
+float* to_device(const std::vector<float>& host) {
+  float* d = nullptr;
+  CHECK(cudaMalloc(&d, host.size() * sizeof(float)));
+  CHECK(cudaMemcpy(d, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
+  return d;
+}
+
 // A device array of n floats, uniform in [lo, hi).
 float* random_floats(int64_t n, float lo, float hi) {
   std::uniform_real_distribution<float> dist(lo, hi);
   std::vector<float> host(n);
   for (auto& x : host) x = dist(rng);
-  float* d = nullptr;
-  CHECK(cudaMalloc(&d, n * sizeof(float)));
-  CHECK(cudaMemcpy(d, host.data(), n * sizeof(float), cudaMemcpyHostToDevice));
-  return d;
+  return to_device(host);
+}
+
+// n lower-triangular C x C matrices: random in [lo, hi) on and below the diagonal, zero above it (as the solve's
+// Minv and Phase 1's QK are; the instances on tensor cores read the diagonal blocks whole).
+float* random_lower(int64_t n, int64_t C, float lo, float hi) {
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> host(n * C * C);
+  for (int64_t i = 0; i < n * C * C; ++i) host[i] = i % C <= i / C % C ? dist(rng) : 0.f;
+  return to_device(host);
 }
 
 T* random_bf16(int64_t n) {
@@ -220,11 +234,10 @@ int main(int argc, char** argv) {
               static_cast<long long>(dm.P), static_cast<long long>(C), static_cast<long long>(D),
               static_cast<long long>(dm.NC));
 
-  // The solve's Minv and QK: lower triangular with a unit diagonal where the kernels read them (the upper part is
-  // read by none), scaled so that the products stay near 1.
+  // The solve's Minv and QK: lower triangular, scaled so that the products stay near 1.
   sdm::StepPhase1 p1{};
-  float* minv = random_floats(units * C * C, -1.f / C, 1.f / C);
-  float* qk = random_floats(units * C * C, -1.f / C, 1.f / C);
+  float* minv = random_lower(units, C, -1.f / C, 1.f / C);
+  float* qk = random_lower(units, C, -1.f / C, 1.f / C);
   p1.minv = minv;
   p1.QK = qk;
   sdm::ForwardIO io{};

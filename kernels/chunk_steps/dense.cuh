@@ -271,20 +271,22 @@ __device__ __forceinline__ void tri_tile(const float* __restrict__ M, int ms, co
 }
 
 // The triangular products on tensor cores (sm_80 and later): mma.sync m16n8k8 with tf32 operands, a 16 x 8 tile of
-// M times an 8 x 8 tile of the slice a step. Each float32 operand x splits into a tf32 head h = tf32(x) and the tf32
-// of its tail x - h; a step adds the tail products l_a h_b and h_a l_b, then h_a h_b ("3xTF32": what is dropped,
-// l_a l_b and the tails' own rounding, is about 2^-21 of each product, near float32's rounding). The sums' order
-// within a step is the tensor core's: the bits are not the FFMA tiles', and the results agree with them (and with
-// the CPU kernels) to float32 rounding, not bit for bit; every launch of the same inputs gives the same bits.
+// M times an 8 x 8 tile of the slice a step. Each float32 operand x splits into a tf32 head h = tf32(x) and a tail
+// x - h (exact in float32), and a step adds the tail products l_a h_b and h_a l_b and the heads' h_a h_b
+// ("3xTF32": what is dropped, l_a l_b and the tails' bits below tf32, is about 2^-21 of each product, near float32's
+// rounding). The tensor core reads a tail's tf32 bits (its low 13 bits dropped), so the tails go in as they are.
+// The heads' and the tails' products add into separate accumulators, two of each (even and odd steps), summed at
+// the end: four independent chains of products instead of one, so a warp waits less on each product's latency.
+// The sums' order is the tensor core's and these accumulators': the bits are not the FFMA tiles', and the results
+// agree with them (and with the CPU kernels) to float32 rounding, not bit for bit; every launch of the same inputs
+// gives the same bits.
 // Fragments (PTX ISA, m16n8k8 .tf32), lane = 4 g + t: A rows g and g + 8, columns t and t + 4; B rows t and t + 4,
 // column g; the result rows g and g + 8, columns 2 t and 2 t + 1. Slices are kSlice + 8 floats a row: the B loads'
 // rows t = 0 .. 3 then fall in different banks (with kSlice they would share one); M's rows, matrix_stride(C)
 // floats apart (4 or 20 mod 32), put the lower product's A lanes in 32 different banks (not the transposed's).
-__device__ __forceinline__ uint32_t tf32_of(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
+// tf32_of: x rounded to tf32 to nearest, ties away from zero (cvt.rna.tf32.f32's rounding), in integer arithmetic:
+// half of tf32's last place added to the bits, the 13 bits below it cleared.
+__device__ __forceinline__ uint32_t tf32_of(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
 
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm volatile(
@@ -299,7 +301,7 @@ __device__ __forceinline__ void split_tf32(const float (&x)[n], uint32_t (&h)[n]
 #pragma unroll
   for (int i = 0; i < n; ++i) {
     h[i] = tf32_of(x[i]);
-    l[i] = tf32_of(x[i] - __uint_as_float(h[i]));
+    l[i] = __float_as_uint(x[i] - __uint_as_float(h[i]));
   }
 }
 
@@ -308,7 +310,7 @@ __device__ __forceinline__ void split_tf32(const float (&x)[n], uint32_t (&h)[n]
 //   lower:      M[r, k] for k <= r: the m-tile takes k < 16 mi + 16
 //   transposed: M[k, r] for k >= r: the m-tile takes k >= 16 mi
 // S is [C, slice_stride(kMmaRows)]. The diagonal blocks read M's cells past the triangle, zeros as staged
-// (stage_matrix_async with kBlocks).
+// (stage_matrix_async with kBlocks). Both ranges of k are whole 16-row blocks: two steps a turn.
 template <bool kTransposed>
 __device__ __forceinline__ void mma_tri_tile(const float* M, int ms, const float* S, int C, int mi, int ni,
                                              float (&acc)[4]) {
@@ -319,18 +321,24 @@ __device__ __forceinline__ void mma_tri_tile(const float* M, int ms, const float
   const float* a = M + r * a_row + t * a_col;
   const float* b = S + t * ss + 8 * ni + g;
   const int k0 = kTransposed ? 16 * mi : 0, k1 = kTransposed ? C : 16 * mi + 16;
-#pragma unroll 2
-  for (int k = k0; k < k1; k += 8) {
-    const float* ak = a + k * a_col;
-    const float af[4] = {ak[0], ak[8 * a_row], ak[4 * a_col], ak[8 * a_row + 4 * a_col]};
-    const float bf[2] = {b[k * ss], b[(k + 4) * ss]};
-    uint32_t ah[4], al[4], bh[2], bl[2];
-    split_tf32(af, ah, al);
-    split_tf32(bf, bh, bl);
-    mma_tf32(acc, al, bh);
-    mma_tf32(acc, ah, bl);
-    mma_tf32(acc, ah, bh);
+  float heads[2][4] = {}, tails[2][4] = {};
+  for (int k = k0; k < k1; k += 16) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float* ak = a + (k + 8 * h) * a_col;
+      const float* bk = b + (k + 8 * h) * ss;
+      const float af[4] = {ak[0], ak[8 * a_row], ak[4 * a_col], ak[8 * a_row + 4 * a_col]};
+      const float bf[2] = {bk[0], bk[4 * ss]};
+      uint32_t ah[4], al[4], bh[2], bl[2];
+      split_tf32(af, ah, al);
+      split_tf32(bf, bh, bl);
+      mma_tf32(tails[h], al, bh);
+      mma_tf32(tails[h], ah, bl);
+      mma_tf32(heads[h], ah, bh);
+    }
   }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] += (heads[0][i] + heads[1][i]) + (tails[0][i] + tails[1][i]);
 }
 
 // body(mi, ni) for the output tiles of a product on tensor cores over C = 16 mt rows (tile_threads' warps): a

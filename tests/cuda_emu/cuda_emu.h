@@ -276,15 +276,9 @@ inline unsigned lanes_where(const unsigned* w, unsigned v, bool nonzero) {
 }  // namespace emu
 
 inline float __uint_as_float(unsigned u) { return std::bit_cast<float>(u); }
+inline unsigned __float_as_uint(float x) { return std::bit_cast<unsigned>(x); }
 
 namespace emu {
-// cvt.rna.tf32.f32: x rounded to tf32's 10 fraction bits, to nearest with ties away from zero (NaN and the
-// infinities kept), the low 13 bits of the 32-bit result zero.
-inline uint32_t tf32_of(float x) {
-  const uint32_t u = std::bit_cast<uint32_t>(x);
-  if ((u & 0x7f800000u) == 0x7f800000u) return u;
-  return (u + 0x1000u) & ~0x1fffu;
-}
 // mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 across the warp (kernels/chunk_steps/dense.cuh mma_tf32):
 // lane 4 g + t holds A's (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4), B's (t, g), (t + 4, g) and the result's
 // (g, 2 t), (g, 2 t + 1), (g + 8, 2 t), (g + 8, 2 t + 1). Each result adds A's row times B's column, k ascending,
