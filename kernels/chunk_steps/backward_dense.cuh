@@ -77,7 +77,7 @@ __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t
 
 // Chunk c: du += Minv^T gwr (the bank-dependent part of the inverse's adjoint), dG = -beta du; `rows.du` the
 // chunk's place in the ring. Shared memory: the gwr slice; staged, also the du slice and Minv. With kRows =
-// kMmaRows (staged) the product on tensor cores (mma_tri_tile), each warp adding its tiles into the staged du.
+// kMmaRows (staged) the product on tensor cores (mma_tri_product), each warp adding its tiles into the staged du.
 template <bool kStaged, int kRows>
 __global__ void bwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackRows rows) {
   constexpr bool kMma = kRows == kMmaRows;
@@ -116,11 +116,8 @@ __global__ void bwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, BackwardIO 
     store_quad(rows.dG + (s * C + r) * D, d, D, make_float4(-beta * y.x, -beta * y.y, -beta * y.z, -beta * y.w));
   };
   if constexpr (kMma) {
-    for_mma_tiles(C, [&](int mi, int ni) {
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      mma_tri_tile<true>(smi, ms, sg, C, mi, ni, acc);
-      store_mma_tile<true>(sdu, mi, ni, acc);
-    });
+    mma_tri_product<true>(smi, ms, sg, C,
+                          [&](int mi, int ni, const float(&acc)[4]) { store_mma_tile<true>(sdu, mi, ni, acc); });
     __syncthreads();
     for (int idx = threadIdx.x; idx < C * kQuads; idx += blockDim.x) {
       const int t = idx / kQuads, q = idx % kQuads;

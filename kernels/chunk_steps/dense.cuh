@@ -135,7 +135,7 @@ __device__ __forceinline__ void stage_slice(const T* rows, int C, int64_t D, int
 // tiles left 4 warps, one per scheduler, issuing about every 4 cycles); above it two rows (512 threads at C = 128:
 // each 16-byte load of a slice quad feeds 8 multiply-adds instead of 4, with 16 warps left to hide the loads; four
 // rows, 256 threads, were slower: benchmarks/dense_tiles.cu).
-// kMmaRows: the products on tensor cores instead (mma_tri_tile: a warp's tile is 16 rows by 8 columns), for the
+// kMmaRows: the products on tensor cores instead (mma_tri_product: a warp's tile is 16 rows by 8 columns), for the
 // kernels that have that instance (`tensor`: the in-loop ones), staged with C a multiple of 16.
 constexpr int kLoopOneRowMaxC = 64, kLoopTileRows = 2, kWideTileRows = 4, kMmaRows = 16;
 inline int dense_tile_rows(int64_t C, bool in_loop, bool staged, bool tensor = false) {
@@ -145,7 +145,7 @@ inline int dense_tile_rows(int64_t C, bool in_loop, bool staged, bool tensor = f
 }
 
 // Threads per block of a dense kernel with tiles of `rows` rows: one per tile of a slice, whole warps, at most
-// kDenseThreadsMax (more tiles take turns); on tensor cores a warp per pair of m-tiles and n-tile (for_mma_tiles).
+// kDenseThreadsMax (more tiles take turns); on tensor cores a warp per pair of m-tiles and n-tile (mma_tri_product).
 inline int tile_threads(int64_t C, int rows) {
   if (rows == kMmaRows) return 32 * static_cast<int>((C / kMmaRows + 1) / 2) * (kSlice / 8);
   return std::min(kDenseThreadsMax, (tile_rows(C) / rows * kQuads + 31) / 32 * 32);
@@ -156,7 +156,7 @@ inline int dense_threads(int64_t C, bool in_loop, bool staged) {
   return tile_threads(C, dense_tile_rows(C, in_loop, staged));
 }
 
-// Floats per row of a kernel's shared-memory slices: kSlice, or on tensor cores kSlice + 8 (mma_tri_tile).
+// Floats per row of a kernel's shared-memory slices: kSlice, or on tensor cores kSlice + 8 (mma_tri_product).
 __host__ __device__ constexpr int slice_stride(int rows) { return rows == kMmaRows ? kSlice + 8 : kSlice; }
 
 // The instance of an in-loop dense kernel: kernel(staged, rows) for the tile rows `rows` (dense_tile_rows), among
@@ -305,57 +305,85 @@ __device__ __forceinline__ void split_tf32(const float (&x)[n], uint32_t (&h)[n]
   }
 }
 
-// acc += the output tile (m-tile mi: rows 16 mi .. 16 mi + 15; n-tile ni: columns 8 ni .. 8 ni + 7) of a
-// triangular product on staged operands, C a multiple of 16:
-//   lower:      M[r, k] for k <= r: the m-tile takes k < 16 mi + 16
-//   transposed: M[k, r] for k >= r: the m-tile takes k >= 16 mi
-// S is [C, slice_stride(kMmaRows)]. The diagonal blocks read M's cells past the triangle, zeros as staged
-// (stage_matrix_async with kBlocks). Both ranges of k are whole 16-row blocks: two steps a turn.
-template <bool kTransposed>
-__device__ __forceinline__ void mma_tri_tile(const float* M, int ms, const float* S, int C, int mi, int ni,
-                                             float (&acc)[4]) {
-  constexpr int ss = slice_stride(kMmaRows);
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r = 16 * mi + g;
-  // A's element (row i, column j) of the step at k: M[r + i, k + j], or transposed M[k + j, r + i].
-  const int a_row = kTransposed ? 1 : ms, a_col = kTransposed ? ms : 1;
-  const float* a = M + r * a_row + t * a_col;
-  const float* b = S + t * ss + 8 * ni + g;
-  const int k0 = kTransposed ? 16 * mi : 0, k1 = kTransposed ? C : 16 * mi + 16;
+// One m-tile's accumulators: the heads' and the tails' products apart, and each for even and odd steps.
+struct MmaSums {
   float heads[2][4] = {}, tails[2][4] = {};
-  for (int k = k0; k < k1; k += 16) {
+  __device__ __forceinline__ void sum(float (&acc)[4]) const {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float* ak = a + (k + 8 * h) * a_col;
-      const float* bk = b + (k + 8 * h) * ss;
-      const float af[4] = {ak[0], ak[8 * a_row], ak[4 * a_col], ak[8 * a_row + 4 * a_col]};
-      const float bf[2] = {bk[0], bk[4 * ss]};
-      uint32_t ah[4], al[4], bh[2], bl[2];
-      split_tf32(af, ah, al);
-      split_tf32(bf, bh, bl);
-      mma_tf32(tails[h], al, bh);
-      mma_tf32(tails[h], ah, bl);
-      mma_tf32(heads[h], ah, bh);
-    }
+    for (int i = 0; i < 4; ++i) acc[i] = (heads[0][i] + heads[1][i]) + (tails[0][i] + tails[1][i]);
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) acc[i] += (heads[0][i] + heads[1][i]) + (tails[0][i] + tails[1][i]);
+};
+
+// One step (8 of k) of an m-tile: its A fragment from a (A's element (i, j) at a[i a_row + j a_col]) times the B
+// fragment's heads bh and tails bl, into the step's parity h of sums.
+__device__ __forceinline__ void mma_step(const float* a, int a_row, int a_col, const uint32_t (&bh)[2],
+                                         const uint32_t (&bl)[2], MmaSums& sums, int h) {
+  const float af[4] = {a[0], a[8 * a_row], a[4 * a_col], a[8 * a_row + 4 * a_col]};
+  uint32_t ah[4], al[4];
+  split_tf32(af, ah, al);
+  mma_tf32(sums.tails[h], al, bh);
+  mma_tf32(sums.tails[h], ah, bl);
+  mma_tf32(sums.heads[h], ah, bh);
 }
 
-// body(mi, ni) for the output tiles of a product on tensor cores over C = 16 mt rows (tile_threads' warps): a
-// warp takes n-tile w % 4 and the m-tiles i and mt - 1 - i (i = w / 4), one long and one short, so that the
-// triangle's work is even over the warps.
-template <typename Body>
-__device__ __forceinline__ void for_mma_tiles(int C, Body body) {
-  constexpr int nt = kSlice / 8;
+// A triangular product on tensor cores over staged operands, C = 16 mt rows (tile_threads' warps), S is
+// [C, slice_stride(kMmaRows)]:
+//   lower:      out = M S,   M[r, k] for k <= r: m-tile m (rows 16 m .. 16 m + 15) takes k < 16 m + 16
+//   transposed: out = M^T S, M[k, r] for k >= r: m-tile m takes k >= 16 m
+// out(mi, ni, acc) takes each 16 x 8 output tile (n-tile ni: columns 8 ni .. 8 ni + 7). The diagonal blocks read
+// M's cells past the triangle, zeros as staged (stage_matrix_async with kBlocks). A warp takes n-tile w % 4 and the
+// m-tiles i and mt - 1 - i (i = w / 4), one long and one short, so that the triangle's work is even over the
+// warps; where their k overlap, one split of B's fragment serves both. The ranges are whole 16-row blocks: two
+// steps (even and odd) a turn.
+template <bool kTransposed, typename Out>
+__device__ __forceinline__ void mma_tri_product(const float* M, int ms, const float* S, int C, Out out) {
+  constexpr int ss = slice_stride(kMmaRows), nt = kSlice / 8;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int a_row = kTransposed ? 1 : ms, a_col = kTransposed ? ms : 1;
   const int mt = C / kMmaRows, units = (mt + 1) / 2 * nt;
   for (int unit = threadIdx.x / 32; unit < units; unit += blockDim.x / 32) {
-    const int i = unit / nt, ni = unit % nt;
-    body(i, ni);
-    if (mt - 1 - i != i) body(mt - 1 - i, ni);
+    const int i = unit / nt, ni = unit % nt, j = mt - 1 - i;
+    // The long tile l and the short one sm (none where i = j, the middle of an odd mt): l takes k in [r0, r1), sm
+    // in [s0, s1), a part of it.
+    const int l = kTransposed ? i : j, sm = kTransposed ? j : i;
+    const int r0 = kTransposed ? 16 * l : 0, r1 = kTransposed ? C : 16 * l + 16;
+    const int s0 = kTransposed ? 16 * sm : 0, s1 = kTransposed ? C : 16 * sm + 16;
+    const float* b = S + t * ss + 8 * ni + g;
+    const float* al = M + (16 * l + g) * a_row + t * a_col;
+    const float* as = M + (16 * sm + g) * a_row + t * a_col;
+    MmaSums long_sums, short_sums;
+    const auto turns = [&](int from, int to, auto both) {
+      for (int k = from; k < to; k += 16) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float* bk = b + (k + 8 * h) * ss;
+          const float bf[2] = {bk[0], bk[4 * ss]};
+          uint32_t bh[2], bl[2];
+          split_tf32(bf, bh, bl);
+          mma_step(al + (k + 8 * h) * a_col, a_row, a_col, bh, bl, long_sums, h);
+          if constexpr (decltype(both)::value)
+            mma_step(as + (k + 8 * h) * a_col, a_row, a_col, bh, bl, short_sums, h);
+        }
+      }
+    };
+    if (i == j) {
+      turns(r0, r1, std::false_type{});
+    } else {
+      turns(s0, s1, std::true_type{});
+      if constexpr (kTransposed) turns(r0, s0, std::false_type{});
+      else turns(s1, r1, std::false_type{});
+    }
+    float acc[4];
+    long_sums.sum(acc);
+    out(l, ni, acc);
+    if (i != j) {
+      short_sums.sum(acc);
+      out(sm, ni, acc);
+    }
   }
 }
 
-// The result tile of mma_tri_tile (acc) into a [C, slice_stride(kMmaRows)] shared-memory slice, or with kAdd added
+// A result tile of mma_tri_product (acc) into a [C, slice_stride(kMmaRows)] shared-memory slice, or with kAdd added
 // to what the slice holds there (out + acc: the tile is the warp's alone).
 template <bool kAdd = false>
 __device__ __forceinline__ void store_mma_tile(float* out, int mi, int ni, const float (&acc)[4]) {

@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM)
 // Apply the inverse: u = beta (v - G), delta = Minv u, y = Q0 + QK delta (v and y in the bank's dtype T, widened
 // on load and rounded once on store). One block per (stream, kSlice-column slice), one thread per tile (kRows
 // rows, 4 columns: dense_tile_rows) and turn, or with kRows = kMmaRows (staged) the products on tensor cores, a
-// warp per pair of 16 x 8 tiles (for_mma_tiles). Shared memory: u and delta slices; staged, also the G and Q0
+// warp per pair of 16 x 8 tiles (mma_tri_product). Shared memory: u and delta slices; staged, also the G and Q0
 // slices and Minv, QK.
 template <typename T, bool kStaged, int kRows>
 __global__ void fwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64_t c, ChunkRows rows) {
@@ -139,11 +139,8 @@ __global__ void fwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, ForwardIO i
     // Each product's tiles into shared memory (delta, then QK delta in place of G), then a pass that stores the
     // slice's quads (coalesced, through store_quad's guards at D): out(t, q, the product's quad).
     const auto product = [&](const float* M, const float* S, float* P, auto out) {
-      for_mma_tiles(C, [&](int mi, int ni) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        mma_tri_tile<false>(M, ms, S, C, mi, ni, acc);
-        store_mma_tile(P, mi, ni, acc);
-      });
+      mma_tri_product<false>(M, ms, S, C,
+                             [&](int mi, int ni, const float(&acc)[4]) { store_mma_tile(P, mi, ni, acc); });
       __syncthreads();
       for (int idx = threadIdx.x; idx < C * kQuads; idx += blockDim.x) {
         const int t = idx / kQuads, q = idx % kQuads;

@@ -641,7 +641,7 @@ int main(int argc, char** argv) {
       {1, 2, 1, 2, 1030, 1030, 8192, 8, true, true, 0.6, 0},
       {1, 3, 2, 6, 40, 48, 90, 16, true, true, 0.1, 1},
       // 41-42: the forward's products on tensor cores (C a multiple of 16) over two slices, the second partial: 41
-      // an odd count of 16-row tiles (for_mma_tiles' middle one alone), float32 rows with D % 4 != 0; 42 bfloat16.
+      // an odd count of 16-row tiles (mma_tri_product's middle one alone), float32 rows with D % 4 != 0; 42 bfloat16.
       {1, 2, 2, 48, 3, 2, 200, 41, false, false, 0.05, 0},
       {1, 2, 1, 64, 2, 2, 150, 36, true, false, 0.05, 1},
   };
