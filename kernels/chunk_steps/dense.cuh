@@ -66,13 +66,16 @@ __device__ __forceinline__ void load_run(const float* p, float (&out)[n]) {
 // the quads stay unwritten. A warp takes a row at a time, lane l its quads l, l + 32, ...: no division of a runtime
 // index per quad (ncu: the per-quad division was a quarter of the forward kernel's instructions at C = 128).
 // kBlocks (the products on tensor cores, C a multiple of 16): each row up to the end of its 16-column diagonal
-// block, whose cells past the triangle M holds as zeros (Phase 1's QK, the solve's Minv).
+// block, whose cells past the triangle M holds as zeros (Phase 1's QK, the solve's Minv); every quad then lies
+// inside M, so each is one 16-byte copy with no guard.
 template <bool kBlocks = false>
 __device__ __forceinline__ void stage_matrix_async(const float* M, int C, float* Ms) {
   const int ms = matrix_stride(C), lane = threadIdx.x % 32, warps = blockDim.x / 32;
   for (int r = threadIdx.x / 32; r < tile_rows(C); r += warps)
-    for (int c0 = 4 * lane; c0 <= (kBlocks ? r | 15 : r); c0 += 4 * 32)
-      copy_quad_async(Ms + r * ms + c0, M + r * C + c0, r < C ? C - c0 : 0, C % 4 == 0);
+    for (int c0 = 4 * lane; c0 <= (kBlocks ? r | 15 : r); c0 += 4 * 32) {
+      if constexpr (kBlocks) __pipeline_memcpy_async(Ms + r * ms + c0, M + r * C + c0, 16);
+      else copy_quad_async(Ms + r * ms + c0, M + r * C + c0, r < C ? C - c0 : 0, C % 4 == 0);
+    }
 }
 
 // Stage columns [d0, d0 + kSlice) of C rows of D floats into out [tile_rows(C), stride] (zeros past C and D),
