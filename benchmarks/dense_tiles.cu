@@ -10,9 +10,9 @@
 // (defaults: the paper's shape at chunk 128, P 2, C 128, D 2048, NC 16 chunks a round of launches). Times: CUDA
 // events around 10 rounds of NC launches (chunk c = 0 .. NC-1, as the loop takes them) after a warm-up round, the
 // median of 5 such runs. Inputs are random (a fixed seed); the values do not change the time. The outputs' digests
-// compare builds: two versions of the kernels that must give the same bits print the same line. Probes at the
-// launched shape follow: the forward kernel's parts alone, and its products on tensor cores (3xTF32 and 1xTF32,
-// with their largest difference from the FFMA products).
+// compare builds: two versions of the kernels that must give the same bits print the same line. The instances on
+// tensor cores (C a multiple of 16) give other bits: their lines show the largest difference from the one-row
+// shape's outputs instead. Probes of the forward kernel's parts at the launched shape follow.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -37,15 +37,29 @@ using T = __nv_bfloat16;
 
 std::mt19937_64 rng(7);
 
+// A device copy of host floats.
+float* to_device(const std::vector<float>& host) {
+  float* d = nullptr;
+  CHECK(cudaMalloc(&d, host.size() * sizeof(float)));
+  CHECK(cudaMemcpy(d, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
+  return d;
+}
+
 // A device array of n floats, uniform in [lo, hi).
 float* random_floats(int64_t n, float lo, float hi) {
   std::uniform_real_distribution<float> dist(lo, hi);
   std::vector<float> host(n);
   for (auto& x : host) x = dist(rng);
-  float* d = nullptr;
-  CHECK(cudaMalloc(&d, n * sizeof(float)));
-  CHECK(cudaMemcpy(d, host.data(), n * sizeof(float), cudaMemcpyHostToDevice));
-  return d;
+  return to_device(host);
+}
+
+// n lower-triangular C x C matrices: random in [lo, hi) on and below the diagonal, zero above it (as the solve's
+// Minv and Phase 1's QK are; the instances on tensor cores read the diagonal blocks whole).
+float* random_lower(int64_t n, int64_t C, float lo, float hi) {
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> host(n * C * C);
+  for (int64_t i = 0; i < n * C * C; ++i) host[i] = i % C <= i / C % C ? dist(rng) : 0.f;
+  return to_device(host);
 }
 
 T* random_bf16(int64_t n) {
@@ -71,21 +85,21 @@ std::vector<char> bytes_of(const void* d, size_t n) {
   return host;
 }
 
-// A device array of n floats (float32, or bfloat16 widened) on the host.
-std::vector<float> floats_of(const float* d, int64_t n) {
-  std::vector<float> host(n);
-  CHECK(cudaMemcpy(host.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost));
-  return host;
+// Output bytes as floats: float32, or bfloat16 widened.
+std::vector<float> f32_values(const std::vector<char>& bytes) {
+  std::vector<float> v(bytes.size() / sizeof(float));
+  std::memcpy(v.data(), bytes.data(), v.size() * sizeof(float));
+  return v;
 }
-std::vector<float> floats_of(const T* d, int64_t n) {
-  std::vector<uint16_t> bits(n);
-  CHECK(cudaMemcpy(bits.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-  std::vector<float> host(n);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t w = static_cast<uint32_t>(bits[i]) << 16;
-    std::memcpy(&host[i], &w, sizeof(float));
+std::vector<float> bf16_values(const std::vector<char>& bytes) {
+  std::vector<float> v(bytes.size() / 2);
+  for (size_t i = 0; i < v.size(); ++i) {
+    uint16_t h;
+    std::memcpy(&h, bytes.data() + 2 * i, 2);
+    const uint32_t w = static_cast<uint32_t>(h) << 16;
+    std::memcpy(&v[i], &w, sizeof(float));
   }
-  return host;
+  return v;
 }
 
 // max |a - b| / max |b| (infinite when a holds a NaN or an infinity, as a poisoned output left unwritten does).
@@ -122,7 +136,6 @@ float time_rounds(int64_t NC, Round round) {
   std::sort(us.begin(), us.end());
   return us[us.size() / 2];
 }
-
 
 // Probes of the forward kernel's halves at one tile shape, to see where its time goes: an empty launch of its grid,
 // its staging alone (the same copies, waited on, no product) and its products alone (on shared memory each block
@@ -199,103 +212,6 @@ __global__ void probe_products(StepDims dm, int64_t c, sdm::ChunkRows rows, T* y
   });
 }
 
-// The products on tensor cores, as a probe of what they would take (new bits: not a candidate for the digests).
-// mma.sync m16n8k8 with tf32 operands (a 16 x 8 tile of M times an 8 x 8 tile of the slice a step); each float32
-// operand x splits into a tf32 head h = tf32(x) and a tail l = tf32(x - h), and kTerms 3 adds l_a h_b and h_a l_b
-// before h_a h_b (about float32's accuracy: the dropped l_a l_b is 2^-22 of the product), kTerms 1 the heads
-// alone (tf32's 2^-11). The fragments (PTX ISA, m16n8k8 .tf32): lane = 4 g + t; A rows g and g + 8, columns t and
-// t + 4; B rows (k) t and t + 4, column g; D rows g and g + 8, columns 2 t and 2 t + 1. Lower triangular: an m-tile
-// of rows 16 i .. 16 i + 15 takes k-tiles 0 .. 2 i + 1, M zero above its diagonal. The slices are kMmaStride floats
-// a row (40: the B loads' rows t = 0 .. 3 in different banks; with 32 they would share one).
-constexpr int kMmaStride = 40;
-
-__device__ __forceinline__ uint32_t tf32_of(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
-
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-template <int N, int kTerms>
-__device__ __forceinline__ void split_tf32(const float (&x)[N], uint32_t (&h)[N], uint32_t (&l)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    h[i] = tf32_of(x[i]);
-    if constexpr (kTerms == 3) l[i] = tf32_of(x[i] - __uint_as_float(h[i]));
-  }
-}
-
-// acc = the warp's output tile (m-tile mi, n-tile ni) of M S, M lower triangular ([C, ms] floats), S [C, kMmaStride].
-template <int kTerms>
-__device__ __forceinline__ void mma_tri_tile(const float* M, int ms, const float* S, int mi, int ni, float (&acc)[4]) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const float* a0 = M + (16 * mi + g) * ms + t;
-  const float* a1 = a0 + 8 * ms;
-  const float* b = S + t * kMmaStride + 8 * ni + g;
-#pragma unroll 2
-  for (int k = 0; k < 16 * mi + 16; k += 8) {
-    const float af[4] = {a0[k], a1[k], a0[k + 4], a1[k + 4]};
-    const float bf[2] = {b[k * kMmaStride], b[(k + 4) * kMmaStride]};
-    uint32_t ah[4], al[4], bh[2], bl[2];
-    split_tf32<4, kTerms>(af, ah, al);
-    split_tf32<2, kTerms>(bf, bh, bl);
-    if constexpr (kTerms == 3) {
-      mma_tf32(acc, al, bh);
-      mma_tf32(acc, ah, bl);
-    }
-    mma_tf32(acc, ah, bh);
-  }
-}
-
-// probe_products' serial form (delta = Minv u, a barrier, y = QK delta) on tensor cores, on the same fills (M zero
-// above its diagonal, which tri_tile never reads), so that its outputs compare with probe_products'. C = 128 and
-// 512 threads: 16 warps, warp w the n-tile w % 4 and the m-tiles i and 7 - i (i = w / 4: 18 k-steps each warp).
-template <int kTerms>
-__global__ void probe_products_mma(StepDims dm, int64_t c, sdm::ChunkRows rows, T* y) {
-  extern __shared__ __align__(16) float sh[];
-  const int C = static_cast<int>(dm.C), ms = sdm::matrix_stride(C), tr = sdm::tile_rows(C);
-  const int64_t D = dm.D, s = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * sdm::kSlice;
-  const int64_t u = sdm::unit_of(dm, s, c);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  float* su = sh;
-  float* sdelta = su + tr * kMmaStride;
-  float* smi = sdelta + tr * kMmaStride;
-  float* sqk = smi + tr * ms;
-  for (int r = warp; r < tr; r += warps)
-    for (int col = lane; col < sdm::kSlice; col += 32) su[r * kMmaStride + col] = 1.f - 1e-3f * ((r * 32 + col) & 127);
-  for (int r = warp; r < 2 * tr; r += warps)  // probe_products' values, by index into both matrices
-    for (int k = lane; k < ms; k += 32) smi[r * ms + k] = k <= r % tr ? 1e-3f * ((r * ms + k) & 63) : 0.f;
-  __syncthreads();
-  float* delta = rows.delta + rows.at(dm, u, s);
-  T* yu = y + u * C * D;
-  const int g = lane / 4, t = lane % 4, ni = warp % 4, col = 8 * ni + 2 * t;
-  // The warp's two output tiles of M S, each row's pair of columns handed to store(r, x0, x1).
-  const auto product = [&](const float* M, const float* S, auto store) {
-#pragma unroll
-    for (const int mi : {warp / 4, 7 - warp / 4}) {
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      mma_tri_tile<kTerms>(M, ms, S, mi, ni, acc);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) store(16 * mi + g + 8 * h, acc[2 * h], acc[2 * h + 1]);
-    }
-  };
-  product(smi, su, [&](int r, float x0, float x1) {
-    sdelta[r * kMmaStride + col] = x0;
-    sdelta[r * kMmaStride + col + 1] = x1;
-    *reinterpret_cast<float2*>(delta + r * D + d0 + col) = make_float2(x0, x1);
-  });
-  __syncthreads();
-  product(sqk, sdelta, [&](int r, float x0, float x1) {
-    *reinterpret_cast<__nv_bfloat162*>(yu + r * D + d0 + col) = __floats2bfloat162_rn(x0, x1);
-  });
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -318,11 +234,10 @@ int main(int argc, char** argv) {
               static_cast<long long>(dm.P), static_cast<long long>(C), static_cast<long long>(D),
               static_cast<long long>(dm.NC));
 
-  // The solve's Minv and QK: lower triangular with a unit diagonal where the kernels read them (the upper part is
-  // read by none), scaled so that the products stay near 1.
+  // The solve's Minv and QK: lower triangular, scaled so that the products stay near 1.
   sdm::StepPhase1 p1{};
-  float* minv = random_floats(units * C * C, -1.f / C, 1.f / C);
-  float* qk = random_floats(units * C * C, -1.f / C, 1.f / C);
+  float* minv = random_lower(units, C, -1.f / C, 1.f / C);
+  float* qk = random_lower(units, C, -1.f / C, 1.f / C);
   p1.minv = minv;
   p1.QK = qk;
   sdm::ForwardIO io{};
@@ -351,18 +266,21 @@ int main(int argc, char** argv) {
   const int chosen = sdm::dense_tile_rows(C, true, true);
   std::vector<char> ref_y, ref_delta, ref_du, ref_dG;
   std::printf("\n| kernel | rows a thread | threads | us a launch | bits as 1 row |\n|---|---:|---:|---:|---|\n");
+  // One tile shape: the bits of one round compared with the one-row shape's (the first run), then its time. The
+  // instances on tensor cores (kMmaRows) give other bits: their largest difference instead, not counted as a change.
   const auto run = [&](auto rows_c) {
     constexpr int kRows = decltype(rows_c)::value;
     const auto fwd = sdm::fwd_apply_inverse_kernel<T, true, kRows>;
     const auto bwd = sdm::bwd_apply_inverse_kernel<true, kRows>;
-    const int threads = sdm::tile_threads(C, kRows);
-    CHECK(cudaFuncSetAttribute(fwd, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(fwd_smem)));
-    CHECK(cudaFuncSetAttribute(bwd, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bwd_smem)));
+    const int threads = sdm::tile_threads(C, kRows), ss = sdm::slice_stride(kRows);
+    const size_t f_smem = sdm::kFwdApplySmem.bytes(C, true, ss), b_smem = sdm::kBwdApplySmem.bytes(C, true, ss);
+    CHECK(cudaFuncSetAttribute(fwd, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(f_smem)));
+    CHECK(cudaFuncSetAttribute(bwd, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(b_smem)));
     const auto fwd_round = [&] {
-      for (int64_t c = 0; c < dm.NC; ++c) fwd<<<grid, threads, fwd_smem>>>(dm, p1, io, c, rows);
+      for (int64_t c = 0; c < dm.NC; ++c) fwd<<<grid, threads, f_smem>>>(dm, p1, io, c, rows);
     };
     const auto bwd_round = [&] {
-      for (int64_t c = 0; c < dm.NC; ++c) bwd<<<grid, threads, bwd_smem>>>(dm, p1, bio, c, brows);
+      for (int64_t c = 0; c < dm.NC; ++c) bwd<<<grid, threads, b_smem>>>(dm, p1, bio, c, brows);
     };
     // One round on poisoned outputs (du from the same start for every shape), its bits kept or compared.
     CHECK(cudaMemset(y, 0xff, units * C * D * sizeof(T)));
@@ -375,17 +293,30 @@ int main(int argc, char** argv) {
     const auto out_y = bytes_of(y, units * C * D * sizeof(T)), out_delta = bytes_of(delta, streams * C * D * 4),
                out_du = bytes_of(du, streams * C * D * 4), out_dG = bytes_of(dG, streams * C * D * 4);
     if (ref_y.empty()) ref_y = out_y, ref_delta = out_delta, ref_du = out_du, ref_dG = out_dG;
+    const float f_us = time_rounds(dm.NC, fwd_round), b_us = time_rounds(dm.NC, bwd_round);
+    if constexpr (kRows == sdm::kMmaRows) {
+      const auto f32 = [](const std::vector<char>& a, const std::vector<char>& b) {
+        return max_rel_diff(f32_values(a), f32_values(b));
+      };
+      const float e_y = max_rel_diff(bf16_values(out_y), bf16_values(ref_y));
+      std::printf("| fwd_apply_inverse | tensor cores (3xTF32) | %d | %.2f | largest difference over the largest "
+                  "output: delta %.1e, y %.1e |\n", threads, f_us, f32(out_delta, ref_delta), e_y);
+      std::printf("| bwd_apply_inverse | tensor cores (3xTF32) | %d | %.2f | largest difference over the largest "
+                  "output: du %.1e, dG %.1e |\n", threads, b_us, f32(out_du, ref_du), f32(out_dG, ref_dG));
+      return true;
+    }
     const bool fwd_same = out_y == ref_y && out_delta == ref_delta, bwd_same = out_du == ref_du && out_dG == ref_dG;
     const char* mark = kRows == chosen ? " (launched)" : "";
-    std::printf("| fwd_apply_inverse | %d%s | %d | %.2f | %s |\n", kRows, mark, threads, time_rounds(dm.NC, fwd_round),
+    std::printf("| fwd_apply_inverse | %d%s | %d | %.2f | %s |\n", kRows, mark, threads, f_us,
                 fwd_same ? "same" : "DIFFERENT");
-    std::printf("| bwd_apply_inverse | %d%s | %d | %.2f | %s |\n", kRows, mark, threads, time_rounds(dm.NC, bwd_round),
+    std::printf("| bwd_apply_inverse | %d%s | %d | %.2f | %s |\n", kRows, mark, threads, b_us,
                 bwd_same ? "same" : "DIFFERENT");
     return fwd_same && bwd_same;
   };
   bool same = run(std::integral_constant<int, 1>{});
   same = run(std::integral_constant<int, 2>{}) && same;
   same = run(std::integral_constant<int, 4>{}) && same;
+  if (C % sdm::kMmaRows == 0) run(std::integral_constant<int, sdm::kMmaRows>{});
   std::printf("\noutput digests (FNV-1a): y %016llx delta %016llx du %016llx dG %016llx\n",
               static_cast<unsigned long long>(fnv1a(ref_y)), static_cast<unsigned long long>(fnv1a(ref_delta)),
               static_cast<unsigned long long>(fnv1a(ref_du)), static_cast<unsigned long long>(fnv1a(ref_dG)));
@@ -416,34 +347,6 @@ int main(int argc, char** argv) {
     std::printf("| products alone, fused | %.2f |\n", time_rounds(dm.NC, [&] {
       for (int64_t c = 0; c < dm.NC; ++c) fused<<<grid, threads, fwd_smem>>>(dm, c, rows, y);
     }));
-    if (C == 128 && threads == 512) {  // probe_products_mma's layout
-      // The FFMA products' outputs (the serial probe on poisoned outputs), then each tensor-core form's against them.
-      const auto poison = [&] {
-        CHECK(cudaMemset(y, 0xff, units * C * D * sizeof(T)));
-        CHECK(cudaMemset(delta, 0xff, streams * C * D * sizeof(float)));
-      };
-      poison();
-      serial<<<grid, threads, fwd_smem>>>(dm, 0, rows, y);
-      CHECK(cudaDeviceSynchronize());
-      const auto ffma_delta = floats_of(delta, streams * C * D), ffma_y = floats_of(y, units * C * D);
-      const auto tensor = [&](auto terms_c, const char* name) {
-        constexpr int kTerms = decltype(terms_c)::value;
-        const auto f = probe_products_mma<kTerms>;
-        CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(fwd_smem)));
-        poison();
-        f<<<grid, threads, fwd_smem>>>(dm, 0, rows, y);
-        CHECK(cudaDeviceSynchronize());
-        const float e_delta = max_rel_diff(floats_of(delta, streams * C * D), ffma_delta);
-        const float e_y = max_rel_diff(floats_of(y, units * C * D), ffma_y);
-        std::printf("| products alone on tensor cores, %s (largest difference from the FFMA products, over the "
-                    "largest output: delta %.1e, y %.1e) | %.2f |\n",
-                    name, e_delta, e_y, time_rounds(dm.NC, [&] {
-                      for (int64_t c = 0; c < dm.NC; ++c) f<<<grid, threads, fwd_smem>>>(dm, c, rows, y);
-                    }));
-      };
-      tensor(std::integral_constant<int, 3>{}, "3xTF32");
-      tensor(std::integral_constant<int, 1>{}, "1xTF32");
-    }
     CHECK(cudaFree(sink));
   };
   probes(std::integral_constant<int, sdm::kLoopTileRows>{});

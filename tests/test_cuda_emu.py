@@ -70,8 +70,9 @@ def launches(out):
 @pytest.mark.slow  # compiles the emulated steps (about a minute)
 def test_cuda_steps_on_cpu_match_cpu_kernels():
     # 4: long groups among the short; 37: several groups a warp; 38-40: a token's lanes split over 4, 4 and 2-3
-    # blocks (owner_split), 39 with more lanes than a round of the token's table rows.
-    total, pdl = launches(run_check("steps", "1,4,18,28,31,34,35,37,38,39,40", cases=11))
+    # blocks (owner_split), 39 with more lanes than a round of the token's table rows; 2, 41 and 42: the forward's
+    # products on tensor cores (C 16, 48, 64).
+    total, pdl = launches(run_check("steps", "1,2,4,18,28,31,34,35,37,38,39,40,41,42", cases=14))
     assert total > 0 and pdl == total
 
 

@@ -36,11 +36,14 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
   const bool pdl = use_pdl();
   const bool dy_staged = dense_staged(dm.C, kStagedDyMaxC, kDySmem);
   const bool staged = dense_staged(dm.C, kStagedLoopMaxC, kBwdApplySmem);
+  const bool tensor = dense_staged(dm.C, kStagedLoopMaxC, kBwdApplySmem, slice_stride(kMmaRows));
   const auto bwd_dy = dy_staged ? bwd_dy_kernel<T, true> : bwd_dy_kernel<T, false>;
-  const auto bwd_apply = loop_dense_kernel(dm.C, staged, [](auto kStaged, auto kRows) {
+  const int tile = dense_tile_rows(dm.C, true, staged, tensor);
+  const auto bwd_apply = loop_dense_kernel<true>(staged, tile, [](auto kStaged, auto kRows) {
     return bwd_apply_inverse_kernel<kStaged(), kRows()>;
   });
-  const size_t dy_smem = kDySmem.bytes(dm.C, dy_staged), apply_smem = kBwdApplySmem.bytes(dm.C, staged);
+  const size_t dy_smem = kDySmem.bytes(dm.C, dy_staged);
+  const size_t apply_smem = kBwdApplySmem.bytes(dm.C, staged, slice_stride(tile));
   const bool by_first = segments == nullptr;
   // A fresh gradient bank: the cotangent's rows are read until the first Phase A or read side (in the loop's
   // order, the last chunk first) that writes them.
@@ -120,8 +123,8 @@ int backward_loop(const StepDims& dm, const StepPhase1& p1, const BackwardIO& io
       rc = launch(pdl, gwr, row_grid, rb.threads, rb.smem, stream, dm, p1, static_cast<const GT*>(dbank), dbank_in,
                   static_cast<const int32_t*>(fa.w_tag), c, rows, sv.local);
     if (!rc)
-      rc = launch(pdl, bwd_apply, slice_grid, dim3(dense_threads(dm.C, true, staged)), apply_smem, stream, dm, p1,
-                  io, c, chunk_rows);
+      rc = launch(pdl, bwd_apply, slice_grid, dim3(tile_threads(dm.C, tile)), apply_smem, stream, dm, p1, io, c,
+                  chunk_rows);
     if (segments) {  // Phase A (the stored groups, then the earlier segments' groups) and the read side
       if (!rc)
         rc = launch(pdl, bwd_phase_a_packed_kernel<VEC, T, GT>, write_grid, group_block, 0, stream, dm, p1, io, dbank,

@@ -76,11 +76,15 @@ __global__ void bwd_dy_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t
 }
 
 // Chunk c: du += Minv^T gwr (the bank-dependent part of the inverse's adjoint), dG = -beta du; `rows.du` the
-// chunk's place in the ring. Shared memory: the gwr slice; staged, also the du slice and Minv.
+// chunk's place in the ring. Shared memory: the gwr slice; staged, also the du slice and Minv. With kRows =
+// kMmaRows (staged) the product on tensor cores (mma_tri_product), each warp adding its tiles into the staged du.
 template <bool kStaged, int kRows>
 __global__ void bwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, BackwardIO io, int64_t c, BackRows rows) {
+  constexpr bool kMma = kRows == kMmaRows;
+  static_assert(!kMma || kStaged, "the tensor-core products read staged operands");
+  constexpr int ss = slice_stride(kRows);
   extern __shared__ __align__(16) float sh[];
-  const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
+  const int C = static_cast<int>(dm.C), slice = tile_rows(C) * ss, ms = kStaged ? matrix_stride(C) : C;
   const int64_t D = dm.D;
   const int64_t s = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
   const int64_t u = unit_of(dm, s, c);
@@ -93,10 +97,10 @@ __global__ void bwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, BackwardIO 
   if constexpr (kStaged) {
     // Minv and du (the dy part's, at least two launches before; only this kernel adds to it) are final before the
     // previous kernel: staged before chain_start waits for the GWR gather, as in fwd_apply_inverse_kernel; gwr after.
-    stage_matrix_async(minv, C, smi);
-    stage_slice_async(du, C, D, d0, sdu);
+    stage_matrix_async<kMma>(minv, C, smi);
+    stage_slice_async(du, C, D, d0, sdu, ss);
     chain_start();
-    stage_slice_async(gwr, C, D, d0, sg);
+    stage_slice_async(gwr, C, D, d0, sg, ss);
     staged_wait();
   } else {
     chain_start();
@@ -105,21 +109,35 @@ __global__ void bwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, BackwardIO 
     stage_quads(C, sg, [&](int t, int q) { return load_quad(gwr + t * D, d0 + 4 * q, D); });
     __syncthreads();
   }
-  for_tiles<kRows>(C, [&](int r0, int q) {
-    float4 x[kRows];
-    tri_tile<true, kStaged, kRows>(kStaged ? smi : minv, ms, sg, r0, q, C, x);
-    const int64_t d = d0 + 4 * q;
-#pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      const int r = r0 + j;
-      if (r >= C) break;
-      const float4 old = kStaged ? reinterpret_cast<const float4*>(sdu + r * kSlice)[q] : load_quad(du + r * D, d, D);
-      const float4 y = make_float4(old.x + x[j].x, old.y + x[j].y, old.z + x[j].z, old.w + x[j].w);
-      const float beta = io.beta[u * C + r];
-      store_quad(du + r * D, d, D, y);
-      store_quad(rows.dG + (s * C + r) * D, d, D, make_float4(-beta * y.x, -beta * y.y, -beta * y.z, -beta * y.w));
+  // du's new row r (columns d..d + 3) and dG = -beta du.
+  const auto store = [&](int r, int64_t d, float4 y) {
+    const float beta = io.beta[u * C + r];
+    store_quad(du + r * D, d, D, y);
+    store_quad(rows.dG + (s * C + r) * D, d, D, make_float4(-beta * y.x, -beta * y.y, -beta * y.z, -beta * y.w));
+  };
+  if constexpr (kMma) {
+    mma_tri_product<true>(smi, ms, sg, C,
+                          [&](int mi, int ni, const float(&acc)[4]) { store_mma_tile<true>(sdu, mi, ni, acc); });
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < C * kQuads; idx += blockDim.x) {
+      const int t = idx / kQuads, q = idx % kQuads;
+      store(t, d0 + 4 * q, *reinterpret_cast<const float4*>(sdu + t * ss + 4 * q));
     }
-  });
+  } else {
+    for_tiles<kRows>(C, [&](int r0, int q) {
+      float4 x[kRows];
+      tri_tile<true, kStaged, kRows>(kStaged ? smi : minv, ms, sg, r0, q, C, x);
+      const int64_t d = d0 + 4 * q;
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        const int r = r0 + j;
+        if (r >= C) break;
+        const float4 old =
+            kStaged ? reinterpret_cast<const float4*>(sdu + r * kSlice)[q] : load_quad(du + r * D, d, D);
+        store(r, d, make_float4(old.x + x[j].x, old.y + x[j].y, old.z + x[j].z, old.w + x[j].w));
+      }
+    });
+  }
 }
 
 // After the adjoints of the batch of chunks from c0, one block per (chunk of the batch, stream, pair of tiles

@@ -65,21 +65,28 @@ __device__ __forceinline__ void load_run(const float* p, float (&out)[n]) {
 // reads M[r, k] for k <= r, rows past C as row C - 1), so the copy moves half the matrix's bytes; the cells above
 // the quads stay unwritten. A warp takes a row at a time, lane l its quads l, l + 32, ...: no division of a runtime
 // index per quad (ncu: the per-quad division was a quarter of the forward kernel's instructions at C = 128).
+// kBlocks (the products on tensor cores, C a multiple of 16): each row up to the end of its 16-column diagonal
+// block, whose cells past the triangle M holds as zeros (Phase 1's QK, the solve's Minv); every quad then lies
+// inside M, so each is one 16-byte copy with no guard.
+template <bool kBlocks = false>
 __device__ __forceinline__ void stage_matrix_async(const float* M, int C, float* Ms) {
   const int ms = matrix_stride(C), lane = threadIdx.x % 32, warps = blockDim.x / 32;
   for (int r = threadIdx.x / 32; r < tile_rows(C); r += warps)
-    for (int c0 = 4 * lane; c0 <= r; c0 += 4 * 32)
-      copy_quad_async(Ms + r * ms + c0, M + r * C + c0, r < C ? C - c0 : 0, C % 4 == 0);
+    for (int c0 = 4 * lane; c0 <= (kBlocks ? r | 15 : r); c0 += 4 * 32) {
+      if constexpr (kBlocks) __pipeline_memcpy_async(Ms + r * ms + c0, M + r * C + c0, 16);
+      else copy_quad_async(Ms + r * ms + c0, M + r * C + c0, r < C ? C - c0 : 0, C % 4 == 0);
+    }
 }
 
-// Stage columns [d0, d0 + kSlice) of C rows of D floats into out [tile_rows(C), kSlice] (zeros past C and D),
+// Stage columns [d0, d0 + kSlice) of C rows of D floats into out [tile_rows(C), stride] (zeros past C and D),
 // asynchronously.
-__device__ __forceinline__ void stage_slice_async(const float* rows, int C, int64_t D, int64_t d0, float* out) {
+__device__ __forceinline__ void stage_slice_async(const float* rows, int C, int64_t D, int64_t d0, float* out,
+                                                  int stride = kSlice) {
   for (int idx = threadIdx.x; idx < tile_rows(C) * kQuads; idx += blockDim.x) {
-    const int t = idx / kQuads;
-    const int64_t d = d0 + 4 * (idx % kQuads);
+    const int t = idx / kQuads, q = idx % kQuads;
+    const int64_t d = d0 + 4 * q;
     const int n = t < C && d < D ? static_cast<int>(D - d < 4 ? D - d : 4) : 0;
-    copy_quad_async(out + 4 * idx, rows + t * D + d, n, D % 4 == 0);
+    copy_quad_async(out + t * stride + 4 * q, rows + t * D + d, n, D % 4 == 0);
   }
 }
 
@@ -103,25 +110,26 @@ __device__ __forceinline__ void prefetch_slice(const float* rows, int C, int64_t
   }
 }
 
-// Stage a [tile_rows(C), kSlice] slice in shared memory: row t < C, quad q is quad(t, q), rows past C are zero.
+// Stage a [tile_rows(C), stride] slice in shared memory: row t < C, quad q is quad(t, q), rows past C are zero.
 template <typename Quad>
-__device__ __forceinline__ void stage_quads(int C, float* out, Quad quad) {
+__device__ __forceinline__ void stage_quads(int C, float* out, Quad quad, int stride = kSlice) {
   const int n = tile_rows(C) * kQuads;
 #pragma unroll 4
   for (int idx = threadIdx.x; idx < n; idx += blockDim.x) {
-    const int t = idx / kQuads;
-    reinterpret_cast<float4*>(out)[idx] = t < C ? quad(t, idx % kQuads) : make_float4(0.f, 0.f, 0.f, 0.f);
+    const int t = idx / kQuads, q = idx % kQuads;
+    *reinterpret_cast<float4*>(out + t * stride + 4 * q) = t < C ? quad(t, q) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
 }
 
 // stage_slice_async for rows of the bank's dtype T: float32 asynchronously, bfloat16 widened on the way (cp.async
 // copies bytes as they are), its loads issued at once.
 template <typename T>
-__device__ __forceinline__ void stage_slice(const T* rows, int C, int64_t D, int64_t d0, float* out) {
+__device__ __forceinline__ void stage_slice(const T* rows, int C, int64_t D, int64_t d0, float* out,
+                                            int stride = kSlice) {
   if constexpr (std::is_same_v<T, float>)
-    stage_slice_async(rows, C, D, d0, out);
+    stage_slice_async(rows, C, D, d0, out, stride);
   else
-    stage_quads(C, out, [&](int t, int q) { return load_quad(rows + t * D, d0 + 4 * q, D); });
+    stage_quads(C, out, [&](int t, int q) { return load_quad(rows + t * D, d0 + 4 * q, D); }, stride);
 }
 
 // Rows per tile of the dense kernels' products. Unstaged, and in the dy part (one launch with many blocks per SM,
@@ -130,15 +138,19 @@ __device__ __forceinline__ void stage_slice(const T* rows, int C, int64_t D, int
 // tiles left 4 warps, one per scheduler, issuing about every 4 cycles); above it two rows (512 threads at C = 128:
 // each 16-byte load of a slice quad feeds 8 multiply-adds instead of 4, with 16 warps left to hide the loads; four
 // rows, 256 threads, were slower: benchmarks/dense_tiles.cu).
-constexpr int kLoopOneRowMaxC = 64, kLoopTileRows = 2, kWideTileRows = 4;
-inline int dense_tile_rows(int64_t C, bool in_loop, bool staged) {
+// kMmaRows: the products on tensor cores instead (mma_tri_product: a warp's tile is 16 rows by 8 columns), for the
+// kernels that have that instance (`tensor`: the in-loop ones), staged with C a multiple of 16.
+constexpr int kLoopOneRowMaxC = 64, kLoopTileRows = 2, kWideTileRows = 4, kMmaRows = 16;
+inline int dense_tile_rows(int64_t C, bool in_loop, bool staged, bool tensor = false) {
   if (!staged || !in_loop) return kWideTileRows;
+  if (tensor && C % kMmaRows == 0) return kMmaRows;
   return C <= kLoopOneRowMaxC ? 1 : kLoopTileRows;
 }
 
 // Threads per block of a dense kernel with tiles of `rows` rows: one per tile of a slice, whole warps, at most
-// kDenseThreadsMax (more tiles take turns).
+// kDenseThreadsMax (more tiles take turns); on tensor cores a warp per pair of m-tiles and n-tile (mma_tri_product).
 inline int tile_threads(int64_t C, int rows) {
+  if (rows == kMmaRows) return 32 * static_cast<int>((C / kMmaRows + 1) / 2) * (kSlice / 8);
   return std::min(kDenseThreadsMax, (tile_rows(C) / rows * kQuads + 31) / 32 * 32);
 }
 
@@ -147,13 +159,18 @@ inline int dense_threads(int64_t C, bool in_loop, bool staged) {
   return tile_threads(C, dense_tile_rows(C, in_loop, staged));
 }
 
-// The instance of an in-loop dense kernel for chunk size C: kernel(staged, rows) for the tile rows
-// dense_tile_rows gives, among the three instances that it can give.
-template <typename Pick>
-auto loop_dense_kernel(int64_t C, bool staged, Pick kernel) {
+// Floats per row of a kernel's shared-memory slices: kSlice, or on tensor cores kSlice + 8 (mma_tri_product).
+__host__ __device__ constexpr int slice_stride(int rows) { return rows == kMmaRows ? kSlice + 8 : kSlice; }
+
+// The instance of an in-loop dense kernel: kernel(staged, rows) for the tile rows `rows` (dense_tile_rows), among
+// the instances that it can give (kMmaRows only with kTensor).
+template <bool kTensor = false, typename Pick>
+auto loop_dense_kernel(bool staged, int rows, Pick kernel) {
   if (!staged) return kernel(std::false_type{}, std::integral_constant<int, kWideTileRows>{});
-  return dense_tile_rows(C, true, true) == 1 ? kernel(std::true_type{}, std::integral_constant<int, 1>{})
-                                             : kernel(std::true_type{}, std::integral_constant<int, kLoopTileRows>{});
+  if constexpr (kTensor)
+    if (rows == kMmaRows) return kernel(std::true_type{}, std::integral_constant<int, kMmaRows>{});
+  return rows == 1 ? kernel(std::true_type{}, std::integral_constant<int, 1>{})
+                   : kernel(std::true_type{}, std::integral_constant<int, kLoopTileRows>{});
 }
 
 // body(r0, q) for every tile (rows r0 .. r0 + kRows - 1, quad q) of a slice, one tile per thread and turn. A warp
@@ -253,6 +270,132 @@ __device__ __forceinline__ void tri_tile(const float* __restrict__ M, int ms, co
       for (int j = 0; j < kRows; ++j)
         if (k <= r0 + j) fma_quad(x[j], m(j, k), c);
     }
+  }
+}
+
+// The triangular products on tensor cores (sm_80 and later): mma.sync m16n8k8 with tf32 operands, a 16 x 8 tile of
+// M times an 8 x 8 tile of the slice a step. Each float32 operand x splits into a tf32 head h = tf32(x) and a tail
+// x - h (exact in float32), and a step adds the tail products l_a h_b and h_a l_b and the heads' h_a h_b
+// ("3xTF32": what is dropped, l_a l_b and the tails' bits below tf32, is about 2^-21 of each product, near float32's
+// rounding). The tensor core reads a tail's tf32 bits (its low 13 bits dropped), so the tails go in as they are.
+// The heads' and the tails' products add into separate accumulators, two of each (even and odd steps), summed at
+// the end: four independent chains of products instead of one, so a warp waits less on each product's latency.
+// The sums' order is the tensor core's and these accumulators': the bits are not the FFMA tiles', and the results
+// agree with them (and with the CPU kernels) to float32 rounding, not bit for bit; every launch of the same inputs
+// gives the same bits.
+// Fragments (PTX ISA, m16n8k8 .tf32), lane = 4 g + t: A rows g and g + 8, columns t and t + 4; B rows t and t + 4,
+// column g; the result rows g and g + 8, columns 2 t and 2 t + 1. Slices are kSlice + 8 floats a row: the B loads'
+// rows t = 0 .. 3 then fall in different banks (with kSlice they would share one); M's rows, matrix_stride(C)
+// floats apart (4 or 20 mod 32), put the lower product's A lanes in 32 different banks (not the transposed's).
+// tf32_of: x rounded to tf32 to nearest, ties away from zero (cvt.rna.tf32.f32's rounding), in integer arithmetic:
+// half of tf32's last place added to the bits, the 13 bits below it cleared.
+__device__ __forceinline__ uint32_t tf32_of(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Heads h and tails l of n float32 values.
+template <int n>
+__device__ __forceinline__ void split_tf32(const float (&x)[n], uint32_t (&h)[n], uint32_t (&l)[n]) {
+#pragma unroll
+  for (int i = 0; i < n; ++i) {
+    h[i] = tf32_of(x[i]);
+    l[i] = __float_as_uint(x[i] - __uint_as_float(h[i]));
+  }
+}
+
+// One m-tile's accumulators: the heads' and the tails' products apart, and each for even and odd steps.
+struct MmaSums {
+  float heads[2][4] = {}, tails[2][4] = {};
+  __device__ __forceinline__ void sum(float (&acc)[4]) const {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] = (heads[0][i] + heads[1][i]) + (tails[0][i] + tails[1][i]);
+  }
+};
+
+// One step (8 of k) of an m-tile: its A fragment from a (A's element (i, j) at a[i a_row + j a_col]) times the B
+// fragment's heads bh and tails bl, into the step's parity h of sums.
+__device__ __forceinline__ void mma_step(const float* a, int a_row, int a_col, const uint32_t (&bh)[2],
+                                         const uint32_t (&bl)[2], MmaSums& sums, int h) {
+  const float af[4] = {a[0], a[8 * a_row], a[4 * a_col], a[8 * a_row + 4 * a_col]};
+  uint32_t ah[4], al[4];
+  split_tf32(af, ah, al);
+  mma_tf32(sums.tails[h], al, bh);
+  mma_tf32(sums.tails[h], ah, bl);
+  mma_tf32(sums.heads[h], ah, bh);
+}
+
+// A triangular product on tensor cores over staged operands, C = 16 mt rows (tile_threads' warps), S is
+// [C, slice_stride(kMmaRows)]:
+//   lower:      out = M S,   M[r, k] for k <= r: m-tile m (rows 16 m .. 16 m + 15) takes k < 16 m + 16
+//   transposed: out = M^T S, M[k, r] for k >= r: m-tile m takes k >= 16 m
+// out(mi, ni, acc) takes each 16 x 8 output tile (n-tile ni: columns 8 ni .. 8 ni + 7). The diagonal blocks read
+// M's cells past the triangle, zeros as staged (stage_matrix_async with kBlocks). A warp takes n-tile w % 4 and the
+// m-tiles i and mt - 1 - i (i = w / 4), one long and one short, so that the triangle's work is even over the
+// warps; where their k overlap, one split of B's fragment serves both. The ranges are whole 16-row blocks: two
+// steps (even and odd) a turn.
+template <bool kTransposed, typename Out>
+__device__ __forceinline__ void mma_tri_product(const float* M, int ms, const float* S, int C, Out out) {
+  constexpr int ss = slice_stride(kMmaRows), nt = kSlice / 8;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int a_row = kTransposed ? 1 : ms, a_col = kTransposed ? ms : 1;
+  const int mt = C / kMmaRows, units = (mt + 1) / 2 * nt;
+  for (int unit = threadIdx.x / 32; unit < units; unit += blockDim.x / 32) {
+    const int i = unit / nt, ni = unit % nt, j = mt - 1 - i;
+    // The long tile l and the short one sm (none where i = j, the middle of an odd mt): l takes k in [r0, r1), sm
+    // in [s0, s1), a part of it.
+    const int l = kTransposed ? i : j, sm = kTransposed ? j : i;
+    const int r0 = kTransposed ? 16 * l : 0, r1 = kTransposed ? C : 16 * l + 16;
+    const int s0 = kTransposed ? 16 * sm : 0, s1 = kTransposed ? C : 16 * sm + 16;
+    const float* b = S + t * ss + 8 * ni + g;
+    const float* al = M + (16 * l + g) * a_row + t * a_col;
+    const float* as = M + (16 * sm + g) * a_row + t * a_col;
+    MmaSums long_sums, short_sums;
+    const auto turns = [&](int from, int to, auto both) {
+      for (int k = from; k < to; k += 16) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float* bk = b + (k + 8 * h) * ss;
+          const float bf[2] = {bk[0], bk[4 * ss]};
+          uint32_t bh[2], bl[2];
+          split_tf32(bf, bh, bl);
+          mma_step(al + (k + 8 * h) * a_col, a_row, a_col, bh, bl, long_sums, h);
+          if constexpr (decltype(both)::value)
+            mma_step(as + (k + 8 * h) * a_col, a_row, a_col, bh, bl, short_sums, h);
+        }
+      }
+    };
+    if (i == j) {
+      turns(r0, r1, std::false_type{});
+    } else {
+      turns(s0, s1, std::true_type{});
+      if constexpr (kTransposed) turns(r0, s0, std::false_type{});
+      else turns(s1, r1, std::false_type{});
+    }
+    float acc[4];
+    long_sums.sum(acc);
+    out(l, ni, acc);
+    if (i != j) {
+      short_sums.sum(acc);
+      out(sm, ni, acc);
+    }
+  }
+}
+
+// A result tile of mma_tri_product (acc) into a [C, slice_stride(kMmaRows)] shared-memory slice, or with kAdd added
+// to what the slice holds there (out + acc: the tile is the warp's alone).
+template <bool kAdd = false>
+__device__ __forceinline__ void store_mma_tile(float* out, int mi, int ni, const float (&acc)[4]) {
+  constexpr int ss = slice_stride(kMmaRows);
+  const int lane = threadIdx.x % 32, r = 16 * mi + lane / 4, col = 8 * ni + 2 * (lane % 4);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float2& o = *reinterpret_cast<float2*>(out + (r + 8 * h) * ss + col);
+    o = kAdd ? make_float2(o.x + acc[2 * h], o.y + acc[2 * h + 1]) : make_float2(acc[2 * h], acc[2 * h + 1]);
   }
 }
 

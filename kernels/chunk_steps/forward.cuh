@@ -75,12 +75,16 @@ __global__ void __launch_bounds__(kRowThreadsCap, kRowBlocksPerSM)
 
 // Apply the inverse: u = beta (v - G), delta = Minv u, y = Q0 + QK delta (v and y in the bank's dtype T, widened
 // on load and rounded once on store). One block per (stream, kSlice-column slice), one thread per tile (kRows
-// rows, 4 columns: dense_tile_rows) and turn. Shared memory: u and delta slices; staged, also the G and Q0 slices
-// and Minv, QK.
+// rows, 4 columns: dense_tile_rows) and turn, or with kRows = kMmaRows (staged) the products on tensor cores, a
+// warp per pair of 16 x 8 tiles (mma_tri_product). Shared memory: u and delta slices; staged, also the G and Q0
+// slices and Minv, QK.
 template <typename T, bool kStaged, int kRows>
 __global__ void fwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, ForwardIO io, int64_t c, ChunkRows rows) {
+  constexpr bool kMma = kRows == kMmaRows;
+  static_assert(!kMma || kStaged, "the tensor-core products read staged operands");
+  constexpr int ss = slice_stride(kRows);
   extern __shared__ __align__(16) float sh[];
-  const int C = static_cast<int>(dm.C), slice = tile_rows(C) * kSlice, ms = kStaged ? matrix_stride(C) : C;
+  const int C = static_cast<int>(dm.C), slice = tile_rows(C) * ss, ms = kStaged ? matrix_stride(C) : C;
   const int64_t D = dm.D;
   const int64_t s = blockIdx.x, d0 = static_cast<int64_t>(blockIdx.y) * kSlice;
   const int64_t u = unit_of(dm, s, c);
@@ -100,18 +104,18 @@ __global__ void fwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, ForwardIO i
   if constexpr (kStaged) {
     // Minv, QK and v were final before the chunk loop began: their copies are issued before chain_start waits for
     // the gather (see chain_start), so they overlap its end; G and Q0 after.
-    stage_matrix_async(minv, C, smi);
-    stage_matrix_async(QK, C, sqk);
-    stage_slice(v, C, D, d0, su);
+    stage_matrix_async<kMma>(minv, C, smi);
+    stage_matrix_async<kMma>(QK, C, sqk);
+    stage_slice(v, C, D, d0, su, ss);
     chain_start();
-    stage_slice_async(G, C, D, d0, sG);
-    stage_slice_async(Q0, C, D, d0, sq0);
+    stage_slice_async(G, C, D, d0, sG, ss);
+    stage_slice_async(Q0, C, D, d0, sq0, ss);
     staged_wait();
-    for (int idx = threadIdx.x; idx < slice / 4; idx += blockDim.x) {  // u = beta (v - G), in place of v
-      const int t = idx / kQuads;
+    for (int idx = threadIdx.x; idx < tile_rows(C) * kQuads; idx += blockDim.x) {  // u = beta (v - G), in place of v
+      const int t = idx / kQuads, at = t * ss + 4 * (idx % kQuads);
       const float b = t < C ? beta[t] : 0.f;
-      float4& x = reinterpret_cast<float4*>(su)[idx];
-      const float4 g = reinterpret_cast<const float4*>(sG)[idx];
+      float4& x = *reinterpret_cast<float4*>(su + at);
+      const float4 g = *reinterpret_cast<const float4*>(sG + at);
       const float4 vg = make_float4(x.x - g.x, x.y - g.y, x.z - g.z, x.w - g.w);
       if (rows.per_unit && t < C) store_quad(G + t * D, d0 + 4 * (idx % kQuads), D, vg);
       x = make_float4(b * vg.x, b * vg.y, b * vg.z, b * vg.w);
@@ -131,30 +135,49 @@ __global__ void fwd_apply_inverse_kernel(StepDims dm, StepPhase1 p1, ForwardIO i
   }
   __syncthreads();
   float* delta = rows.delta + rows.at(dm, u, s);
-  for_tiles<kRows>(C, [&](int r0, int q) {  // delta = Minv u
-    float4 x[kRows];
-    tri_tile<false, kStaged, kRows>(kStaged ? smi : minv, ms, su, r0, q, C, x);
+  if constexpr (kMma) {
+    // Each product's tiles into shared memory (delta, then QK delta in place of G), then a pass that stores the
+    // slice's quads (coalesced, through store_quad's guards at D): out(t, q, the product's quad).
+    const auto product = [&](const float* M, const float* S, float* P, auto out) {
+      mma_tri_product<false>(M, ms, S, C,
+                             [&](int mi, int ni, const float(&acc)[4]) { store_mma_tile(P, mi, ni, acc); });
+      __syncthreads();
+      for (int idx = threadIdx.x; idx < C * kQuads; idx += blockDim.x) {
+        const int t = idx / kQuads, q = idx % kQuads;
+        out(t, q, *reinterpret_cast<const float4*>(P + t * ss + 4 * q));
+      }
+    };
+    product(smi, su, sdelta, [&](int t, int q, float4 x) { store_quad(delta + t * D, d0 + 4 * q, D, x); });
+    product(sqk, sdelta, sG, [&](int t, int q, float4 x) {
+      const float4 q0 = *reinterpret_cast<const float4*>(sq0 + t * ss + 4 * q);
+      store_quad(y + t * D, d0 + 4 * q, D, make_float4(x.x + q0.x, x.y + q0.y, x.z + q0.z, x.w + q0.w));
+    });
+  } else {
+    for_tiles<kRows>(C, [&](int r0, int q) {  // delta = Minv u
+      float4 x[kRows];
+      tri_tile<false, kStaged, kRows>(kStaged ? smi : minv, ms, su, r0, q, C, x);
 #pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      if (r0 + j >= C) break;
-      reinterpret_cast<float4*>(sdelta + (r0 + j) * kSlice)[q] = x[j];
-      store_quad(delta + (r0 + j) * D, d0 + 4 * q, D, x[j]);
-    }
-  });
-  __syncthreads();
-  for_tiles<kRows>(C, [&](int r0, int q) {  // y = Q0 + QK delta
-    float4 x[kRows];
-    tri_tile<false, kStaged, kRows>(kStaged ? sqk : QK, ms, sdelta, r0, q, C, x);
-    const int64_t d = d0 + 4 * q;
+      for (int j = 0; j < kRows; ++j) {
+        if (r0 + j >= C) break;
+        reinterpret_cast<float4*>(sdelta + (r0 + j) * kSlice)[q] = x[j];
+        store_quad(delta + (r0 + j) * D, d0 + 4 * q, D, x[j]);
+      }
+    });
+    __syncthreads();
+    for_tiles<kRows>(C, [&](int r0, int q) {  // y = Q0 + QK delta
+      float4 x[kRows];
+      tri_tile<false, kStaged, kRows>(kStaged ? sqk : QK, ms, sdelta, r0, q, C, x);
+      const int64_t d = d0 + 4 * q;
 #pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      if (r0 + j >= C) break;
-      const float4 q0 = kStaged ? reinterpret_cast<const float4*>(sq0 + (r0 + j) * kSlice)[q]
-                                : load_quad(Q0 + (r0 + j) * D, d, D);
-      store_quad(y + (r0 + j) * D, d, D,
-                 make_float4(x[j].x + q0.x, x[j].y + q0.y, x[j].z + q0.z, x[j].w + q0.w));
-    }
-  });
+      for (int j = 0; j < kRows; ++j) {
+        if (r0 + j >= C) break;
+        const float4 q0 = kStaged ? reinterpret_cast<const float4*>(sq0 + (r0 + j) * kSlice)[q]
+                                  : load_quad(Q0 + (r0 + j) * D, d, D);
+        store_quad(y + (r0 + j) * D, d, D,
+                   make_float4(x[j].x + q0.x, x[j].y + q0.y, x[j].z + q0.z, x[j].w + q0.w));
+      }
+    });
+  }
 }
 
 // The forward write of one group, the columns of one batch of S segments per lane from d0 (x: the row's segments,

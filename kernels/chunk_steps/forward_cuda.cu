@@ -30,11 +30,14 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
   // A slab of a carried fresh result (SlabCarry) keeps its first steps in the carry, counted from 1.
   uint32_t* const first = slab ? slab->first : fa.first;
   const StepOf step = slab ? kForwardSlabStep : kForwardStep;
+  // The products on tensor cores where their wider slices fit too (dense_tile_rows).
   const bool staged = dense_staged(dm.C, kStagedLoopMaxC, kFwdApplySmem);
-  const auto fwd_apply = loop_dense_kernel(dm.C, staged, [](auto kStaged, auto kRows) {
+  const bool tensor = dense_staged(dm.C, kStagedLoopMaxC, kFwdApplySmem, slice_stride(kMmaRows));
+  const int tile = dense_tile_rows(dm.C, true, staged, tensor);
+  const auto fwd_apply = loop_dense_kernel<true>(staged, tile, [](auto kStaged, auto kRows) {
     return fwd_apply_inverse_kernel<T, kStaged(), kRows()>;
   });
-  const size_t smem = kFwdApplySmem.bytes(dm.C, staged);
+  const size_t smem = kFwdApplySmem.bytes(dm.C, staged, slice_stride(tile));
   // The links' table: every slot without a write yet (-1) as the loop starts.
   const Links links{save ? fa.last : nullptr, io.link_k, io.link_q};
   // The last chunk's write stores no snapshot and moves no link: no later chunk reads a row through them.
@@ -70,8 +73,7 @@ int forward_loop(const StepDims& dm, const StepPhase1& p1, const ForwardIO& io, 
       rc = launch(pdl, gather, gather_grid, rb.threads, rb.smem, stream, dm, p1, static_cast<const T*>(bank), c,
                   rows, seg, links);
       if (!rc)
-        rc = launch(pdl, fwd_apply, slice_grid, dim3(dense_threads(dm.C, true, staged)), smem, stream, dm, p1, io, c,
-                    rows);
+        rc = launch(pdl, fwd_apply, slice_grid, dim3(tile_threads(dm.C, tile)), smem, stream, dm, p1, io, c, rows);
       if (!rc) rc = write(c);
     }
   };

@@ -24,12 +24,12 @@ int smem_attribute(Kernel kernel, size_t bytes) {
                                                static_cast<int>(bytes)));
 }
 
-// Shared memory of a dense kernel: `slices` [tile_rows(C), kSlice] float32 slices, and when staged `staged_slices`
+// Shared memory of a dense kernel: `slices` [tile_rows(C), stride] float32 slices, and when staged `staged_slices`
 // more and `matrices` [tile_rows(C), matrix_stride(C)] matrices.
 struct DenseSmem {
   int slices, staged_slices, matrices;
-  size_t bytes(int64_t C, bool staged) const {
-    const size_t slice = static_cast<size_t>(tile_rows(C)) * kSlice;
+  size_t bytes(int64_t C, bool staged, int stride = kSlice) const {
+    const size_t slice = static_cast<size_t>(tile_rows(C)) * stride;
     const size_t matrix = static_cast<size_t>(tile_rows(C)) * matrix_stride(C);
     return sizeof(float) * (staged ? (slices + staged_slices) * slice + matrices * matrix : slices * slice);
   }
@@ -45,9 +45,9 @@ inline int device_attribute(cudaDeviceAttr attr) {
 
 // Whether a dense kernel (`max_c`: kStagedLoopMaxC or kStagedDyMaxC) is staged at chunk size C on this device: up to
 // max_c, and its shared memory within what the device allows a block.
-inline bool dense_staged(int64_t C, int max_c, const DenseSmem& smem) {
-  return C <= max_c &&
-         smem.bytes(C, true) <= static_cast<size_t>(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin));
+inline bool dense_staged(int64_t C, int max_c, const DenseSmem& smem, int stride = kSlice) {
+  return C <= max_c && smem.bytes(C, true, stride) <=
+                           static_cast<size_t>(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin));
 }
 
 // Whether the kernels of a call are launched with programmatic stream serialization (device.cuh chain_start): on

@@ -94,6 +94,7 @@ struct alignas(8) uint2 { unsigned x, y; };
 struct alignas(8) float2 { float x, y; };
 struct alignas(16) int4 { int x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
 inline int4 make_int4(int x, int y, int z, int w) { return int4{x, y, z, w}; }
 template <typename T> inline T __ldg(const T* p) { return *p; }
 template <typename T> inline void __stwb(T* p, T v) { *p = v; }
@@ -118,6 +119,7 @@ namespace emu {
 inline std::unique_ptr<std::barrier<>> block_bar;
 inline std::vector<std::unique_ptr<std::barrier<>>> warp_bar;
 inline std::vector<unsigned> wvals;  // [warp * 32 + lane]
+inline std::vector<uint32_t> mvals;  // [warp * 32 + lane][6]: mma_tf32's A and B fragments
 inline std::vector<unsigned char> smem;
 inline unsigned char smem_fill = 0xff;  // the pattern dynamic shared memory holds when a block starts
 inline thread_local int tid;            // linear thread index in the block (x fastest)
@@ -173,6 +175,7 @@ void launch(K kernel, dim3 grid, dim3 block, size_t shmem, cudaStream_t, A... ar
   warp_bar.clear();
   for (int w = 0; w < threads; w += 32) warp_bar.push_back(std::make_unique<std::barrier<>>(std::min(32, threads - w)));
   wvals.assign((threads + 31) / 32 * 32, 0);
+  mvals.assign((threads + 31) / 32 * 32 * 6, 0);
   const std::vector<unsigned> order = block_order(blocks);
   std::vector<std::thread> ts;
   std::atomic<bool> unwaited{false};
@@ -269,6 +272,35 @@ inline unsigned lanes_where(const unsigned* w, unsigned v, bool nonzero) {
   unsigned m = 0;
   for (int l = 0; l < 32; ++l) m |= ((nonzero ? w[l] != 0 : w[l] == v) ? 1u : 0u) << l;
   return m;
+}
+}  // namespace emu
+
+inline float __uint_as_float(unsigned u) { return std::bit_cast<float>(u); }
+inline unsigned __float_as_uint(float x) { return std::bit_cast<unsigned>(x); }
+
+namespace emu {
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 across the warp (kernels/chunk_steps/dense.cuh mma_tf32):
+// lane 4 g + t holds A's (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4), B's (t, g), (t + 4, g) and the result's
+// (g, 2 t), (g, 2 t + 1), (g + 8, 2 t), (g + 8, 2 t + 1). Each result adds A's row times B's column, k ascending,
+// the operands' low 13 bits dropped as the tensor core drops them, each sum rounded to float32. A GPU's order and
+// rounding inside a step are its own: this checks the fragments' indexing, not the GPU's bits.
+inline void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  uint32_t* w = &mvals[warp() * 32 * 6];
+  for (int i = 0; i < 4; ++i) w[lane() * 6 + i] = a[i];
+  for (int i = 0; i < 2; ++i) w[lane() * 6 + 4 + i] = b[i];
+  warp_sync();
+  const auto A = [&](int row, int k) {
+    return std::bit_cast<float>(w[(4 * (row % 8) + k % 4) * 6 + (row >= 8) + 2 * (k >= 4)] & ~0x1fffu);
+  };
+  const auto B = [&](int k, int col) {
+    return std::bit_cast<float>(w[(4 * col + k % 4) * 6 + 4 + (k >= 4)] & ~0x1fffu);
+  };
+  const int g = lane() / 4, t = lane() % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+    for (int k = 0; k < 8; ++k) d[i] += A(row, k) * B(k, col);
+  }
+  warp_sync();
 }
 }  // namespace emu
 

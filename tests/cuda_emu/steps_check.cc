@@ -640,6 +640,10 @@ int main(int argc, char** argv) {
       {1, 2, 1, 3, 300, 270, 2000, 8, true, false, 0.05, 0},
       {1, 2, 1, 2, 1030, 1030, 8192, 8, true, true, 0.6, 0},
       {1, 3, 2, 6, 40, 48, 90, 16, true, true, 0.1, 1},
+      // 41-42: the forward's products on tensor cores (C a multiple of 16) over two slices, the second partial: 41
+      // an odd count of 16-row tiles (mma_tri_product's middle one alone), float32 rows with D % 4 != 0; 42 bfloat16.
+      {1, 2, 2, 48, 3, 2, 200, 41, false, false, 0.05, 0},
+      {1, 2, 1, 64, 2, 2, 150, 36, true, false, 0.05, 1},
   };
   if (argc > 1 && std::string(argv[1]) == "shape") {  // shape V NC P C W R K D BANK GRAD INVALID PAD [SEED [SEGS]]
     if (argc < 14) {

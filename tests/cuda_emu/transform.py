@@ -1,7 +1,8 @@
 """Rewrites a CUDA source (kernels/phase1_cuda.cu, a file of kernels/chunk_steps/) for the host emulation (cuda_emu.h; the
 CUDA headers are the shims in shim/): the block's shared arrays (one block runs at a time, so static ones are
 plain statics and the dynamic one is the launch's buffer), inline PTX (prefetch hints: a one-byte read of their
-address on the host) and the kernel launches `kernel<...><<<grid, block, smem, stream>>>(args)`.
+address on the host; the tensor cores' product: cuda_emu.h's emulation; the rest goes) and
+the kernel launches `kernel<...><<<grid, block, smem, stream>>>(args)`.
 
     python3 transform.py IN.cu OUT.inc [LAUNCHES]
 
@@ -22,6 +23,10 @@ s = re.sub(r"\b__shared__\s+", "static ", s)
 s = re.sub(r'asm\s+volatile\s*\("prefetch\.global\.L[12] \[%0\];"\s*::\s*"l"\((.*?)\)\);', r"emu::touch(\1);", s,
            flags=re.S)
 s = re.sub(r'asm\s+volatile\s*\(".*?"\s*::.*?\);', ";", s, flags=re.S)
+# the tensor cores' product (dense.cuh mma_tf32) becomes cuda_emu.h's emulation
+s = re.sub(r'asm\s+volatile\s*\(\s*"mma\.sync\.aligned\.m16n8k8\.row\.col\.f32\.tf32\.tf32\.f32[^"]*"\s*'
+           r':\s*"\+f"\((\w+)\[0\]\).*?:\s*"r"\((\w+)\[0\]\).*?"r"\((\w+)\[0\]\).*?\);',
+           lambda m: f"emu::mma_tf32({m[1]}, {m[2]}, {m[3]});" + "\n" * m[0].count("\n"), s, flags=re.S)
 s, n = re.subn(r"(\w+(?:<[^<>;]*>)?)\s*<<<(.*?)>>>\s*\(", r"emu::launch(\1, \2, ", s, flags=re.S)
 assert "__shared__" not in s and "asm" not in s and "<<<" not in s, f"{sys.argv[1]} changed shape: update transform.py"
 if len(sys.argv) > 3:
