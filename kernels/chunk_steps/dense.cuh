@@ -148,7 +148,8 @@ inline int dense_tile_rows(int64_t C, bool in_loop, bool staged, bool tensor = f
 }
 
 // Threads per block of a dense kernel with tiles of `rows` rows: one per tile of a slice, whole warps, at most
-// kDenseThreadsMax (more tiles take turns); on tensor cores a warp per pair of m-tiles and n-tile (mma_tri_product).
+// kDenseThreadsMax (more tiles take turns); on tensor cores a warp per pair of m-tiles and n-tile, for the staging
+// (mma_tri_product's products keep half of them busy, each with two n-tiles).
 inline int tile_threads(int64_t C, int rows) {
   if (rows == kMmaRows) return 32 * static_cast<int>((C / kMmaRows + 1) / 2) * (kSlice / 8);
   return std::min(kDenseThreadsMax, (tile_rows(C) / rows * kQuads + 31) / 32 * 32);
@@ -276,10 +277,11 @@ __device__ __forceinline__ void tri_tile(const float* __restrict__ M, int ms, co
 // The triangular products on tensor cores (sm_80 and later): mma.sync m16n8k8 with tf32 operands, a 16 x 8 tile of
 // M times an 8 x 8 tile of the slice a step. Each float32 operand x splits into a tf32 head h = tf32(x) and a tail
 // x - h (exact in float32), and a step adds the tail products l_a h_b and h_a l_b and the heads' h_a h_b
-// ("3xTF32": what is dropped, l_a l_b and the tails' bits below tf32, is about 2^-21 of each product, near float32's
+// ("3xTF32": what is dropped, l_a l_b and the tails' bits below tf32, is about 2^-20 of each product, near float32's
 // rounding). The tensor core reads a tail's tf32 bits (its low 13 bits dropped), so the tails go in as they are.
-// The heads' and the tails' products add into separate accumulators, two of each (even and odd steps), summed at
-// the end: four independent chains of products instead of one, so a warp waits less on each product's latency.
+// The heads' and the tails' products add into separate accumulators, summed at the end, and a warp takes two
+// output tiles side by side (and a second pair where it has two m-tiles): four to eight independent chains of
+// products, so a warp waits less on each product's latency.
 // The sums' order is the tensor core's and these accumulators': the bits are not the FFMA tiles', and the results
 // agree with them (and with the CPU kernels) to float32 rounding, not bit for bit; every launch of the same inputs
 // gives the same bits.
@@ -287,9 +289,9 @@ __device__ __forceinline__ void tri_tile(const float* __restrict__ M, int ms, co
 // column g; the result rows g and g + 8, columns 2 t and 2 t + 1. Slices are kSlice + 8 floats a row: the B loads'
 // rows t = 0 .. 3 then fall in different banks (with kSlice they would share one); M's rows, matrix_stride(C)
 // floats apart (4 or 20 mod 32), put the lower product's A lanes in 32 different banks (not the transposed's).
-// tf32_of: x rounded to tf32 to nearest, ties away from zero (cvt.rna.tf32.f32's rounding), in integer arithmetic:
-// half of tf32's last place added to the bits, the 13 bits below it cleared.
-__device__ __forceinline__ uint32_t tf32_of(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+// tf32_of: x truncated to tf32, its 13 low bits cleared: one instruction. The tail is then below one tf32 place of
+// x (half of one when rounded), and what the tensor core drops of it twice as large, about 2^-20 of x.
+__device__ __forceinline__ uint32_t tf32_of(float x) { return __float_as_uint(x) & 0xffffe000u; }
 
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm volatile(
@@ -308,25 +310,31 @@ __device__ __forceinline__ void split_tf32(const float (&x)[n], uint32_t (&h)[n]
   }
 }
 
-// One m-tile's accumulators: the heads' and the tails' products apart, and each for even and odd steps.
+// One output tile's accumulators: the heads' and the tails' products apart.
 struct MmaSums {
-  float heads[2][4] = {}, tails[2][4] = {};
+  float heads[4] = {}, tails[4] = {};
   __device__ __forceinline__ void sum(float (&acc)[4]) const {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[i] = (heads[0][i] + heads[1][i]) + (tails[0][i] + tails[1][i]);
+    for (int i = 0; i < 4; ++i) acc[i] = heads[i] + tails[i];
   }
 };
 
-// One step (8 of k) of an m-tile: its A fragment from a (A's element (i, j) at a[i a_row + j a_col]) times the B
-// fragment's heads bh and tails bl, into the step's parity h of sums.
-__device__ __forceinline__ void mma_step(const float* a, int a_row, int a_col, const uint32_t (&bh)[2],
-                                         const uint32_t (&bl)[2], MmaSums& sums, int h) {
+// The heads h and tails l of a B fragment.
+struct SplitB { uint32_t h[2], l[2]; };
+
+// One step (8 of k) of an m-tile against two n-tiles: its A fragment from a (A's element (i, j) at
+// a[i a_row + j a_col]), split once, times each n-tile's split B fragment b[n], into sums[n].
+__device__ __forceinline__ void mma_step2(const float* a, int a_row, int a_col, const SplitB (&b)[2],
+                                          MmaSums (&sums)[2]) {
   const float af[4] = {a[0], a[8 * a_row], a[4 * a_col], a[8 * a_row + 4 * a_col]};
   uint32_t ah[4], al[4];
   split_tf32(af, ah, al);
-  mma_tf32(sums.tails[h], al, bh);
-  mma_tf32(sums.tails[h], ah, bl);
-  mma_tf32(sums.heads[h], ah, bh);
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    mma_tf32(sums[n].tails, al, b[n].h);
+    mma_tf32(sums[n].tails, ah, b[n].l);
+    mma_tf32(sums[n].heads, ah, b[n].h);
+  }
 }
 
 // A triangular product on tensor cores over staged operands, C = 16 mt rows (tile_threads' warps), S is
@@ -334,39 +342,37 @@ __device__ __forceinline__ void mma_step(const float* a, int a_row, int a_col, c
 //   lower:      out = M S,   M[r, k] for k <= r: m-tile m (rows 16 m .. 16 m + 15) takes k < 16 m + 16
 //   transposed: out = M^T S, M[k, r] for k >= r: m-tile m takes k >= 16 m
 // out(mi, ni, acc) takes each 16 x 8 output tile (n-tile ni: columns 8 ni .. 8 ni + 7). The diagonal blocks read
-// M's cells past the triangle, zeros as staged (stage_matrix_async with kBlocks). A warp takes n-tile w % 4 and the
-// m-tiles i and mt - 1 - i (i = w / 4), one long and one short, so that the triangle's work is even over the
-// warps; where their k overlap, one split of B's fragment serves both. The ranges are whole 16-row blocks: two
-// steps (even and odd) a turn.
+// M's cells past the triangle, zeros as staged (stage_matrix_async with kBlocks). A warp (of the first
+// (mt + 1) / 2 * kSlice / 16: 8 at C 128) takes the n-tiles 2 p and 2 p + 1 and the m-tiles i and mt - 1 - i,
+// one long and one short, so that the triangle's work is even over the warps; each A fragment's split serves both
+// n-tiles, and where the m-tiles' k overlap, each B fragment's split serves both m-tiles. (With a warp per n-tile,
+// all 16 warps at work, each split twice as often: slower, dense_tiles at C 128 on an H100.)
 template <bool kTransposed, typename Out>
 __device__ __forceinline__ void mma_tri_product(const float* M, int ms, const float* S, int C, Out out) {
-  constexpr int ss = slice_stride(kMmaRows), nt = kSlice / 8;
+  constexpr int ss = slice_stride(kMmaRows), np = kSlice / 16;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int a_row = kTransposed ? 1 : ms, a_col = kTransposed ? ms : 1;
-  const int mt = C / kMmaRows, units = (mt + 1) / 2 * nt;
+  const int mt = C / kMmaRows, units = (mt + 1) / 2 * np;
   for (int unit = threadIdx.x / 32; unit < units; unit += blockDim.x / 32) {
-    const int i = unit / nt, ni = unit % nt, j = mt - 1 - i;
-    // The long tile l and the short one sm (none where i = j, the middle of an odd mt): l takes k in [r0, r1), sm
-    // in [s0, s1), a part of it.
+    const int i = unit / np, p = unit % np, j = mt - 1 - i;
     const int l = kTransposed ? i : j, sm = kTransposed ? j : i;
     const int r0 = kTransposed ? 16 * l : 0, r1 = kTransposed ? C : 16 * l + 16;
     const int s0 = kTransposed ? 16 * sm : 0, s1 = kTransposed ? C : 16 * sm + 16;
-    const float* b = S + t * ss + 8 * ni + g;
+    const float* b = S + t * ss + 16 * p + g;
     const float* al = M + (16 * l + g) * a_row + t * a_col;
     const float* as = M + (16 * sm + g) * a_row + t * a_col;
-    MmaSums long_sums, short_sums;
+    MmaSums long_sums[2], short_sums[2];
     const auto turns = [&](int from, int to, auto both) {
-      for (int k = from; k < to; k += 16) {
+      for (int k = from; k < to; k += 8) {
+        const float* bk = b + k * ss;
+        SplitB sb[2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float* bk = b + (k + 8 * h) * ss;
-          const float bf[2] = {bk[0], bk[4 * ss]};
-          uint32_t bh[2], bl[2];
-          split_tf32(bf, bh, bl);
-          mma_step(al + (k + 8 * h) * a_col, a_row, a_col, bh, bl, long_sums, h);
-          if constexpr (decltype(both)::value)
-            mma_step(as + (k + 8 * h) * a_col, a_row, a_col, bh, bl, short_sums, h);
+        for (int n = 0; n < 2; ++n) {
+          const float bf[2] = {bk[8 * n], bk[4 * ss + 8 * n]};
+          split_tf32(bf, sb[n].h, sb[n].l);
         }
+        mma_step2(al + k * a_col, a_row, a_col, sb, long_sums);
+        if constexpr (decltype(both)::value) mma_step2(as + k * a_col, a_row, a_col, sb, short_sums);
       }
     };
     if (i == j) {
@@ -377,11 +383,14 @@ __device__ __forceinline__ void mma_tri_product(const float* M, int ms, const fl
       else turns(s1, r1, std::false_type{});
     }
     float acc[4];
-    long_sums.sum(acc);
-    out(l, ni, acc);
-    if (i != j) {
-      short_sums.sum(acc);
-      out(sm, ni, acc);
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      long_sums[n].sum(acc);
+      out(l, 2 * p + n, acc);
+      if (i != j) {
+        short_sums[n].sum(acc);
+        out(sm, 2 * p + n, acc);
+      }
     }
   }
 }
