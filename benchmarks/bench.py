@@ -18,6 +18,8 @@
     calls. This adds the host's dispatch and the wait for the result to every call: what a loop that needs each
     result before the next call pays.
   tokens/s is `B*T*H / time` (pipelined). On the CPU, pipelined calls may run side by side on several cores.
+* `--detail` also times the no-grad forward with `in_place=True` and the bank donated, each call taking the bank
+  the previous one returned (the "in place" columns): a prefill that drops its old bank.
 * An implementation that raises `NotImplementedError` (not built in this install) is reported as "n/a", one that
   runs out of memory as "OOM" (the token loop's gradient keeps a bank per token). Any other error is printed to
   stderr, shown as "error" in the table, and makes the exit status 1.
@@ -29,6 +31,7 @@ that package's best chunk size (ANCHORS); below 1 is faster than the package.
 """
 import argparse
 import datetime
+import functools
 import itertools
 import os
 import statistics
@@ -121,6 +124,19 @@ def make_functions(impl, chunk, dy, dbank, snapshot_dtype=None):
     return jax.jit(forward), WithCotangents(jax.jit(jax.grad(loss, argnums=FLOAT_ARGS)), (dy, dbank))
 
 
+class ThreadedBank:
+    """A jitted `fn(bank, *rest) -> (y, final_bank)` with the bank donated, called as `f(*rest)`: each call takes
+    the bank the previous call returned (a copy of `bank` first), as a prefill loop that drops its old bank
+    does."""
+
+    def __init__(self, fn, bank):
+        self.fn, self.bank = jax.jit(fn, donate_argnums=0), jnp.array(bank, copy=True)
+
+    def __call__(self, *rest):
+        y, self.bank = self.fn(self.bank, *rest)
+        return y
+
+
 WARMUP_SECONDS = 0.5
 PIPELINE_CALLS = 10
 
@@ -191,11 +207,11 @@ def detail_row(impl, name, shape, args, dy, dbank, repeats, calls, snapshot_dtyp
     floats = [args[i] for i in FLOAT_ARGS]
     rest = {i: a for i, a in enumerate(args) if i not in FLOAT_ARGS}
 
-    def op(*fl):
+    def op(*fl, in_place=False):
         full = [rest[i] if i in rest else None for i in range(len(args))]
         for i, a in zip(FLOAT_ARGS, fl):
             full[i] = a
-        return sdm_write_read(*full, chunk_size=chunk, impl=impl, snapshot_dtype=snapshot_dtype)
+        return sdm_write_read(*full, chunk_size=chunk, impl=impl, snapshot_dtype=snapshot_dtype, in_place=in_place)
 
     nograd = jax.jit(op)
     train_fwd = jax.jit(lambda *fl: jax.vjp(op, *fl))
@@ -210,6 +226,9 @@ def detail_row(impl, name, shape, args, dy, dbank, repeats, calls, snapshot_dtyp
     cts = (dy.astype(y.dtype), jnp.zeros(final.shape, final.dtype) if dbank is None else dbank.astype(final.dtype))
     bwd = jax.jit(lambda vjp_fn: vjp_fn(cts))
     t_nograd = measure(f"{impl} {name} no-grad fwd", nograd, floats, repeats, calls)
+    in_place = ThreadedBank(functools.partial(op, in_place=True), floats[0])
+    t_in_place = measure(f"{impl} {name} no-grad fwd, bank donated", in_place, floats[1:], repeats, calls)
+    del in_place
     t_train = measure(f"{impl} {name} training fwd", train_fwd, floats, repeats, calls)
     _, vjp_fn = train_fwd(*floats)
     t_bwd = measure(f"{impl} {name} bwd", bwd, (vjp_fn,), repeats, calls)
@@ -227,12 +246,14 @@ def detail_row(impl, name, shape, args, dy, dbank, repeats, calls, snapshot_dtyp
             fmt_ratio(nograd_s, anchor.get("nograd_fwd")), fmt_ratio(grad_s, anchor.get("fwd_bwd")),
             fmt_ratio(total_s, anchor.get("fwd_bwd")),
             "-" if peak is None or "peak_gib" not in anchor else f"{peak_gib / anchor['peak_gib']:.2f}x",
-            fmt_ms(t_nograd[1]), fmt_ms(t_train[1]), fmt_ms(t_bwd[1]), fmt_ms(total[1]), fmt_ms(t_grad[1])]
+            fmt_ms(t_nograd[1]), fmt_ms(t_train[1]), fmt_ms(t_bwd[1]), fmt_ms(total[1]), fmt_ms(t_grad[1]),
+            fmt_ms(t_in_place[0]), fmt_ratio(t_in_place[0], anchor.get("nograd_fwd")), fmt_ms(t_in_place[1])]
 
 
 DETAIL_HEADER = ["impl", "shape", "chunk", "no-grad fwd ms", "fwd ms", "bwd ms", "fwd+bwd ms", "grad ms", "grad peak GiB",
                  "fwd bank TB/s", "no-grad / ref", "grad / ref", "fwd+bwd / ref", "peak / ref",
-                 "no-grad fwd ms (sync)", "fwd ms (sync)", "bwd ms (sync)", "fwd+bwd ms (sync)", "grad ms (sync)"]
+                 "no-grad fwd ms (sync)", "fwd ms (sync)", "bwd ms (sync)", "fwd+bwd ms (sync)", "grad ms (sync)",
+                 "no-grad in place ms", "in place / ref", "no-grad in place ms (sync)"]
 
 
 def print_table(header, rows):

@@ -280,7 +280,8 @@ class ForwardSlab(NamedTuple):
     last: bool
 
 
-def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, slab=None, snapshot_code=0):
+def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, slab=None, snapshot_code=0,
+                in_place=False):
     """The forward chunk loop (docs/DESIGN.md "Forward steps").
 
     Args:
@@ -300,6 +301,9 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, slab
       segments: None, or a `ForwardSegments` for packed sequences. `p1` must then come from the virtual slot ids
         (`segments.virtual_slots`); `k_idx` and `q_idx` are the real ones.
       snapshot_code: how the snapshot is stored (`SNAPSHOT_CODES`, `snapshot_arrays`).
+      in_place: (no `segments`, no `slab`) the final bank aliases `bank`, one per stream `[..., P, K, D]`: the
+        kernels update the written rows where they are and touch no other row (donate `bank` to avoid XLA's copy of
+        it).
 
     Returns:
       A `Forward`: the final bank; `y` in the bank's dtype (`v` goes in it too: the kernels widen it on load and
@@ -338,7 +342,10 @@ def forward_ffi(bank, k_idx, q_idx, v, beta, p1, minv, save, segments=None, slab
                      carry=slab.carry if carried else jnp.zeros((0,), bank.dtype),
                      first=slab.first if carried else jnp.zeros((0,), i32), last_slab=np.int64(slab.last))
     elif segments is None:
-        outs = _call("sdm_forward", results, **operands)
+        if in_place and bank.shape != results["bank_out"].shape:
+            raise ValueError(f"forward_ffi: `in_place` needs a bank per stream {results['bank_out'].shape}, got "
+                             f"{bank.shape}")
+        outs = _call("sdm_forward", results, aliases=dict(bank="bank_out") if in_place else None, **operands)
     else:
         results.update(stamp=jax.ShapeDtypeStruct(bank.shape[:-1], i32),
                        stamp_snapshot=residual(tokens[:-1] + (C * W,), i32))

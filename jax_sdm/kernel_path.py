@@ -132,10 +132,11 @@ def _kernel_inputs(inputs, dims):
     return Inputs(inputs.bank, *per_token, inputs.packed)
 
 
-def _sdm_kernels_primal(bank, tokens, dims, slab_tokens):
+def _sdm_kernels_primal(bank, tokens, dims, slab_tokens, in_place=False):
     """The forward of a call that is not differentiated, without packed sequences, on one shard: the bank `[P, K, D]`
     and the per-token arrays of `tokens` (an `Inputs`) in the public layout `[B, T, H, ...]` as the op got them.
-    Returns `(y [B, T, H, D] in the bank's dtype, final_bank [P, K, D], repeats [P])`.
+    Returns `(y [B, T, H, D] in the bank's dtype, final_bank [P, K, D], repeats [P])`; with `in_place` the final
+    bank aliases `bank` (a bank per stream; a shared one is broadcast first).
 
     Lowered for the CPU it is the token recurrence in one kernel (`ffi_ops.token_recurrence_ffi`) on those arrays
     as they are: a no-grad forward needs none of Phase 1, the solves or the snapshots, on a CPU the tokens in order
@@ -149,34 +150,41 @@ def _sdm_kernels_primal(bank, tokens, dims, slab_tokens):
     def recurrence(bank, k_idx, k_val, x, v, beta, q_idx, q_val):
         bank = _per_stream_bank(bank, dims)
         y, final, repeats = ffi_ops.token_recurrence_ffi(split(bank, 0, H), ids(k_idx), k_val, x, v, beta,
-                                                         ids(q_idx), q_val)
+                                                         ids(q_idx), q_val, in_place=in_place)
         return y, merge(final, 0), merge(repeats, 0)
 
     def chunked(bank, *per_token):
-        return _forward_in_slabs(bank, Inputs(None, *per_token, None), dims, slab_tokens)
+        return _forward_in_slabs(bank, Inputs(None, *per_token, None), dims, slab_tokens, in_place)
 
     return jax.lax.platform_dependent(bank, *per_token, cpu=recurrence, default=chunked)
 
 
-def _forward_in_slabs(bank, tokens, dims, slab_tokens):
+def _forward_in_slabs(bank, tokens, dims, slab_tokens, in_place=False):
     """The chunked kernels' forward without residuals (no packed sequences) on one shard (bank `[P, K, D]`, `tokens`
     an `Inputs` with per-token arrays `[B, T, H, ...]`) in slabs of `slab_tokens` tokens (whole chunks), each laid
     out for the kernels on its own: `(y [B, T, H, D] in the bank's dtype, final_bank [P, K, D], repeats [P])`, the
     same bits as the forward that keeps residuals (every phase works chunk by chunk). The slabs make one fresh final
     bank (`ffi_ops.ForwardSlab`): the first slab makes it, the later ones update it in place inside a `lax.scan`;
     the kernels read each row from the input bank until its first write in any slab, and the last slab copies the
-    rows no slab wrote. The slabs write their readings into the one output array."""
+    rows no slab wrote. With `in_place` every slab updates `bank` itself (aliased; a shared bank is broadcast
+    first): no row is copied. The slabs write their readings into the one output array."""
     T = dims.T
     slab = min(T, max(1, slab_tokens // dims.C) * dims.C)
     per_token = tokens._replace(bank=None, packed=None)
+    if in_place:
+        bank = _per_stream_bank(bank, dims)
 
     def run(start, T_slab, carry=None, first=None, last=True, one=False):
         cut = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, T_slab, 1), per_token)
         inputs = _kernel_inputs(cut._replace(bank=bank), dims._replace(T=T_slab))
         p1 = ffi_ops.phase1_ffi(inputs.k_idx, inputs.k_val, inputs.x, inputs.q_idx, inputs.q_val, dims.K)
         minv = ffi_ops.solve_ffi(p1.A, inputs.beta)
-        out = ffi_ops.forward_ffi(inputs.bank, inputs.k_idx, inputs.q_idx, inputs.v, inputs.beta, p1, minv, False,
-                                  slab=None if one else ffi_ops.ForwardSlab(carry, first, last))
+        forward = functools.partial(ffi_ops.forward_ffi, k_idx=inputs.k_idx, q_idx=inputs.q_idx, v=inputs.v,
+                                    beta=inputs.beta, p1=p1, minv=minv, save=False)
+        if in_place:  # the bank the previous slab updated (the input for the first), updated again
+            out = forward(bank if carry is None else carry, in_place=True)
+        else:
+            out = forward(inputs.bank, slab=None if one else ffi_ops.ForwardSlab(carry, first, last))
         y = layout.from_units(out.y, dims._replace(T=T_slab))
         return out.bank, out.first, y, jnp.sum(p1.repeats, axis=0, dtype=jnp.int32)
 
@@ -323,7 +331,7 @@ def _kernels_per_stream(local_fn, static, args, in_axes, out_axes):
 def _local(static, arrays):
     """One shard's tree (`static`'s structure) of `arrays`, with `B, H` merged into `P = B*H` in every array but the
     per-token ones in the public layout, and the `Dims` of the shard (its `B` and `H`)."""
-    dims, _, treedef, axes, _ = static
+    dims, _, treedef, axes, _, _ = static
     tree = jax.tree_util.tree_unflatten(treedef, arrays)
     B, _, H = _tokens_of(tree).k_idx.shape[:3]
     merged = [a if at in (TOKENS, HEADS) else merge(a, at[0])
@@ -338,8 +346,9 @@ def _tokens_of(tree):
 def _local_forward(save, static, *arrays):
     """One shard's forward on the arrays of an `Inputs` (bank `[B, H, K, D]`, per-token arrays `[B, T, H, ...]`):
     lay the tokens out for the kernels and run them (`_sdm_kernels_fwd`), or without `save` and packed sequences
-    run the no-grad forward (`_sdm_kernels_primal`). `static` is `(dims, slab_tokens, treedef, axes, snapshot_code)`
-    (`_flatten`; `snapshot_code`: how the snapshot is stored, `ffi_ops.SNAPSHOT_CODES`).
+    run the no-grad forward (`_sdm_kernels_primal`). `static` is `(dims, slab_tokens, treedef, axes, snapshot_code,
+    in_place)` (`_flatten`; `snapshot_code`: how the snapshot is stored, `ffi_ops.SNAPSHOT_CODES`; `in_place`: the
+    no-grad forward's final bank aliases the bank).
 
     Returns `(y [B, T, H, D] in the bank's dtype, final [B, H, K, D], repeats [B, H])`, then with `save` the arrays
     of the kernels' `Saved` residuals (`_flatten`).
@@ -352,7 +361,7 @@ def _local_forward(save, static, *arrays):
         y = layout.from_units(y, dims)
         repeats = jnp.sum(repeats, axis=0, dtype=jnp.int32)
     else:
-        (y, final, repeats), saved = _sdm_kernels_primal(tree.bank, tree, dims, static[1]), None
+        (y, final, repeats), saved = _sdm_kernels_primal(tree.bank, tree, dims, static[1], static[5]), None
     out = (y, split(final, 0, dims.H), split(repeats, 0, dims.H))
     if not save:
         return out
@@ -401,31 +410,32 @@ def _saved_structure(static, arrays):
     return saved_def, saved_axes
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def stream_kernels(inputs, dims, grad_dtype, slab_tokens, snapshot_code=0):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def stream_kernels(inputs, dims, grad_dtype, slab_tokens, snapshot_code=0, in_place=False):
     """The op on the kernels with explicit streams: `Inputs` with the bank `[B, H, K, D]` and per-token arrays in
     the public layout `[B, T, H, ...]` (int32 ids, the values in the bank's dtype, float32 `beta` and gates `x`,
     per token or per lane as `dims.per_write_gates` says; `packed`: None, or a `Packed` of
     `segments.chunk_segments`, int32, in stream units). `grad_dtype` (a dtype name) is the backward's working
     gradient bank: "float32", or the bank's dtype. A call that is not differentiated runs in slabs of
-    `slab_tokens` tokens (without packed sequences) and saves no residuals. `snapshot_code`: how the forward stores
-    the snapshot for the backward (`ffi_ops.SNAPSHOT_CODES`).
+    `slab_tokens` tokens (without packed sequences) and saves no residuals; with `in_place` its final bank aliases
+    the bank (a differentiated call keeps the bank for the backward and ignores it). `snapshot_code`: how the
+    forward stores the snapshot for the backward (`ffi_ops.SNAPSHOT_CODES`).
 
     Returns `(y [B, T, H, D] in the bank's dtype, final_bank [B, H, K, D], repeats [B, H])`. Inside `shard_map`
     the inputs must vary along the same manual axes; the results and the gradients are typed as varying along them
     (the FFI calls' results carry no such type).
     """
     arrays, axes, treedef = _flatten(inputs)
-    outs = _kernels_per_stream(_local_primal, (dims, slab_tokens, treedef, axes, snapshot_code), arrays, axes,
-                               (TOKENS, BANK, BANK))
+    outs = _kernels_per_stream(_local_primal, (dims, slab_tokens, treedef, axes, snapshot_code, in_place), arrays,
+                               axes, (TOKENS, BANK, BANK))
     return tuple(to_varying(o, varying_axes(*arrays)) for o in outs)
 
 
-def _stream_kernels_fwd(inputs, dims, grad_dtype, slab_tokens, snapshot_code):
+def _stream_kernels_fwd(inputs, dims, grad_dtype, slab_tokens, snapshot_code, in_place):
     # symbolic_zeros: the inputs come as CustomVJPPrimal (value, perturbed)
     inputs = jax.tree_util.tree_map(lambda a: a.value, inputs, is_leaf=lambda a: isinstance(a, CustomVJPPrimal))
     arrays, axes, treedef = _flatten(inputs)
-    static = (dims, slab_tokens, treedef, axes, snapshot_code)
+    static = (dims, slab_tokens, treedef, axes, snapshot_code, False)
     saved_def, saved_axes = _saved_structure(static, arrays)
     y, final, repeats, *saved = _kernels_per_stream(_local_saving, static, arrays, axes,
                                                     (TOKENS, BANK, BANK) + saved_axes)
@@ -436,7 +446,7 @@ def _stream_kernels_fwd(inputs, dims, grad_dtype, slab_tokens, snapshot_code):
     return (y, final, repeats), (kept, jax.tree_util.tree_unflatten(saved_def, saved))
 
 
-def _stream_kernels_bwd(dims, grad_dtype, slab_tokens, snapshot_code, residuals, cotangents):
+def _stream_kernels_bwd(dims, grad_dtype, slab_tokens, snapshot_code, in_place, residuals, cotangents):
     kept, saved = residuals
     packed = kept.packed is not None
     dy, dfinal, _ = cotangents
@@ -447,8 +457,8 @@ def _stream_kernels_bwd(dims, grad_dtype, slab_tokens, snapshot_code, residuals,
         dfinal = jnp.zeros(shape, grad_dtype)
     dy = jnp.zeros(dy.shape, dy.dtype) if isinstance(dy, SymbolicZero) else dy  # the readings' dtype, the bank's
     arrays, axes, treedef = _flatten(BackwardArgs(dfinal.astype(grad_dtype), dy, kept, saved))
-    grads = _kernels_per_stream(_local_backward, (dims, slab_tokens, treedef, axes, snapshot_code), arrays, axes,
-                                (BANK,) + (TOKENS,) * 5)
+    grads = _kernels_per_stream(_local_backward, (dims, slab_tokens, treedef, axes, snapshot_code, False), arrays,
+                                axes, (BANK,) + (TOKENS,) * 5)
     grads = Grads(*(to_varying(g, varying_axes(*jax.tree_util.tree_leaves(kept))) for g in grads))
     dbank = grads.bank.astype(kept.bank.dtype)
     if not packed and dims.shared_bank:  # a bank shared by the batch: the sum of its streams' gradients
@@ -460,12 +470,13 @@ stream_kernels.defvjp(_stream_kernels_fwd, _stream_kernels_bwd, symbolic_zeros=T
 
 
 def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, grad_dtype=None, seg=None,
-            slab_tokens=NOGRAD_SLAB_TOKENS, snapshot_code=0):
+            slab_tokens=NOGRAD_SLAB_TOKENS, snapshot_code=0, in_place=False):
     """The op on the FFI kernels, partitioned per stream: `(y [B, T, H, D], final_bank [B, H, K, D], repeats)`.
     `grad_dtype`: the backward's working gradient bank, float32 or (None, the default) the bank's dtype. `seg`:
     the tokens' segment counters of packed sequences (`segments.segment_numbers`, padding already dropped), or
     None. `slab_tokens`: the tokens per slab of a call that is not differentiated (`_forward_in_slabs`).
-    `snapshot_code`: how the forward stores the snapshot for the backward (`ffi_ops.SNAPSHOT_CODES`).
+    `snapshot_code`: how the forward stores the snapshot for the backward (`ffi_ops.SNAPSHOT_CODES`). `in_place`:
+    the final bank of a call that is not differentiated aliases `bank` (`stream_kernels`).
 
     Under a mesh with `Explicit` axes (sharding in types) the body runs with those axes made `Auto` (where
     `custom_partitioning` works) and the results get the shardings of the inputs: `y` like `k_idx`, the final bank
@@ -476,7 +487,7 @@ def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, grad_dtype=None,
     _refuse_forward_mode(args)
     grad_dtype = jnp.dtype(bank.dtype if grad_dtype is None else grad_dtype).name
     run = functools.partial(_sdm_ffi_streams, dims=dims, grad_dtype=grad_dtype, slab_tokens=slab_tokens,
-                            snapshot_code=snapshot_code)
+                            snapshot_code=snapshot_code, in_place=in_place)
     explicit = explicit_out_sharding(*args)
     if explicit is not None:
         out_sharding, axes = explicit
@@ -484,7 +495,8 @@ def sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, grad_dtype=None,
     return run(*args, seg)
 
 
-def _sdm_ffi_streams(bank, k_idx, k_val, v, beta, g, q_idx, q_val, seg, dims, grad_dtype, slab_tokens, snapshot_code):
+def _sdm_ffi_streams(bank, k_idx, k_val, v, beta, g, q_idx, q_val, seg, dims, grad_dtype, slab_tokens, snapshot_code,
+                     in_place):
     packed = None if seg is None else Packed(*segments.chunk_segments(seg, dims, layout.to_stream_units))
     # Without packed sequences the kernels read a shared `[H, K, D]` bank as it is (no `[B, H, K, D]` broadcast
     # first); the backward sums its gradient over the batch (`_stream_kernels_bwd`).
@@ -494,5 +506,5 @@ def _sdm_ffi_streams(bank, k_idx, k_val, v, beta, g, q_idx, q_val, seg, dims, gr
     # an input that does not (e.g. a bank shared by the devices) the transpose of this cast sums its gradient.
     axes = varying_axes(*jax.tree_util.tree_leaves(inputs))
     y, final, repeats = stream_kernels(jax.tree_util.tree_map(lambda a: to_varying(a, axes), inputs), dims,
-                                       grad_dtype, slab_tokens, snapshot_code)
+                                       grad_dtype, slab_tokens, snapshot_code, in_place)
     return y, final, jnp.sum(repeats)

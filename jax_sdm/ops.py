@@ -124,7 +124,7 @@ def default_chunk_size(impl="auto"):
 
 
 def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=None, impl="auto", check=False,
-                   return_repeats=False, segment_ids=None, bank_grad_dtype=None, snapshot_dtype=None):
+                   return_repeats=False, segment_ids=None, bank_grad_dtype=None, snapshot_dtype=None, in_place=False):
     """Sparse Delta Memory: write then read a sparse per-head memory bank at every token (docs/MATH.md).
 
     Args:
@@ -177,6 +177,12 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=N
         row. The lossy ones change only the gradients of `k_val`, `g` and `q_val`: the backward reads the rows
         earlier chunks wrote from the decoded snapshot (measured errors in docs/MATH.md). Results are bitwise reproducible for
         each. The pure-JAX paths ignore it (they keep no snapshot).
+      in_place: return the final bank in `bank`'s buffer, for a call of the kernels (`impl="ffi"`) that is not
+        differentiated and has no `segment_ids`: a prefill whose bank the caller drops. With `bank` donated to the
+        enclosing `jax.jit` (`donate_argnums`), the kernels update the written rows where they are and touch no
+        other row; otherwise XLA copies the whole bank first, which costs more than the default (a new final bank,
+        into which only the rows no token writes are copied). The same results either way. A differentiated call
+        keeps `bank` for the backward and ignores it, and so do the other `impl`s and packed sequences.
 
     Returns:
       `(y, final_bank)`: readings `[B, T, H, D]` and the bank after the last token `[B, H, K, D]`, in the bank's
@@ -200,6 +206,8 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=N
         raise ValueError(f"sdm_write_read: `bank_grad_dtype` must be None, float32 or the bank's dtype "
                          f"({bank.dtype}), got {jnp.dtype(bank_grad_dtype)}")
     snapshot = snapshot_code(snapshot_dtype, bank.dtype)
+    if not isinstance(in_place, bool):
+        raise TypeError(f"sdm_write_read: `in_place` must be a bool, got {type(in_place).__name__}")
     seg = None
     if segment_ids is not None:
         segment_ids = jnp.asarray(segment_ids)
@@ -233,5 +241,5 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=N
         y, final, repeats = _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, seg)
     else:
         y, final, repeats = kernel_path.sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, bank_grad_dtype,
-                                                seg, snapshot_code=snapshot)
+                                                seg, snapshot_code=snapshot, in_place=bool(in_place))
     return (y, final, repeats) if return_repeats else (y, final)

@@ -149,3 +149,71 @@ def test_slab_refuses_a_carry_not_updated_in_place(monkeypatch):
     monkeypatch.setattr(ffi_ops, "_call", lambda target, results, aliases=None, **ops: call(target, results, **ops))
     with pytest.raises(Exception, match="carry and first must alias"):
         jax.block_until_ready(ffi_ops.forward_ffi(*steps, slab=ffi_ops.ForwardSlab(first.bank, first.first, True)).y)
+
+
+def _donated_temp_bytes(fn, args):
+    """XLA's temporaries of `fn` jitted with its first argument (the bank) donated."""
+    return jax.jit(fn, donate_argnums=0).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("T, C, slab_tokens", SLABS[:4])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_chunked_slabs_in_place_equal_the_fresh_bank(T, C, slab_tokens, dtype):
+    """The chunked kernels' no-grad forward in slabs updating the bank in place (`in_place`: the bank aliased to
+    every slab's result, a shared bank broadcast first) gives the bits of the fresh final bank's; with the bank
+    donated, it needs no bank-sized temporary, which the fresh final bank does."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    args, dims = _args(seed, T, C, dtype, per_write_gates=seed % 2, shared=seed % 3 == 0)
+    tokens = kernel_path.Inputs(None, *(args[NAMES.index(n)] for n in TOKEN_FIELDS), None)
+    bank = kernel_layout(*args, dims).bank if dims.shared_bank else args[0].reshape(dims.P, dims.K, dims.D)
+    run = lambda in_place: lambda b, t: kernel_path._forward_in_slabs(b, t, dims, slab_tokens, in_place)
+    fresh = jax.jit(run(False))(bank, tokens)
+    in_place = jax.jit(run(True), donate_argnums=0)(jnp.array(bank, copy=True), tokens)
+    for a, b in zip(fresh, in_place):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if not dims.shared_bank:
+        temp = lambda in_place: _donated_temp_bytes(run(in_place), (bank, tokens))
+        assert temp(True) + bank.nbytes <= temp(False), (temp(True), temp(False))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_public_in_place_equals_the_default(dtype):
+    """`sdm_write_read(..., in_place=True)`: the same readings and final bank as the default, the donated bank
+    updated where it is (no bank-sized temporary, which the default's donated bank needs); not donated, XLA
+    copies it and the caller's bank stays as it was."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    T = 3 * 64 + 24
+    args, _ = _args(seed, T, 64, dtype, per_write_gates=seed % 2)
+    call = lambda in_place: lambda *a: sdm_write_read(*a, chunk_size=16, impl="ffi", in_place=in_place)
+    want = jax.jit(call(False))(*args)
+    before = np.asarray(args[0]).copy()
+    kept = jax.jit(call(True))(*args)
+    np.testing.assert_array_equal(np.asarray(args[0]), before)
+    donated = jax.jit(call(True), donate_argnums=0)(jnp.array(args[0], copy=True), *args[1:])
+    for got in (kept, donated):
+        for a, b in zip(want, got):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    temp = lambda in_place: _donated_temp_bytes(call(in_place), args)
+    assert temp(True) + args[0].nbytes <= temp(False), (temp(True), temp(False))
+
+
+def test_in_place_is_ignored_by_a_differentiated_call():
+    """A differentiated call keeps the bank for the backward: `in_place` changes none of its results or gradients."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    args, _ = _args(seed, 40, 8, np.float32, per_write_gates=False)
+
+    def loss(in_place):
+        def f(bank, v):
+            y, final = sdm_write_read(bank, *args[1:3], v, *args[4:], chunk_size=8, impl="ffi", in_place=in_place)
+            return jnp.sum(y * y) + jnp.sum(final * final)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+
+    want, got = loss(False)(args[0], args[3]), loss(True)(args[0], args[3])
+    for a, b in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_in_place_must_be_a_bool():
+    args, _ = _args(0, 8, 8, np.float32, per_write_gates=False)
+    with pytest.raises(TypeError, match="`in_place` must be a bool"):
+        sdm_write_read(*args, chunk_size=8, in_place="yes")
