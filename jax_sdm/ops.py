@@ -241,5 +241,5 @@ def sdm_write_read(bank, k_idx, k_val, v, beta, g, q_idx, q_val, *, chunk_size=N
         y, final, repeats = _sdm_xla(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, seg)
     else:
         y, final, repeats = kernel_path.sdm_ffi(bank, k_idx, k_val, v, beta, g, q_idx, q_val, dims, bank_grad_dtype,
-                                                seg, snapshot_code=snapshot, in_place=bool(in_place))
+                                                seg, snapshot_code=snapshot, in_place=in_place)
     return (y, final, repeats) if return_repeats else (y, final)

@@ -355,6 +355,8 @@ __device__ __forceinline__ void mma_tri_product(const float* M, int ms, const fl
   const int mt = C / kMmaRows, units = (mt + 1) / 2 * np;
   for (int unit = threadIdx.x / 32; unit < units; unit += blockDim.x / 32) {
     const int i = unit / np, p = unit % np, j = mt - 1 - i;
+    // The long tile l and the short one sm (none where i = j, the middle of an odd mt): l takes k in [r0, r1), sm
+    // in [s0, s1), a part of it.
     const int l = kTransposed ? i : j, sm = kTransposed ? j : i;
     const int r0 = kTransposed ? 16 * l : 0, r1 = kTransposed ? C : 16 * l + 16;
     const int s0 = kTransposed ? 16 * sm : 0, s1 = kTransposed ? C : 16 * sm + 16;
