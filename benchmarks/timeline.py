@@ -1,12 +1,14 @@
 """A device timeline of bench.py's calls (the stand-in for an nsys timeline: nsys is not on the GPU machine):
 where the wall time of one call goes between kernels, copies and idle gaps.
 
-    python3 benchmarks/timeline.py [shape] [chunk] [grad|nograd] [--calls N] [--trace-dir DIR] [--snapshot-dtype D]
+    python3 benchmarks/timeline.py [shape] [chunk] [grad|nograd|inplace] [--calls N] [--trace-dir DIR]
+                                   [--snapshot-dtype D]
 
 Runs the function a few times to warm up, then `--calls` times under `jax.profiler` (a Perfetto trace with the
 device's activity), and prints for the median call: its span on the device (first activity to last), the time
 in kernels, in copies and memsets, the idle time between activities, the largest gaps and which activities they
-sit between, and the time each kind of activity takes in all.
+sit between, and the time each kind of activity takes in all. `inplace` is the no-grad forward with
+`in_place=True` and the bank donated, each call taking the previous call's bank (bench.py's "in place" columns).
 """
 import argparse
 import collections
@@ -15,7 +17,9 @@ import time
 
 import jax
 
-from bench import SHAPES, make_functions, make_inputs, warm_up
+from jax_sdm import sdm_write_read
+
+from bench import SHAPES, ThreadedBank, make_functions, make_inputs, warm_up
 from device_trace import device_events, is_device, record
 
 
@@ -83,7 +87,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("shape", nargs="?", default="flagship", choices=sorted(SHAPES))
     ap.add_argument("chunk", nargs="?", type=int)
-    ap.add_argument("mode", nargs="?", default="grad", choices=["grad", "nograd"])
+    ap.add_argument("mode", nargs="?", default="grad", choices=["grad", "nograd", "inplace"])
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--trace-dir")
     ap.add_argument("--snapshot-dtype", choices=["bfloat16", "float8_e4m3fn", "int4"],
@@ -95,6 +99,10 @@ def main():
     args, dy, dbank = make_inputs(shape, 0)
     forward, step = make_functions("ffi", shape["chunk"], dy, dbank, a.snapshot_dtype)
     fn = forward if a.mode == "nograd" else step
+    if a.mode == "inplace":
+        fn = ThreadedBank(lambda bank, *rest: sdm_write_read(bank, *rest, chunk_size=shape["chunk"], impl="ffi",
+                                                             snapshot_dtype=a.snapshot_dtype, in_place=True), args[0])
+        args = args[1:]
     warm_up(fn, args)
     walls = []
 
