@@ -217,3 +217,29 @@ def test_in_place_must_be_a_bool():
     args, _ = _args(0, 8, 8, np.float32, per_write_gates=False)
     with pytest.raises(TypeError, match="`in_place` must be a bool"):
         sdm_write_read(*args, chunk_size=8, in_place="yes")
+
+
+def test_layer_prefill_in_place_equals_the_default():
+    """The layer's prefill with `in_place=True`: the outputs and the new state of the default call, bit for bit;
+    with the state donated, no state-sized temporary, which the default call needs (a state larger than all the
+    addressing's temporaries together)."""
+    from flax import nnx
+
+    from jax_sdm.nn import SparseDeltaMemory
+
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    layer = SparseDeltaMemory(16, num_heads=2, slots_per_head=16384, num_writes=2, num_reads=2, head_dim=8,
+                              impl="ffi", chunk_size=16, bank_init_std=0.1, rngs=nnx.Rngs(seed))
+    graphdef, params = nnx.split(layer)
+    rng = np.random.default_rng(seed)
+    state = jnp.asarray(rng.standard_normal((2, 2, 16384, 8)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 3 * 16 + 5, 16)), jnp.float32)
+    prefill = lambda in_place: lambda s, p, x: nnx.merge(graphdef, p)(x, state=s, in_place=in_place)
+    want = jax.jit(prefill(False))(state, params, x)
+    got = jax.jit(prefill(True), donate_argnums=0)(jnp.array(state, copy=True), params, x)
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    temp = lambda in_place: _donated_temp_bytes(prefill(in_place), (state, params, x))
+    assert temp(True) < state.nbytes <= temp(False), (temp(True), state.nbytes, temp(False))
+    with pytest.raises(TypeError, match="`in_place` must be a bool"):
+        layer(x, state=state, in_place=1)

@@ -131,9 +131,13 @@ class SparseDeltaMemory(nnx.Module):
         the inputs as they are sharded.
       rngs: `nnx.Rngs` for the initialisation.
 
-    Call: `y, state = layer(x, state=None, segment_ids=None)`. Without a state the sequence starts from the
-    initial bank; `state` (from `init_state` or a previous call) is the bank `[B, H, K, D]` to continue from, and
-    the returned state is the bank after the last token. A call with one token (`T == 1`) and a state is a decode
+    Call: `y, state = layer(x, state=None, segment_ids=None, in_place=False)`. Without a state the sequence starts
+    from the initial bank; `state` (from `init_state` or a previous call) is the bank `[B, H, K, D]` to continue
+    from, and the returned state is the bank after the last token. `in_place=True` with a state is for a prefill
+    that drops the state it passes: the new state comes back in that state's buffer when the caller donates it to
+    its `jax.jit` (`donate_argnums`), so that only the written rows are touched (`sdm_write_read`'s `in_place`;
+    without donation XLA copies the state first; ignored without a state, under a gradient, with `segment_ids`
+    and by the pure-JAX `impl`s). A call with one token (`T == 1`) and a state is a decode
     step (inference only: not differentiable, as `jax_sdm.sdm_step`); `decode` and `decode_loop` are the decode
     interface. `segment_ids [B, T]` (packed and padded sequences: a new id starts again from the initial
     bank or `state`, a negative id pads) go to `sdm_write_read`, with the `impl`s that serve them.
@@ -441,10 +445,12 @@ class SparseDeltaMemory(nnx.Module):
             raise ValueError(f"SparseDeltaMemory: `state` must be the bank [B, H, K, D] = {bank_shape}, got "
                              f"{tuple(state.shape)} (make one with init_state(batch_size))")
 
-    def __call__(self, x, *, state=None, segment_ids=None):
+    def __call__(self, x, *, state=None, segment_ids=None, in_place=False):
         """`x [B, T, d_model]` -> `(y [B, T, d_model], state [B, H, K, D])` (see the class docstring)."""
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"SparseDeltaMemory: `x` must be [B, T, d_model={self.d_model}], got {x.shape}")
+        if not isinstance(in_place, bool):
+            raise TypeError(f"SparseDeltaMemory: `in_place` must be a bool, got {type(in_place).__name__}")
         B, T, _ = x.shape
         self._check_state(state, B)
         if state is not None and T == 1 and segment_ids is None:
@@ -460,7 +466,8 @@ class SparseDeltaMemory(nnx.Module):
                          for a in args)
         with jax.named_scope("memory"):
             y, bank = jax_sdm.sdm_write_read(bank, *args, chunk_size=self.chunk_size, impl=self.impl,
-                                             segment_ids=segment_ids, snapshot_dtype=self.snapshot_dtype)
+                                             segment_ids=segment_ids, snapshot_dtype=self.snapshot_dtype,
+                                             in_place=in_place and state is not None)
         if self.sequence_axis is not None:  # back to T; pinned on heads first, so that its cotangent reaches the op so
             spec = jax.sharding.PartitionSpec
             pin = lambda a, s: jax.lax.with_sharding_constraint(a, s)
