@@ -224,14 +224,16 @@ def detail_row(impl, name, shape, args, dy, dbank, repeats, calls, snapshot_dtyp
     peak = peak[0] if peak else None
     y, final = jax.eval_shape(nograd, *floats)
     cts = (dy.astype(y.dtype), jnp.zeros(final.shape, final.dtype) if dbank is None else dbank.astype(final.dtype))
-    bwd = jax.jit(lambda vjp_fn: vjp_fn(cts))
+    # The cotangents go in as arguments: closed over they would be constants of the program (a bank-sized one
+    # at the paper's shape, 2 GiB), as WithCotangents says.
+    bwd = jax.jit(lambda vjp_fn, cts: vjp_fn(cts))
     t_nograd = measure(f"{impl} {name} no-grad fwd", nograd, floats, repeats, calls)
     in_place = ThreadedBank(functools.partial(op, in_place=True), floats[0])
     t_in_place = measure(f"{impl} {name} no-grad fwd, bank donated", in_place, floats[1:], repeats, calls)
     del in_place
     t_train = measure(f"{impl} {name} training fwd", train_fwd, floats, repeats, calls)
     _, vjp_fn = train_fwd(*floats)
-    t_bwd = measure(f"{impl} {name} bwd", bwd, (vjp_fn,), repeats, calls)
+    t_bwd = measure(f"{impl} {name} bwd", bwd, (vjp_fn, cts), repeats, calls)
     del vjp_fn
     elem = 2 if shape["dtype"] == "bfloat16" else 4
     bank_bytes = shape["B"] * shape["H"] * shape["T"] * (3 * shape["W"] + shape["R"]) * shape["D"] * elem
