@@ -2,8 +2,8 @@
 # The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
 #
 #   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,memory,profile,
-#                                          kernel_detail,timeline,sanitize,rowbw,dense_tiles,layer,topk,topk_profile,
-#                                          decode_trace,decode_profile,decode_source,snapshot
+#                                          kernel_detail,timeline,sanitize,rowbw,carveout,dense_tiles,layer,topk,
+#                                          topk_profile,decode_trace,decode_profile,decode_source,snapshot
 #                                          (default: build,tests,determinism,bench)
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
@@ -356,6 +356,15 @@ if has rowbw; then
     && timeout 200 /tmp/row_bandwidth ${ROWBW_ARGS:-} >> "$OUT/row_bandwidth.txt" 2>&1
   summary "rowbw rc=$?"
   grep -E "^copy|^\| (read|write|rmw)" "$OUT/row_bandwidth.txt" | sort -t'|' -k8 -n -r | head -12 | tee -a "$OUT/summary.txt"
+fi
+pack
+if has carveout; then
+  # What the boundaries between a row kernel and a staged kernel cost under each shared-memory carveout
+  # preference (benchmarks/carveout.cu, standalone).
+  nvcc -O3 -std=c++17 -arch=sm_90 "$REPO/benchmarks/carveout.cu" -o /tmp/carveout > "$OUT/carveout.txt" 2>&1 \
+    && timeout 100 /tmp/carveout >> "$OUT/carveout.txt" 2>&1
+  summary "carveout rc=$?"
+  grep -E "^\| (default|max|split)" "$OUT/carveout.txt" | tee -a "$OUT/summary.txt"
 fi
 pack
 if has memory; then
