@@ -7,9 +7,10 @@
 // For each carveout preference given to both kernels (`default`: none set, the driver picks per kernel; `max`:
 // cudaSharedmemCarveoutMaxShared on both; `split`: the row kernel max L1, the staged kernel max shared), it times
 // launches of the row kernel alone, the staged kernel alone and the pair in turn, and prints the pair's time minus
-// the two alone: what the boundaries cost. Standalone (no jax_sdm code); on the GPU machine:
+// the two alone: what the boundaries cost. It launches as the chunk steps do (kernels/chunk_steps/launch.cuh); on
+// the GPU machine, from the repository's root:
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/carveout.cu -o /tmp/carveout && /tmp/carveout [rows smem_kb]
+//   nvcc -O3 -std=c++17 -arch=sm_90 -I. benchmarks/carveout.cu -o /tmp/carveout && /tmp/carveout [rows smem_kb]
 //
 // Times: CUDA events around 50 launches (or pairs) after 5 warm-up ones, the median of 5 such runs.
 #include <cuda_bf16.h>
@@ -22,6 +23,8 @@
 #include <random>
 #include <vector>
 
+#include "kernels/chunk_steps/launch.cuh"
+
 #include "cuda_check.h"
 
 namespace {
@@ -30,17 +33,10 @@ constexpr int kD = 2048;            // bfloat16 columns a row (4 KB), the paper 
 constexpr int kK = 262144;          // rows of the bank (1 GiB): a launch's rows miss the L2
 constexpr int kStagedThreads = 512;  // 16 warps, as the apply-inverse kernels
 
-__device__ __forceinline__ void chain() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // One warp a row: each lane reads its 16-byte segments and the warp writes the row's sum (so no load is dropped).
 __global__ void __launch_bounds__(256) row_kernel(const uint4* __restrict__ bank, const int32_t* __restrict__ rows,
                                                   int n, float* __restrict__ out) {
-  chain();
+  sdm::chain_start();
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
   if (warp >= n) return;
   const uint4* row = bank + static_cast<int64_t>(rows[warp]) * (kD / 8);
@@ -61,7 +57,7 @@ __global__ void __launch_bounds__(256) row_kernel(const uint4* __restrict__ bank
 __global__ void __launch_bounds__(kStagedThreads) staged_kernel(const float4* __restrict__ src, int floats,
                                                                 float* __restrict__ out) {
   extern __shared__ float4 smem[];
-  chain();
+  sdm::chain_start();
   const float4* s = src + static_cast<int64_t>(blockIdx.x) * (floats / 4);
   for (int i = threadIdx.x; i < floats / 4; i += blockDim.x) smem[i] = s[i];
   __syncthreads();
@@ -71,21 +67,6 @@ __global__ void __launch_bounds__(kStagedThreads) staged_kernel(const float4* __
     acc += q.x + q.y + q.z + q.w;
   }
   out[blockIdx.x * blockDim.x + threadIdx.x] = acc;
-}
-
-template <typename Kernel, typename... Args>
-void launch(Kernel kernel, int grid, int block, size_t smem, cudaStream_t stream, Args... args) {
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
 // Median over 5 runs of the time of `launches` calls of `body(i)`, in us a call.
@@ -147,12 +128,14 @@ int main(int argc, char** argv) {
 
   const int windows = kK / rows;
   auto rows_launch = [&](int call) {
-    launch(row_kernel, (rows * 32 + 255) / 256, 256, 0, stream, static_cast<const uint4*>(bank),
-           static_cast<const int32_t*>(d_table + (call % windows) * rows), rows, out_rows);
+    CHECK(static_cast<cudaError_t>(sdm::launch(true, row_kernel, (rows * 32 + 255) / 256, 256, 0, stream,
+                                               static_cast<const uint4*>(bank),
+                                               static_cast<const int32_t*>(d_table + (call % windows) * rows),
+                                               rows, out_rows)));
   };
   auto staged_launch = [&](int) {
-    launch(staged_kernel, sms, kStagedThreads, smem, stream, reinterpret_cast<const float4*>(src), floats,
-           out_staged);
+    CHECK(static_cast<cudaError_t>(sdm::launch(true, staged_kernel, sms, kStagedThreads, smem, stream,
+                                               reinterpret_cast<const float4*>(src), floats, out_staged)));
   };
   struct Mode {
     const char* name;

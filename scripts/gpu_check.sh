@@ -360,8 +360,8 @@ fi
 pack
 if has carveout; then
   # What the boundaries between a row kernel and a staged kernel cost under each shared-memory carveout
-  # preference (benchmarks/carveout.cu, standalone).
-  nvcc -O3 -std=c++17 -arch=sm_90 "$REPO/benchmarks/carveout.cu" -o /tmp/carveout > "$OUT/carveout.txt" 2>&1 \
+  # preference (benchmarks/carveout.cu).
+  nvcc -O3 -std=c++17 -arch=sm_90 -I"$REPO" "$REPO/benchmarks/carveout.cu" -o /tmp/carveout > "$OUT/carveout.txt" 2>&1 \
     && timeout 100 /tmp/carveout >> "$OUT/carveout.txt" 2>&1
   summary "carveout rc=$?"
   grep -E "^\| (default|max|split)" "$OUT/carveout.txt" | tee -a "$OUT/summary.txt"
