@@ -139,15 +139,15 @@ int main(int argc, char** argv) {
   };
   struct Mode {
     const char* name;
-    int rows_pref, staged_pref;  // -1: not set
+    int rows_pref, staged_pref;
   };
-  const Mode modes[] = {{"default", -1, -1},
+  const Mode modes[] = {{"default", cudaSharedmemCarveoutDefault, cudaSharedmemCarveoutDefault},
                         {"max", cudaSharedmemCarveoutMaxShared, cudaSharedmemCarveoutMaxShared},
                         {"split", cudaSharedmemCarveoutMaxL1, cudaSharedmemCarveoutMaxShared}};
   std::printf("| carveout | row kernel us | staged kernel us | pair us | pair - both alone us |\n");
   std::printf("|---|---:|---:|---:|---:|\n");
   for (const Mode& m : modes) {
-    // cudaSharedmemCarveoutDefault (-1) is the driver's own choice again: each mode sets both attributes.
+    // Each mode sets both attributes: cudaSharedmemCarveoutDefault gives the choice back to the driver.
     CHECK(cudaFuncSetAttribute(row_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, m.rows_pref));
     CHECK(cudaFuncSetAttribute(staged_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, m.staged_pref));
     const float t_rows = time_us(stream, 50, rows_launch);
