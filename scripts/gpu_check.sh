@@ -2,8 +2,8 @@
 # The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
 #
 #   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,memory,profile,
-#                                          kernel_detail,timeline,sanitize,rowbw,carveout,dense_tiles,layer,topk,
-#                                          topk_profile,decode_trace,decode_profile,decode_source,snapshot
+#                                          kernel_detail,timeline,sanitize,rowbw,carveout,last_use,dense_tiles,layer,
+#                                          topk,topk_profile,decode_trace,decode_profile,decode_source,snapshot
 #                                          (default: build,tests,determinism,bench)
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
@@ -365,6 +365,15 @@ if has carveout; then
     && timeout 100 /tmp/carveout >> "$OUT/carveout.txt" 2>&1
   summary "carveout rc=$?"
   grep -E "^\| (default|max|split)" "$OUT/carveout.txt" | tee -a "$OUT/summary.txt"
+fi
+pack
+if has last_use; then
+  # Whether the write kernel keeps more of the gathered rows in the L2 with last-use loads and stores
+  # (benchmarks/last_use.cu).
+  nvcc -O3 -std=c++17 -arch=sm_90 -I"$REPO" "$REPO/benchmarks/last_use.cu" -o /tmp/last_use > "$OUT/last_use.txt" 2>&1 \
+    && timeout 100 /tmp/last_use >> "$OUT/last_use.txt" 2>&1
+  summary "last_use rc=$?"
+  grep -E "^\| (plain|loads|both)" "$OUT/last_use.txt" | tee -a "$OUT/summary.txt"
 fi
 pack
 if has memory; then

@@ -95,7 +95,9 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     const int lane = gr.lane;
     const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
     const int32_t* order = p1.w_order + u * C * W;
-    GT* drow = dbank + (s * K + slot) * D;  // dS1 is read at dsrc (the input's row until a fresh result's first write)
+    // dS1 is read at dsrc (the input's row until a fresh result's first write), loaded and stored as a last use
+    // (copy_cols_last_use): GWR gathered the rows a kernel earlier, in the token order Phase A takes them.
+    GT* drow = dbank + (s * K + slot) * D;
     const GT* dsrc = fresh_source(gr, dbank_in, dbank, zero_row, (s * K + slot) * D);
     const int64_t e0 = u * C * W + gr.first;
     const float cpe = p1.cpe[e0];
@@ -109,7 +111,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
 #pragma unroll
           for (int i = 0; i < VEC; ++i) acc[i] *= cpe;
           group_add<VEC>(order, lo, hi, k_eff, dG + d, W, D, acc);
-          store_cols<VEC>(drow + d, acc);
+          store_cols<VEC, GT, true>(drow + d, acc);
         }
         return;
       }
@@ -118,7 +120,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
       // warp_dot's order) and the gradient row. The first entry's delta and dG are the block's token's.
       const int32_t n = hi - lo;
       float p_cpe = 0.f, p_w[kInlineEntries] = {}, p_k[kInlineEntries] = {};
-      walk_two_sources<VEC>(RowSource<VEC, GT>{dsrc}, s0, pre, D, lane,
+      walk_two_sources<VEC>(RowSource<VEC, GT, true>{dsrc}, s0, pre, D, lane,
                             [&](int64_t d, const Cols<VEC, GT>& ds, const auto& sv, const float (&first)[2][VEC]) {
         float acc[VEC];
 #pragma unroll
@@ -145,7 +147,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
             acc[i] += k_eff[e] * dg[i];
           }
         }
-        store_cols<VEC>(drow + d, acc);
+        store_cols<VEC, GT, true>(drow + d, acc);
       });
       const float dcpe = warp_sum(p_cpe);
       if (lane == 0) io.dcpe[e0] = dcpe;

@@ -60,7 +60,7 @@ __device__ __forceinline__ void load_cols_ro(const T* p, float* out) {
 }
 
 // kStreaming: stores that the L2 evicts first (st.global.cs), for data no kernel of the call reads soon (the
-// snapshot), so that it does not push out rows that the next kernels read again.
+// snapshot, a chunk's written rows), so that it does not push out rows that this or the next kernels read again.
 template <int VEC, typename T, bool kStreaming = false>
 __device__ __forceinline__ void store_cols(T* p, const float* x) {
   constexpr int kBytes = VEC * static_cast<int>(sizeof(T));
@@ -93,6 +93,22 @@ __device__ __forceinline__ void copy_cols(const T* src, T* dst) {
   }
 }
 
+// copy_cols from global memory with loads the L2 evicts first (ld.global.cs), for rows a kernel reads for the last
+// time in its chunk while rows that the kernel before it gathered wait in the L2 for this kernel's later warps (the
+// forward write and Phase A read again, in token order, more of the gathered rows than the L2 holds): its misses
+// then replace one another rather than those rows.
+template <int VEC, typename T>
+__device__ __forceinline__ void copy_cols_last_use(const T* src, T* dst) {
+  if constexpr (VEC * sizeof(T) % 16 == 0) {
+#pragma unroll
+    for (int k = 0; k < static_cast<int>(VEC * sizeof(T) / 16); ++k)
+      reinterpret_cast<uint4*>(dst)[k] = __ldcs(reinterpret_cast<const uint4*>(src) + k);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) dst[i] = __ldcs(src + i);
+  }
+}
+
 // VEC consecutive columns of a row held in the row's own dtype (VEC * sizeof(T) bytes of registers, half those of
 // floats for bfloat16): the row kernels load several of these before using the first (more loads in flight per
 // thread, the kernels are latency-bound) and widen each column to float where it is used.
@@ -101,7 +117,11 @@ struct Cols {
   static constexpr int kBytes = VEC * static_cast<int>(sizeof(T));
   static constexpr bool kWide = kBytes % 16 == 0;
   alignas(kWide ? 16 : alignof(T)) T v[VEC];
-  __device__ __forceinline__ void load(const T* p) { copy_cols<VEC>(p, v); }
+  template <bool kLastUse = false>
+  __device__ __forceinline__ void load(const T* p) {
+    if constexpr (kLastUse) copy_cols_last_use<VEC>(p, v);
+    else copy_cols<VEC>(p, v);
+  }
   __device__ __forceinline__ void store(T* p) const { copy_cols<VEC>(v, p); }
   __device__ __forceinline__ float operator[](int i) const { return to_f(v[i]); }
 };
@@ -116,23 +136,24 @@ __host__ __device__ constexpr int segs_for(int budget, int seg_bytes) {
 }
 
 // S segments of VEC columns (32 * VEC apart) of a row from column d0 on, as far as D.
-template <int VEC, int S, typename T>
+template <bool kLastUse = false, int VEC, int S, typename T>
 __device__ __forceinline__ void load_batch(const T* row, int64_t d0, int64_t D, Cols<VEC, T> (&x)[S]) {
 #pragma unroll
   for (int k = 0; k < S; ++k) {
     if (d0 + k * 32 * VEC >= D) break;
-    x[k].load(row + d0 + k * 32 * VEC);
+    x[k].template load<kLastUse>(row + d0 + k * 32 * VEC);
   }
 }
 
 // A row in memory as walk_two_sources reads it: VEC columns at a time, as Cols of the row's dtype. (Another source,
 // snapshot.cuh's CodedRowSource, reads a coded snapshot row and decodes its columns where they are used.)
-template <int VEC, typename T>
+// kLastUse: loaded as copy_cols_last_use does.
+template <int VEC, typename T, bool kLastUse = false>
 struct RowSource {
   using ColsT = Cols<VEC, T>;
   static constexpr int kBytes = VEC * static_cast<int>(sizeof(T));  // loaded per segment
   const T* row;
-  __device__ __forceinline__ void load(int64_t d, ColsT& c) const { c.load(row + d); }
+  __device__ __forceinline__ void load(int64_t d, ColsT& c) const { c.template load<kLastUse>(row + d); }
 };
 
 // A lane of a one-warp-per-row kernel walks two row sources `a` and `b` (D columns each) in batches of S segments of

@@ -202,7 +202,7 @@ __device__ __forceinline__ void write_batch(const StepDims& dm, const StepPhase1
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] = __fmaf_rn(w0, dl[i], cpe * x[k][i]);
     group_add<VEC>(p1.w_order + u * C * W, gr.lo + 1, gr.hi, w, delta + d, W, D, acc);
-    store_cols<VEC>(row + d, acc);
+    store_cols<VEC, T, true>(row + d, acc);  // streamed: see load_batch<true> in fwd_write_kernel
     if (snap) snapshot_store_cols<VEC>(snap + d, acc);  // the written row, the same roundings
   }
 }
@@ -240,6 +240,8 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   // inverse) started, which waited for the gather, which waited for the previous chunk's write: the table rows and
   // the first group's first batch are loaded before chain_start waits for its predecessor, so those loads overlap
   // its end; delta after.
+  // The rows are loaded and stored as last uses (copy_cols_last_use): the gather read them a kernel earlier, in
+  // token order as this kernel takes them, and more of them than the L2 holds wait there for later warps.
   // The warp's items are its groups' batches of S segments a lane (a row of D columns is ceil(D / kBatch) of them),
   // in order: the next item's batch (the row's next one, or the next group's first) is loaded before this one's is
   // written, so that a batch is always in flight, whether a row takes one batch or several.
@@ -250,7 +252,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   Group cur = owned.gr;
   int64_t b = 0;  // the item's first column, past d0 (the same for the whole warp)
   Cols<VEC, T> x[S];
-  if (any) load_batch(row_of(cur), d0, D, x);
+  if (any) load_batch<true>(row_of(cur), d0, D, x);
   chain_start();
   stage_token(D, vecs, staged, pre);
   if (!any) return;
@@ -260,7 +262,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     const Group next = row_done ? owned.gr : cur;
     const int64_t next_b = row_done ? 0 : b + kBatch;
     Cols<VEC, T> y[S];
-    if (more) load_batch(row_of(next), d0 + next_b, D, y);
+    if (more) load_batch<true>(row_of(next), d0 + next_b, D, y);
     write_batch<kCoded, VEC>(dm, p1, io, bank, delta, pre[0], cur, d0 + b, x);
     if (row_done) after_write<kCoded, VEC>(dm, io, bank, cur, last);
     if (!more) break;

@@ -3,8 +3,9 @@
 // started once and walk its blocks in turn), std::barrier for __syncthreads / __syncwarp and the warp collectives.
 // 1-3D grids and blocks (threads numbered x fastest, warps of 32 consecutive threads), dynamic shared memory (one
 // buffer of exactly the launch's size, refilled with a byte pattern before every block: 0xff, a float NaN, so that
-// a read of a cell no thread of the block wrote shows), vector types, __ldg, __stwb and __stcs, bfloat16 (round to
-// nearest even, 16 bits; the float8 conversion in shim/cuda_fp8.h) and the few runtime calls the launchers make.
+// a read of a cell no thread of the block wrote shows), vector types, __ldg, __ldcs, __stwb and __stcs, bfloat16
+// (round to nearest even, 16 bits; the float8 conversion in shim/cuda_fp8.h) and the few runtime calls the launchers
+// make.
 // Only what the kernels' logic needs: nothing about speed.
 #pragma once
 #include <algorithm>
@@ -99,6 +100,7 @@ inline int4 make_int4(int x, int y, int z, int w) { return int4{x, y, z, w}; }
 template <typename T> inline T __ldg(const T* p) { return *p; }
 template <typename T> inline void __stwb(T* p, T v) { *p = v; }
 template <typename T> inline void __stcs(T* p, T v) { *p = v; }
+template <typename T> inline T __ldcs(const T* p) { return *p; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 // Separately rounded float operations (the host compiles in ISO C++ mode: no contraction into fused multiply-adds).
 inline float __fadd_rn(float a, float b) { return a + b; }
