@@ -358,23 +358,19 @@ if has rowbw; then
   grep -E "^copy|^\| (read|write|rmw)" "$OUT/row_bandwidth.txt" | sort -t'|' -k8 -n -r | head -12 | tee -a "$OUT/summary.txt"
 fi
 pack
-if has carveout; then
-  # What the boundaries between a row kernel and a staged kernel cost under each shared-memory carveout
-  # preference (benchmarks/carveout.cu).
-  nvcc -O3 -std=c++17 -arch=sm_90 -I"$REPO" "$REPO/benchmarks/carveout.cu" -o /tmp/carveout > "$OUT/carveout.txt" 2>&1 \
-    && timeout 100 /tmp/carveout >> "$OUT/carveout.txt" 2>&1
-  summary "carveout rc=$?"
-  grep -E "^\| (default|max|split)" "$OUT/carveout.txt" | tee -a "$OUT/summary.txt"
-fi
+# A standalone CUDA probe, benchmarks/NAME.cu: built for sm_90, run under a time limit, its table rows that match
+# PATTERN into the summary.
+cuda_probe() {  # NAME, limit in s, PATTERN
+  nvcc -O3 -std=c++17 -arch=sm_90 -I"$REPO" "$REPO/benchmarks/$1.cu" -o "/tmp/$1" > "$OUT/$1.txt" 2>&1 \
+    && timeout "$2" "/tmp/$1" >> "$OUT/$1.txt" 2>&1
+  summary "$1 rc=$?"
+  grep -E "$3" "$OUT/$1.txt" | tee -a "$OUT/summary.txt"
+}
+# What the boundaries between a row kernel and a staged kernel cost under each shared-memory carveout preference.
+has carveout && cuda_probe carveout 100 "^\| (default|max|split)"
 pack
-if has last_use; then
-  # Whether the write kernel keeps more of the gathered rows in the L2 with last-use loads and stores
-  # (benchmarks/last_use.cu).
-  nvcc -O3 -std=c++17 -arch=sm_90 -I"$REPO" "$REPO/benchmarks/last_use.cu" -o /tmp/last_use > "$OUT/last_use.txt" 2>&1 \
-    && timeout 100 /tmp/last_use >> "$OUT/last_use.txt" 2>&1
-  summary "last_use rc=$?"
-  grep -E "^\| (plain|loads|both)" "$OUT/last_use.txt" | tee -a "$OUT/summary.txt"
-fi
+# Whether the write kernel keeps more of the gathered rows in the L2 with last-use loads and stores.
+has last_use && cuda_probe last_use 100 "^\| (plain|loads|both)"
 pack
 if has memory; then
   # XLA's buffer assignment for the no-grad forward and the one-jit forward + backward at each anchor shape.
