@@ -202,7 +202,8 @@ __device__ __forceinline__ void write_batch(const StepDims& dm, const StepPhase1
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] = __fmaf_rn(w0, dl[i], cpe * x[k][i]);
     group_add<VEC>(p1.w_order + u * C * W, gr.lo + 1, gr.hi, w, delta + d, W, D, acc);
-    store_cols<VEC, T, true>(row + d, acc);  // streamed: see load_batch<true> in fwd_write_kernel
+    // Streamed (see load_batch<true> in fwd_write_kernel), except where the coded snapshot reads the row back.
+    store_cols<VEC, T, !kCoded>(row + d, acc);
     if (snap) snapshot_store_cols<VEC>(snap + d, acc);  // the written row, the same roundings
   }
 }
