@@ -4,8 +4,7 @@
 // lanes' rows and then the write lanes' rows (blocks (stream, token, side), the side last, as fwd_gather_kernel's
 // grid); the write kernel then takes the written rows again in token order, one warp a row, reading each, adding a
 // token's delta row (float32, a small buffer the L2 should keep) and storing it. A side's rows are more than the L2
-// holds (64 MiB at the paper's shape), so in token order the write starts with the rows the L2 dropped first, and
-// with plain loads each miss pushes out a row it has yet to read.
+// holds (64 MiB at the paper's shape), so in token order the write starts with the rows the L2 dropped first.
 //
 // For each mode of the write kernel (`plain`; `loads`: last-use loads; `both`: last-use loads and stores) it times
 // the gather and the write of successive chunks (fresh random rows each chunk) and prints each kernel's time. On the

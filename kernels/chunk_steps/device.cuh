@@ -93,10 +93,10 @@ __device__ __forceinline__ void copy_cols(const T* src, T* dst) {
   }
 }
 
-// copy_cols from global memory with loads the L2 evicts first (ld.global.cs), for rows a kernel reads for the last
-// time in its chunk while rows that the kernel before it gathered wait in the L2 for this kernel's later warps (the
-// forward write and Phase A read again, in token order, more of the gathered rows than the L2 holds): its misses
-// then replace one another rather than those rows.
+// copy_cols from global memory with loads the L2 evicts first (ld.global.cs), for a row a kernel reads and stores
+// for the last time in its chunk (the forward write, Phase A), its stores streamed too (store_cols' kStreaming):
+// the kernel's finished rows then leave the L2 first, and the rows the kernel before it gathered, which this
+// kernel's later warps read again, stay (benchmarks/last_use.cu measures the pattern).
 template <int VEC, typename T>
 __device__ __forceinline__ void copy_cols_last_use(const T* src, T* dst) {
   if constexpr (VEC * sizeof(T) % 16 == 0) {
