@@ -23,15 +23,12 @@
 #include <random>
 #include <vector>
 
-#include "kernels/chunk_steps/launch.cuh"
-
-#include "cuda_check.h"
+#include "chunk_probe.cuh"
 
 namespace {
 
 constexpr int kD = 2048;            // bfloat16 columns a row (4 KB), the paper shape's
 constexpr int kK = 262144;          // rows of the bank (1 GiB): a launch's rows miss the L2
-constexpr int kStagedThreads = 512;  // 16 warps, as the apply-inverse kernels
 
 // One warp a row: each lane reads its 16-byte segments and the warp writes the row's sum (so no load is dropped).
 __global__ void __launch_bounds__(256) row_kernel(const uint4* __restrict__ bank, const int32_t* __restrict__ rows,
@@ -45,52 +42,9 @@ __global__ void __launch_bounds__(256) row_kernel(const uint4* __restrict__ bank
   for (int i = 0; i < kD / 8 / 32; ++i) v[i] = row[lane + 32 * i];
   float s = 0.f;
 #pragma unroll
-  for (int i = 0; i < kD / 8 / 32; ++i) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[i]);
-    for (int j = 0; j < 4; ++j) s += __low2float(h[j]) + __high2float(h[j]);
-  }
+  for (int i = 0; i < kD / 8 / 32; ++i) s += probe::sum8(v[i]);
   for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
   if (lane == 0) out[warp] = s;
-}
-
-// One block an SM: stage `floats` floats from global into shared memory, then each thread sums a strided share.
-__global__ void __launch_bounds__(kStagedThreads) staged_kernel(const float4* __restrict__ src, int floats,
-                                                                float* __restrict__ out) {
-  extern __shared__ float4 smem[];
-  sdm::chain_start();
-  const float4* s = src + static_cast<int64_t>(blockIdx.x) * (floats / 4);
-  for (int i = threadIdx.x; i < floats / 4; i += blockDim.x) smem[i] = s[i];
-  __syncthreads();
-  float acc = 0.f;
-  for (int i = threadIdx.x; i < floats / 4; i += blockDim.x) {
-    const float4 q = smem[(i * 7) % (floats / 4)];
-    acc += q.x + q.y + q.z + q.w;
-  }
-  out[blockIdx.x * blockDim.x + threadIdx.x] = acc;
-}
-
-// Median over 5 runs of the time of `launches` calls of `body(i)`, in us a call.
-template <typename Body>
-float time_us(cudaStream_t stream, int launches, Body body) {
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  int call = 0;
-  for (int i = 0; i < 5; ++i) body(call++);
-  std::vector<float> runs;
-  for (int r = 0; r < 5; ++r) {
-    CHECK(cudaEventRecord(a, stream));
-    for (int i = 0; i < launches; ++i) body(call++);
-    CHECK(cudaEventRecord(b, stream));
-    CHECK(cudaEventSynchronize(b));
-    float ms = 0.f;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
-    runs.push_back(ms * 1000.f / launches);
-  }
-  std::sort(runs.begin(), runs.end());
-  CHECK(cudaEventDestroy(a));
-  CHECK(cudaEventDestroy(b));
-  return runs[2];
 }
 
 }  // namespace
@@ -121,8 +75,9 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&src, sizeof(float) * static_cast<size_t>(floats) * sms));
   CHECK(cudaMemset(src, 0, sizeof(float) * static_cast<size_t>(floats) * sms));
   CHECK(cudaMalloc(&out_rows, sizeof(float) * rows));
-  CHECK(cudaMalloc(&out_staged, sizeof(float) * kStagedThreads * sms));
-  CHECK(cudaFuncSetAttribute(staged_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  CHECK(cudaMalloc(&out_staged, sizeof(float) * probe::kStagedThreads * sms));
+  CHECK(cudaFuncSetAttribute(probe::staged_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(smem)));
   cudaStream_t stream;
   CHECK(cudaStreamCreate(&stream));
 
@@ -134,7 +89,7 @@ int main(int argc, char** argv) {
                                                rows, out_rows)));
   };
   auto staged_launch = [&](int) {
-    CHECK(static_cast<cudaError_t>(sdm::launch(true, staged_kernel, sms, kStagedThreads, smem, stream,
+    CHECK(static_cast<cudaError_t>(sdm::launch(true, probe::staged_kernel, sms, probe::kStagedThreads, smem, stream,
                                                reinterpret_cast<const float4*>(src), floats, out_staged)));
   };
   struct Mode {
@@ -149,10 +104,10 @@ int main(int argc, char** argv) {
   for (const Mode& m : modes) {
     // Each mode sets both attributes: cudaSharedmemCarveoutDefault gives the choice back to the driver.
     CHECK(cudaFuncSetAttribute(row_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, m.rows_pref));
-    CHECK(cudaFuncSetAttribute(staged_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, m.staged_pref));
-    const float t_rows = time_us(stream, 50, rows_launch);
-    const float t_staged = time_us(stream, 50, staged_launch);
-    const float t_pair = time_us(stream, 50, [&](int call) {
+    CHECK(cudaFuncSetAttribute(probe::staged_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, m.staged_pref));
+    const float t_rows = probe::time_us(stream, 50, rows_launch);
+    const float t_staged = probe::time_us(stream, 50, staged_launch);
+    const float t_pair = probe::time_us(stream, 50, [&](int call) {
       rows_launch(call);
       staged_launch(call);
     });

@@ -24,130 +24,13 @@
 #include <random>
 #include <vector>
 
-#include "cuda_check.h"
+#include "chunk_probe.cuh"
 
-namespace {
-
-constexpr int kWarps = 8;  // a block's warps, in both kernels
-
-struct Shape {
-  int P, C, D, K, W;
-  __host__ __device__ int row_vecs() const { return D / 8; }  // 16-byte segments a bfloat16 row
-};
-
-__device__ __forceinline__ float sum8(uint4 v) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-  float s = 0.f;
-  for (int j = 0; j < 4; ++j) s += __low2float(h[j]) + __high2float(h[j]);
-  return s;
-}
-
-// Blocks (stream, token, side): side 0 reads the token's read rows, side 1 its write rows, W rows each; each warp
-// reads its share of the rows (all segments of a row loaded before the first is used) and stores its lanes' sums.
-__global__ void __launch_bounds__(kWarps * 32) gather_kernel(Shape sh, const uint4* __restrict__ bank,
-                                                             const int32_t* __restrict__ read_rows,
-                                                             const int32_t* __restrict__ write_rows,
-                                                             float* __restrict__ out) {
-  const int s = blockIdx.x, t = blockIdx.y, side = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int32_t* ids = (side ? write_rows : read_rows) + (static_cast<int64_t>(s) * sh.C + t) * sh.W;
-  const uint4* S = bank + static_cast<int64_t>(s) * sh.K * sh.row_vecs();
-  float acc = 0.f;
-  for (int j = warp; j < sh.W; j += kWarps) {
-    const uint4* row = S + static_cast<int64_t>(ids[j]) * sh.row_vecs();
-    uint4 v[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k)
-      if (lane + 32 * k < sh.row_vecs()) v[k] = row[lane + 32 * k];
-#pragma unroll
-    for (int k = 0; k < 8; ++k)
-      if (lane + 32 * k < sh.row_vecs()) acc += sum8(v[k]);
-  }
-  out[((static_cast<int64_t>(blockIdx.z) * gridDim.y + t) * gridDim.x + s) * blockDim.x + threadIdx.x] = acc;
-}
-
-// Blocks (stream, token): each warp takes its share of the token's W write rows, in order, and writes row +
-// delta[t] back (rounded to bfloat16). kLastLoads / kLastStores: the row's loads / stores as last uses.
-template <bool kLastLoads, bool kLastStores>
-__global__ void __launch_bounds__(kWarps * 32) write_kernel(Shape sh, uint4* __restrict__ bank,
-                                                            const int32_t* __restrict__ write_rows,
-                                                            const float* __restrict__ delta) {
-  const int s = blockIdx.x, t = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int32_t* ids = write_rows + (static_cast<int64_t>(s) * sh.C + t) * sh.W;
-  uint4* S = bank + static_cast<int64_t>(s) * sh.K * sh.row_vecs();
-  const float* dl = delta + (static_cast<int64_t>(s) * sh.C + t) * sh.D;
-  for (int j = warp; j < sh.W; j += kWarps) {
-    uint4* row = S + static_cast<int64_t>(ids[j]) * sh.row_vecs();
-    uint4 v[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k)
-      if (lane + 32 * k < sh.row_vecs()) v[k] = kLastLoads ? __ldcs(row + lane + 32 * k) : row[lane + 32 * k];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const int seg = lane + 32 * k;
-      if (seg >= sh.row_vecs()) break;
-      __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v[k]);
-      for (int j2 = 0; j2 < 4; ++j2) {
-        const float2 d = *reinterpret_cast<const float2*>(dl + seg * 8 + 2 * j2);
-        h[j2] = __floats2bfloat162_rn(__low2float(h[j2]) + d.x, __high2float(h[j2]) + d.y);
-      }
-      if (kLastStores) __stcs(row + seg, v[k]);
-      else row[seg] = v[k];
-    }
-  }
-}
-
-}  // namespace
+using probe::Shape;
 
 int main(int argc, char** argv) {
-  Shape sh{2, 128, 2048, 262144, 64};
-  if (argc > 5) sh = Shape{std::atoi(argv[1]), std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]),
-                           std::atoi(argv[5])};
-  if (sh.D % 8 || sh.row_vecs() > 256) {
-    std::fprintf(stderr, "D must be a multiple of 8 and at most 2048\n");
-    return 2;
-  }
-  cudaDeviceProp prop{};
-  CHECK(cudaGetDeviceProperties(&prop, 0));
-  const int64_t lanes = static_cast<int64_t>(sh.C) * sh.W;  // a side's rows a stream and chunk
-  const int windows = static_cast<int>(sh.K / (2 * lanes));    // chunks before a row comes again
-  std::printf("%s, L2 %d MiB; P %d, C %d, D %d (bfloat16), K %d, W = R = %d: a side's rows %.1f MiB a chunk\n",
-              prop.name, prop.l2CacheSize >> 20, sh.P, sh.C, sh.D, sh.K, sh.W,
-              static_cast<double>(lanes) * sh.P * sh.D * 2 / (1 << 20));
-  if (windows < 2) {
-    std::fprintf(stderr, "K too small for two disjoint sides a chunk\n");
-    return 2;
-  }
-
-  // Per stream every row once, in random order; chunk c reads window 2c (read side) and 2c + 1 (write side), as
-  // [stream, token, lane] tables.
-  std::vector<int32_t> perm(sh.K);
-  std::mt19937 rng(11);
-  std::vector<int32_t> read_ids(static_cast<size_t>(windows) * sh.P * lanes), write_ids(read_ids.size());
-  for (int s = 0; s < sh.P; ++s) {
-    for (int i = 0; i < sh.K; ++i) perm[i] = i;
-    std::shuffle(perm.begin(), perm.end(), rng);
-    for (int c = 0; c < windows; ++c)
-      for (int64_t i = 0; i < lanes; ++i) {
-        read_ids[(static_cast<size_t>(c) * sh.P + s) * lanes + i] = perm[(2 * c) * lanes + i];
-        write_ids[(static_cast<size_t>(c) * sh.P + s) * lanes + i] = perm[(2 * c + 1) * lanes + i];
-      }
-  }
-  uint4* bank;
-  int32_t *d_read, *d_write;
-  float *delta, *out;
-  const size_t bank_bytes = static_cast<size_t>(sh.P) * sh.K * sh.D * 2;
-  CHECK(cudaMalloc(&bank, bank_bytes));
-  CHECK(cudaMemset(bank, 0, bank_bytes));
-  CHECK(cudaMalloc(&d_read, sizeof(int32_t) * read_ids.size()));
-  CHECK(cudaMalloc(&d_write, sizeof(int32_t) * write_ids.size()));
-  CHECK(cudaMemcpy(d_read, read_ids.data(), sizeof(int32_t) * read_ids.size(), cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(d_write, write_ids.data(), sizeof(int32_t) * write_ids.size(), cudaMemcpyHostToDevice));
-  const size_t delta_n = static_cast<size_t>(sh.P) * sh.C * sh.D;
-  std::vector<float> h_delta(delta_n);
-  for (auto& x : h_delta) x = std::uniform_real_distribution<float>(-1.f, 1.f)(rng);
-  CHECK(cudaMalloc(&delta, sizeof(float) * delta_n));
-  CHECK(cudaMemcpy(delta, h_delta.data(), sizeof(float) * delta_n, cudaMemcpyHostToDevice));
-  CHECK(cudaMalloc(&out, sizeof(float) * 2 * sh.P * sh.C * kWarps * 32));
+  const probe::Problem pb = probe::make_problem(argc, argv);
+  const Shape& sh = pb.sh;
   cudaStream_t stream;
   CHECK(cudaStreamCreate(&stream));
   constexpr int kChunks = 32, kWarm = 4, kRuns = 5;
@@ -158,18 +41,19 @@ int main(int argc, char** argv) {
     const char* name;
     void (*write)(Shape, uint4*, const int32_t*, const float*);
   };
-  const Mode modes[] = {{"plain", write_kernel<false, false>},
-                        {"loads", write_kernel<true, false>},
-                        {"both", write_kernel<true, true>}};
+  const Mode modes[] = {{"plain", probe::write_kernel<false, false>},
+                        {"loads", probe::write_kernel<true, false>},
+                        {"both", probe::write_kernel<true, true>}};
   std::printf("| write kernel | gather us | write us | chunk us |\n|---|---:|---:|---:|\n");
   int chunk = 0;
   for (const Mode& m : modes) {
     const auto run_chunk = [&](cudaEvent_t* e) {
-      const int64_t at = static_cast<int64_t>(chunk++ % windows) * sh.P * lanes;
+      const int c = chunk++;
       if (e) CHECK(cudaEventRecord(e[0], stream));
-      gather_kernel<<<dim3(sh.P, sh.C, 2), kWarps * 32, 0, stream>>>(sh, bank, d_read + at, d_write + at, out);
+      probe::gather_kernel<<<dim3(sh.P, sh.C, 2), probe::kRowWarps * 32, 0, stream>>>(sh, pb.bank, pb.read_at(c),
+                                                                                       pb.write_at(c), pb.out);
       if (e) CHECK(cudaEventRecord(e[1], stream));
-      m.write<<<dim3(sh.P, sh.C), kWarps * 32, 0, stream>>>(sh, bank, d_write + at, delta);
+      m.write<<<dim3(sh.P, sh.C), probe::kRowWarps * 32, 0, stream>>>(sh, pb.bank, pb.write_at(c), pb.delta);
       if (e) CHECK(cudaEventRecord(e[2], stream));
     };
     std::vector<float> gathers, writes;

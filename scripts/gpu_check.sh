@@ -2,8 +2,9 @@
 # The GPU machine's one call: build the package, run the GPU tests and the benchmark, logs under $OUT.
 #
 #   bash scripts/gpu_check.sh [stages]     stages: comma list of build,tests,determinism,bench,memory,profile,
-#                                          kernel_detail,timeline,sanitize,rowbw,carveout,last_use,dense_tiles,layer,
-#                                          topk,topk_profile,decode_trace,decode_profile,decode_source,snapshot
+#                                          kernel_detail,timeline,sanitize,rowbw,carveout,last_use,two_chains,
+#                                          dense_tiles,layer,topk,topk_profile,decode_trace,decode_profile,
+#                                          decode_source,snapshot
 #                                          (default: build,tests,determinism,bench)
 #
 # Run it as `SDM_COMMIT=<hash> bash scripts/gpu_check.sh`: the GPU machine's copy of the tree may carry stale git
@@ -371,6 +372,9 @@ has carveout && cuda_probe carveout 100 "^\| (default|max|split)"
 pack
 # Whether the write kernel keeps more of the gathered rows in the L2 with last-use loads and stores.
 has last_use && cuda_probe last_use 100 "^\| (plain|loads|both)"
+pack
+# Whether the chunk loop gains from one CUDA stream a bank stream's chain of kernels.
+has two_chains && cuda_probe two_chains 100 "^\| (chains|one|[0-9])"
 pack
 if has memory; then
   # XLA's buffer assignment for the no-grad forward and the one-jit forward + backward at each anchor shape.
