@@ -14,14 +14,11 @@
 //
 // (default: the paper's shape, P 2, C 128, D 2048 bfloat16 columns, K 262144, W = R = 64). Times: CUDA events around
 // each kernel of 32 chunks after 4 warm-up chunks, the median over 5 such runs of the per-chunk sums.
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <random>
 #include <vector>
 
 #include "chunk_probe.cuh"

@@ -40,11 +40,10 @@ int main(int argc, char** argv) {
   CHECK(cudaFuncSetAttribute(probe::staged_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStagedBytes));
   std::vector<cudaStream_t> streams(sh.P);
   for (auto& s : streams) CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  std::vector<cudaEvent_t> fork(sh.P), join(sh.P);
-  for (int s = 0; s < sh.P; ++s) {
-    CHECK(cudaEventCreateWithFlags(&fork[s], cudaEventDisableTiming));
-    CHECK(cudaEventCreateWithFlags(&join[s], cudaEventDisableTiming));
-  }
+  cudaEvent_t fork;  // streams[0] forks the others, each joins it back with its own event
+  CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  std::vector<cudaEvent_t> join(sh.P);
+  for (auto& e : join) CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   const auto ok = [](int rc) { CHECK(static_cast<cudaError_t>(rc)); };
   const auto write = probe::write_kernel<true, true>;
   const int threads = probe::kRowWarps * 32;
@@ -69,8 +68,8 @@ int main(int argc, char** argv) {
     for (int i = 0; i < kLoop; ++i) chunk(streams[0], next++, 0, sh.P);
   });
   const float several = probe::time_us(streams[0], 1, [&](int) {
-    CHECK(cudaEventRecord(fork[0], streams[0]));
-    for (int s = 1; s < sh.P; ++s) CHECK(cudaStreamWaitEvent(streams[s], fork[0]));
+    CHECK(cudaEventRecord(fork, streams[0]));
+    for (int s = 1; s < sh.P; ++s) CHECK(cudaStreamWaitEvent(streams[s], fork));
     for (int i = 0; i < kLoop; ++i, ++next)
       for (int s = 0; s < sh.P; ++s) chunk(streams[s], next, s, 1);
     for (int s = 1; s < sh.P; ++s) {
@@ -85,7 +84,7 @@ int main(int argc, char** argv) {
   });
   const float staged = probe::time_us(streams[0], 50, [&](int) {
     ok(sdm::launch(true, probe::staged_kernel, sh.P * slices, probe::kStagedThreads, kStagedBytes, streams[0],
-                   static_cast<const float4*>(static_cast<void*>(src)), floats, staged_out));
+                   reinterpret_cast<const float4*>(src), floats, staged_out));
   });
   const float written = probe::time_us(streams[0], 50, [&](int c) {
     ok(sdm::launch(true, write, dim3(sh.P, sh.C), threads, 0, streams[0], sh, pb.bank, pb.write_at(c),

@@ -95,8 +95,9 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
     const int lane = gr.lane;
     const int32_t lo = gr.lo, hi = gr.hi, slot = gr.slot;
     const int32_t* order = p1.w_order + u * C * W;
-    // dS1 is read at dsrc (the input's row until a fresh result's first write), loaded and stored as a last use
-    // (copy_cols_last_use): GWR gathered the rows a kernel earlier, in the token order Phase A takes them.
+    // dS1 is read at dsrc (the input's row until a fresh result's first write) and stored as a last use (copy_cols'
+    // kLastUse; a long group reads the row several times, plainly): GWR gathered the rows a kernel earlier, in the
+    // token order Phase A takes them.
     GT* drow = dbank + (s * K + slot) * D;
     const GT* dsrc = fresh_source(gr, dbank_in, dbank, zero_row, (s * K + slot) * D);
     const int64_t e0 = u * C * W + gr.first;

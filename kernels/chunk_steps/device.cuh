@@ -81,31 +81,21 @@ __device__ __forceinline__ void store_cols(T* p, const float* x) {
   }
 }
 
-template <int VEC, typename T>
+// kLastUse: `src` is a row in global memory that a kernel reads and stores for the last time in its chunk (the
+// forward write, Phase A), loaded as lines the L2 evicts first (ld.global.cs), its stores streamed too (store_cols'
+// kStreaming): the kernel's finished rows then leave the L2 first, and the rows the kernel before it gathered, which
+// this kernel's later warps read again, stay (benchmarks/last_use.cu measures the pattern).
+template <int VEC, typename T, bool kLastUse = false>
 __device__ __forceinline__ void copy_cols(const T* src, T* dst) {
   if constexpr (VEC * sizeof(T) % 16 == 0) {
 #pragma unroll
-    for (int k = 0; k < static_cast<int>(VEC * sizeof(T) / 16); ++k)
-      reinterpret_cast<uint4*>(dst)[k] = reinterpret_cast<const uint4*>(src)[k];
+    for (int k = 0; k < static_cast<int>(VEC * sizeof(T) / 16); ++k) {
+      const uint4* at = reinterpret_cast<const uint4*>(src) + k;
+      reinterpret_cast<uint4*>(dst)[k] = kLastUse ? __ldcs(at) : *at;
+    }
   } else {
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) dst[i] = src[i];
-  }
-}
-
-// copy_cols from global memory with loads the L2 evicts first (ld.global.cs), for a row a kernel reads and stores
-// for the last time in its chunk (the forward write, Phase A), its stores streamed too (store_cols' kStreaming):
-// the kernel's finished rows then leave the L2 first, and the rows the kernel before it gathered, which this
-// kernel's later warps read again, stay (benchmarks/last_use.cu measures the pattern).
-template <int VEC, typename T>
-__device__ __forceinline__ void copy_cols_last_use(const T* src, T* dst) {
-  if constexpr (VEC * sizeof(T) % 16 == 0) {
-#pragma unroll
-    for (int k = 0; k < static_cast<int>(VEC * sizeof(T) / 16); ++k)
-      reinterpret_cast<uint4*>(dst)[k] = __ldcs(reinterpret_cast<const uint4*>(src) + k);
-  } else {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) dst[i] = __ldcs(src + i);
+    for (int i = 0; i < VEC; ++i) dst[i] = kLastUse ? __ldcs(src + i) : src[i];
   }
 }
 
@@ -118,10 +108,7 @@ struct Cols {
   static constexpr bool kWide = kBytes % 16 == 0;
   alignas(kWide ? 16 : alignof(T)) T v[VEC];
   template <bool kLastUse = false>
-  __device__ __forceinline__ void load(const T* p) {
-    if constexpr (kLastUse) copy_cols_last_use<VEC>(p, v);
-    else copy_cols<VEC>(p, v);
-  }
+  __device__ __forceinline__ void load(const T* p) { copy_cols<VEC, T, kLastUse>(p, v); }
   __device__ __forceinline__ void store(T* p) const { copy_cols<VEC>(v, p); }
   __device__ __forceinline__ float operator[](int i) const { return to_f(v[i]); }
 };
@@ -147,7 +134,7 @@ __device__ __forceinline__ void load_batch(const T* row, int64_t d0, int64_t D, 
 
 // A row in memory as walk_two_sources reads it: VEC columns at a time, as Cols of the row's dtype. (Another source,
 // snapshot.cuh's CodedRowSource, reads a coded snapshot row and decodes its columns where they are used.)
-// kLastUse: loaded as copy_cols_last_use does.
+// kLastUse: loaded as copy_cols<..., kLastUse> does.
 template <int VEC, typename T, bool kLastUse = false>
 struct RowSource {
   using ColsT = Cols<VEC, T>;

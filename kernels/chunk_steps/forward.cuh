@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(kOwnerWarps * 32, kOwnerBlocksPerSM)
   // inverse) started, which waited for the gather, which waited for the previous chunk's write: the table rows and
   // the first group's first batch are loaded before chain_start waits for its predecessor, so those loads overlap
   // its end; delta after.
-  // The rows are loaded and stored as last uses (copy_cols_last_use; the stores plainly where the coded snapshot
+  // The rows are loaded and stored as last uses (copy_cols' kLastUse; the stores plainly where the coded snapshot
   // reads the row back): the gather read them a kernel earlier, in the token order this kernel takes them.
   // The warp's items are its groups' batches of S segments a lane (a row of D columns is ceil(D / kBatch) of them),
   // in order: the next item's batch (the row's next one, or the next group's first) is loaded before this one's is
